@@ -1,0 +1,46 @@
+"""fastllm: LLM inference for Python with a Rust core.
+
+Importing this package is cheap and safe everywhere: it imports neither torch
+nor any GPU driver. Every public name is resolved lazily on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY = {
+    "LLM": "fastllm.llm",
+    "SamplingParams": "fastllm.sampling_params",
+    "RequestOutput": "fastllm.outputs",
+    "CompletionOutput": "fastllm.outputs",
+    "probe": "fastllm.platform",
+    "ProbeReport": "fastllm.platform",
+    "DeviceInfo": "fastllm.platform",
+    "device_count": "fastllm.platform",
+    "cuda_available": "fastllm.platform",
+}
+
+__all__ = sorted([*_LAZY, "__version__"])
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fastllm.llm import LLM
+    from fastllm.outputs import CompletionOutput, RequestOutput
+    from fastllm.platform import DeviceInfo, ProbeReport, cuda_available, device_count, probe
+    from fastllm.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fastllm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
