@@ -43,5 +43,7 @@ def set_context(metadata: AttentionMetadata | None) -> None:
 def get_context() -> AttentionMetadata:
     """The metadata of the running step; an error if no step is running."""
     if _CONTEXT is None:
-        raise RuntimeError("no attention metadata set: the model must run inside a model-runner step")
+        raise RuntimeError(
+            "no attention metadata set: the model must run inside a model-runner step"
+        )
     return _CONTEXT

@@ -1,0 +1,202 @@
+"""Model runner: owns the model and its KV caches, turns a scheduled step into
+one packed forward pass, and samples the next tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fastllm import _core
+from fastllm.engine.context import AttentionMetadata, set_context
+from fastllm.engine.scheduler import SchedulerOutput
+from fastllm.engine.sequence import Sequence
+from fastllm.outputs import Logprob
+
+_NO_PENALTY_TOKENS = torch.zeros(0, dtype=torch.int32)
+
+
+class ModelRunner:
+    """Runs the torch model on the packed tokens of a step."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_size: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+        shape = (num_blocks, num_kv_heads, block_size, head_size)
+        layers = model.attention_layers()
+        if len(layers) != num_layers:
+            raise ValueError(f"model has {len(layers)} attention layers, config says {num_layers}")
+        self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
+        for layer, k, v in zip(layers, self.k_caches, self.v_caches):
+            layer.k_cache = k
+            layer.v_cache = v
+
+    @staticmethod
+    def block_bytes(
+        num_layers: int, num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes of K and V one block takes across all layers."""
+        elem = torch.empty(0, dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_size * block_size * elem
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copies KV blocks (src -> dst) in every layer, for copy-on-write."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for k, v in zip(self.k_caches, self.v_caches):
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    @torch.inference_mode()
+    def execute(
+        self, sched: SchedulerOutput, logit_rows: list[int], all_rows_for: list[int]
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Runs the forward pass of one step.
+
+        Returns float32 logits for the packed rows ``logit_rows`` and, for each
+        scheduled index in ``all_rows_for`` (prompt logprobs), the logits of all
+        its rows in this step.
+        """
+        self.copy_blocks(sched.block_copies)
+        n_tokens = sched.num_tokens
+        input_ids = np.empty(n_tokens, dtype=np.int64)
+        positions = np.empty(n_tokens, dtype=np.int64)
+        slots = np.empty(n_tokens, dtype=np.int64)
+        num_seqs = len(sched.scheduled)
+        seq_lens = np.empty(num_seqs, dtype=np.int32)
+        qsl = np.zeros(num_seqs + 1, dtype=np.int32)
+        max_blocks = max(len(s.block_table) for s, _ in sched.scheduled)
+        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        bs = self.block_size
+        off = 0
+        max_q = 0
+        for i, (seq, n) in enumerate(sched.scheduled):
+            start = seq.num_computed_tokens
+            end = start + n
+            input_ids[off : off + n] = seq.token_ids[start:end]
+            pos = np.arange(start, end, dtype=np.int64)
+            positions[off : off + n] = pos
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            slots[off : off + n] = table[pos // bs] * bs + pos % bs
+            block_tables[i, : len(table)] = table
+            seq_lens[i] = end
+            off += n
+            qsl[i + 1] = off
+            max_q = max(max_q, n)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            block_tables=torch.from_numpy(block_tables).to(dev),
+            seq_lens=torch.from_numpy(seq_lens).to(dev),
+            query_start_loc=torch.from_numpy(qsl).to(dev),
+            max_query_len=max_q,
+            max_seq_len=int(seq_lens.max()),
+        )
+        set_context(meta)
+        try:
+            hidden = self.model(
+                torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev)
+            )
+        finally:
+            set_context(None)
+        logits = self.model.compute_logits(hidden[torch.as_tensor(logit_rows, device=dev)])
+        extra: dict[int, torch.Tensor] = {}
+        for idx in all_rows_for:
+            lo, hi = int(qsl[idx]), int(qsl[idx + 1])
+            extra[idx] = self.model.compute_logits(hidden[lo:hi]).float().cpu()
+        return logits.float().cpu(), extra
+
+    def sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], suppress: list[list[int]]
+    ) -> tuple[list[int], list[float], list[int], list[list[tuple[int, float]]]]:
+        """Samples one token per row of ``logits`` for ``seqs`` (CPU Rust sampler).
+
+        ``suppress[i]`` lists tokens row i may not produce (EOS and stop tokens
+        before ``min_tokens``).
+        """
+        for i, toks in enumerate(suppress):
+            if toks:
+                logits[i, toks] = float("-inf")
+        logits = logits.contiguous()
+        params = [s.request.params for s in seqs]
+        penalised = [
+            p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+            for p in params
+        ]
+        prompt_off = [0]
+        output_off = [0]
+        prompt_chunks: list[list[int]] = []
+        output_chunks: list[list[int]] = []
+        for s, pen in zip(seqs, penalised):
+            if pen:
+                prompt_chunks.append(s.token_ids[: s.num_prompt_tokens])
+                output_chunks.append(s.output_token_ids)
+            else:
+                prompt_chunks.append([])
+                output_chunks.append([])
+            prompt_off.append(prompt_off[-1] + len(prompt_chunks[-1]))
+            output_off.append(output_off[-1] + len(output_chunks[-1]))
+        prompt_tokens = _flat_int32(prompt_chunks, prompt_off[-1])
+        output_tokens = _flat_int32(output_chunks, output_off[-1])
+        return _core.sample(
+            logits,
+            [p.temperature for p in params],
+            [p.top_k for p in params],
+            [p.top_p for p in params],
+            [p.min_p for p in params],
+            [p.repetition_penalty for p in params],
+            [p.frequency_penalty for p in params],
+            [p.presence_penalty for p in params],
+            [s.seed for s in seqs],
+            [s.num_tokens for s in seqs],
+            prompt_tokens,
+            prompt_off,
+            output_tokens,
+            output_off,
+            [p.logprobs or 0 for p in params],
+        )
+
+
+def _flat_int32(chunks: list[list[int]], total: int) -> torch.Tensor:
+    if total == 0:
+        return _NO_PENALTY_TOKENS
+    flat = np.fromiter((t for c in chunks for t in c), dtype=np.int32, count=total)
+    return torch.from_numpy(flat)
+
+
+def prompt_logprobs_of(
+    logits: torch.Tensor, next_tokens: list[int], top_n: int
+) -> list[dict[int, Logprob]]:
+    """Logprob, rank and top-N of each next prompt token from its preceding row's logits."""
+    lp = torch.log_softmax(logits[: len(next_tokens)].float(), dim=-1)
+    out: list[dict[int, Logprob]] = []
+    if not next_tokens:
+        return out
+    ids = torch.tensor(next_tokens)
+    chosen = lp.gather(1, ids[:, None])[:, 0]
+    ranks = (lp > chosen[:, None]).sum(dim=1) + 1
+    top_v, top_i = lp.topk(top_n, dim=-1) if top_n > 0 else (None, None)
+    for r, tok in enumerate(next_tokens):
+        d = {tok: Logprob(float(chosen[r]), int(ranks[r]))}
+        if top_v is not None:
+            for k in range(top_n):
+                t = int(top_i[r, k])
+                if t not in d:
+                    d[t] = Logprob(float(top_v[r, k]), k + 1)
+        out.append(d)
+    return out

@@ -1,0 +1,237 @@
+"""LLM: offline generation with vLLM's API (generate, chat, stream)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from fastllm.config import EngineConfig
+from fastllm.engine.llm_engine import LLMEngine
+from fastllm.outputs import CompletionOutput, RequestOutput
+from fastllm.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+class LLM:
+    """A model loaded from a local Hugging Face folder, ready to generate.
+
+    Example::
+
+        llm = LLM("path/to/model")
+        outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+    """
+
+    def __init__(
+        self,
+        model: str,
+        tokenizer: str | None = None,
+        dtype: Any = "auto",
+        device: str = "auto",
+        tensor_parallel_size: int = 1,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        load_format: str = "auto",
+    ) -> None:
+        self.config = EngineConfig(
+            model=model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            device=device,
+            tensor_parallel_size=tensor_parallel_size,
+            max_model_len=max_model_len,
+            seed=seed,
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            load_format=load_format,
+        )
+        self.llm_engine = LLMEngine(self.config)
+
+    def get_tokenizer(self):
+        """The model's tokenizer."""
+        return self.llm_engine.tokenizer
+
+    # ---- generate -------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates completions for every prompt; outputs come back in input order."""
+        items = self._normalize_prompts(prompts)
+        params = self._normalize_params(sampling_params, len(items))
+        return self._run(items, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates the assistant's reply to one conversation or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.llm_engine.tokenizer
+        items = []
+        for i, conv in enumerate(convs):
+            if not isinstance(conv, list):
+                raise ValueError(f"messages[{i}] must be a list of message dicts")
+            text = tok.apply_chat_template(
+                conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt
+            )
+            items.append((text, tok.encode(text, add_special_tokens=False)))
+        params = self._normalize_params(sampling_params, len(items))
+        return self._run(items, params, use_tqdm)
+
+    def stream(
+        self, prompt: PromptType, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yields incremental outputs (new text and tokens since the last one) of one prompt."""
+        (item,) = self._normalize_prompts([prompt])
+        (params,) = self._normalize_params(sampling_params, 1)
+        engine = self.llm_engine
+        self._check_idle()
+        engine.validate_prompt(item[1], "prompt 0")
+        req = engine.add_request(item[0], item[1], params)
+        sent_text = [0] * params.n
+        sent_toks = [0] * params.n
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.request_id != req.request_id:
+                        continue
+                    deltas = []
+                    for c in out.outputs:
+                        i = c.index
+                        if i >= len(sent_text):
+                            continue
+                        delta = CompletionOutput(
+                            index=i,
+                            text=c.text[sent_text[i] :],
+                            token_ids=c.token_ids[sent_toks[i] :],
+                            cumulative_logprob=c.cumulative_logprob,
+                            logprobs=c.logprobs[sent_toks[i] :] if c.logprobs is not None else None,
+                            finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                        )
+                        sent_text[i] = len(c.text)
+                        sent_toks[i] = len(c.token_ids)
+                        if delta.token_ids or delta.text or delta.finish_reason:
+                            deltas.append(delta)
+                    if deltas or out.finished:
+                        yield RequestOutput(
+                            request_id=out.request_id,
+                            prompt=out.prompt,
+                            prompt_token_ids=out.prompt_token_ids,
+                            prompt_logprobs=out.prompt_logprobs,
+                            outputs=deltas,
+                            finished=out.finished,
+                            num_cached_tokens=out.num_cached_tokens,
+                            metrics=out.metrics,
+                        )
+        finally:
+            if req.request_id in engine.requests:
+                engine.abort_request(req.request_id)
+
+    # ---- helpers --------------------------------------------------------
+
+    def _check_idle(self) -> None:
+        if self.llm_engine.has_unfinished_requests():
+            raise RuntimeError("another generation is still running on this LLM")
+
+    def _normalize_prompts(self, prompts: Any) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        elif isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+            prompts = [prompts]
+        tok = self.llm_engine.tokenizer
+        items: list[tuple[str | None, list[int]]] = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                items.append((p, tok.encode(p)))
+            elif isinstance(p, dict) and "prompt_token_ids" in p:
+                ids = p["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids
+                ):
+                    raise ValueError(f"prompts[{i}].prompt_token_ids must be a list of ints")
+                items.append((p.get("prompt"), list(ids)))
+            elif isinstance(p, dict) and isinstance(p.get("prompt"), str):
+                items.append((p["prompt"], tok.encode(p["prompt"])))
+            elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
+                items.append((None, list(p)))
+            else:
+                raise ValueError(
+                    f"prompts[{i}] must be a str, a list of token ids, or a dict with "
+                    f"'prompt' or 'prompt_token_ids', got {type(p).__name__}"
+                )
+        return items
+
+    @staticmethod
+    def _normalize_params(sp: Any, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        sp = list(sp)
+        if len(sp) != n:
+            raise ValueError(
+                f"sampling_params has {len(sp)} entries for {n} prompts; pass one or one per prompt"
+            )
+        for i, p in enumerate(sp):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params[{i}] must be a SamplingParams")
+        return sp
+
+    def _run(
+        self,
+        items: list[tuple[str | None, list[int]]],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        engine = self.llm_engine
+        self._check_idle()
+        for i, (_, ids) in enumerate(items):
+            engine.validate_prompt(ids, f"prompt {i}")
+        order: dict[str, int] = {}
+        for i, ((text, ids), p) in enumerate(zip(items, params)):
+            req = engine.add_request(text, ids, p)
+            order[req.request_id] = i
+        results: list[RequestOutput | None] = [None] * len(items)
+        bar = None
+        if use_tqdm and items:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(items), desc="Processed prompts", unit="req", dynamic_ncols=True)
+        start = time.perf_counter()
+        out_tokens = 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[order[out.request_id]] = out
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        if bar is not None:
+                            bar.update(1)
+                            rate = out_tokens / max(time.perf_counter() - start, 1e-9)
+                            bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
+        except BaseException:
+            for rid in list(order):
+                engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [r for r in results if r is not None]

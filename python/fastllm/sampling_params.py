@@ -1,0 +1,116 @@
+"""SamplingParams: how to pick each next token and when to stop (vLLM's names and semantics)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping parameters of one request, validated on creation.
+
+    Names, defaults and meanings follow vLLM: ``temperature`` below 1e-5 means
+    greedy; ``top_k`` 0 or -1, ``top_p`` 1 and ``min_p`` 0 disable those
+    filters; penalties at their neutral values (1, 0, 0) do nothing.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # Filled in by the engine: the stop strings as a list, for quick checks.
+    _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self._stop_list = [self.stop]
+        elif self.stop is None:
+            self._stop_list = []
+        else:
+            self._stop_list = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        else:
+            self.stop_token_ids = list(self.stop_token_ids)
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, allowed: str, value: object) -> ValueError:
+            return ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
+
+        def number(name: str) -> float:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise bad(name, "a number", value)
+            if value != value:  # NaN
+                raise bad(name, "a number, not NaN", value)
+            return float(value)
+
+        def integer(name: str) -> int:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise bad(name, "an integer", value)
+            return value
+
+        if integer("n") < 1:
+            raise bad("n", "at least 1", self.n)
+        if not -2.0 <= number("presence_penalty") <= 2.0:
+            raise bad("presence_penalty", "in [-2, 2]", self.presence_penalty)
+        if not -2.0 <= number("frequency_penalty") <= 2.0:
+            raise bad("frequency_penalty", "in [-2, 2]", self.frequency_penalty)
+        if not 0.0 < number("repetition_penalty") <= 1e4:
+            raise bad("repetition_penalty", "in (0, 10000]", self.repetition_penalty)
+        if not 0.0 <= number("temperature") <= 1e4:
+            raise bad("temperature", "in [0, 10000]", self.temperature)
+        if not 0.0 < number("top_p") <= 1.0:
+            raise bad("top_p", "in (0, 1]", self.top_p)
+        if integer("top_k") < -1:
+            raise bad("top_k", "-1, 0 (disabled) or a positive integer", self.top_k)
+        if not 0.0 <= number("min_p") <= 1.0:
+            raise bad("min_p", "in [0, 1]", self.min_p)
+        if self.seed is not None and (integer("seed") < 0 or self.seed >= 2**64):
+            raise bad("seed", "None or an integer in [0, 2**64)", self.seed)
+        if self.max_tokens is not None and integer("max_tokens") < 1:
+            raise bad("max_tokens", "None or at least 1", self.max_tokens)
+        if integer("min_tokens") < 0:
+            raise bad("min_tokens", "at least 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"at most max_tokens={self.max_tokens}", self.min_tokens)
+        if self.logprobs is not None and integer("logprobs") < 0:
+            raise bad("logprobs", "None or at least 0", self.logprobs)
+        if self.prompt_logprobs is not None and integer("prompt_logprobs") < 0:
+            raise bad("prompt_logprobs", "None or at least 0", self.prompt_logprobs)
+        for s in self._stop_list:
+            if not isinstance(s, str) or not s:
+                raise bad("stop", "a non-empty string or a list of non-empty strings", self.stop)
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise bad("stop_token_ids", "a list of non-negative integers", self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        """Whether this request samples greedily (temperature below 1e-5)."""
+        return self.temperature < _GREEDY_EPS
+
+    def clone(self) -> SamplingParams:
+        """A copy (requests never share a mutable SamplingParams)."""
+        return SamplingParams(
+            **{k: getattr(self, k) for k in self.__dataclass_fields__ if not k.startswith("_")}
+        )

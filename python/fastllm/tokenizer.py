@@ -1,0 +1,174 @@
+"""Tokenizer: the ``tokenizers`` library on ``tokenizer.json``, chat templates
+rendered with a sandboxed jinja2 environment, and incremental detokenization."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from typing import Any
+
+
+class Tokenizer:
+    """A model folder's tokenizer (``tokenizer.json`` + ``tokenizer_config.json``)."""
+
+    def __init__(self, folder: str) -> None:
+        from tokenizers import Tokenizer as _HFTokenizer
+
+        path = os.path.join(folder, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"tokenizer file not found: {path}")
+        try:
+            self._tok = _HFTokenizer.from_file(path)
+        except Exception as e:  # the library raises its own Exception type
+            raise ValueError(f"could not read tokenizer file {path}: {e}") from e
+        self._tok.no_padding()
+        self._tok.no_truncation()
+        self.config: dict[str, Any] = {}
+        cfg_path = os.path.join(folder, "tokenizer_config.json")
+        if os.path.isfile(cfg_path):
+            try:
+                with open(cfg_path, encoding="utf-8") as f:
+                    self.config = json.load(f)
+            except (OSError, json.JSONDecodeError) as e:
+                raise ValueError(f"malformed tokenizer config {cfg_path}: {e}") from e
+        self.chat_template: str | None = self._find_chat_template(folder)
+        self.eos_token = _token_text(self.config.get("eos_token"))
+        self.bos_token = _token_text(self.config.get("bos_token"))
+        self.eos_token_id = self.token_to_id(self.eos_token) if self.eos_token else None
+        self.bos_token_id = self.token_to_id(self.bos_token) if self.bos_token else None
+        self.add_bos_token = bool(self.config.get("add_bos_token", False))
+        self.all_special_ids = {
+            i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
+        }
+
+    def _find_chat_template(self, folder: str) -> str | None:
+        tmpl = self.config.get("chat_template")
+        if isinstance(tmpl, list):  # named templates: prefer "default"
+            named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}
+            tmpl = named.get("default") or next(iter(named.values()), None)
+        if tmpl:
+            return tmpl
+        jinja = os.path.join(folder, "chat_template.jinja")
+        if os.path.isfile(jinja):
+            with open(jinja, encoding="utf-8") as f:
+                return f.read()
+        return None
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of tokens, added tokens included."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a token string, or None."""
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text (with the BOS token when the tokenizer adds one)."""
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if (
+            add_special_tokens
+            and self.add_bos_token
+            and self.bos_token_id is not None
+            and (not ids or ids[0] != self.bos_token_id)
+        ):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of token ids."""
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The token string of an id."""
+        return self._tok.id_to_token(token_id)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
+        """Renders a conversation to a prompt string with the model's chat template."""
+        template = chat_template or self.chat_template
+        if template is None:
+            raise ValueError(
+                "this model's tokenizer_config.json has no chat_template; "
+                "pass chat_template=... to chat()"
+            )
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m:
+                raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
+        return _compile_template(template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # AddedToken serialised as a dict
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+_TEMPLATES: dict[str, Any] = {}
+
+
+def _compile_template(source: str) -> Any:
+    tmpl = _TEMPLATES.get(source)
+    if tmpl is None:
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        def strftime_now(fmt: str) -> str:
+            return datetime.now().strftime(fmt)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(
+            x, ensure_ascii=False, indent=indent
+        )
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = strftime_now
+        tmpl = env.from_string(source)
+        _TEMPLATES[source] = tmpl
+    return tmpl
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decodes a small window of recent tokens and emits only the new text once it
+    no longer ends in an incomplete UTF-8 sequence (shown as U+FFFD), so
+    multi-byte characters split across tokens come out whole.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        # Seed the window with a few prompt tokens so the first output token
+        # decodes with its real leading space / merge context.
+        self.ids: list[int] = list(prompt_ids[-4:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        """Appends one token; returns the text it completes (possibly empty)."""
+        self.ids.append(token_id)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :], self.skip)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            self.text += delta
+            return delta
+        return ""

@@ -1,0 +1,117 @@
+"""Shared fixtures: a tokenizer trained on local text and tiny random models
+built with transformers (a test-only reference)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sysconfig
+
+import pytest
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _corpus():
+    libdir = sysconfig.get_paths()["stdlib"]
+    for path in sorted(glob.glob(os.path.join(libdir, "*.py")))[:60]:
+        with open(path, encoding="utf-8", errors="ignore") as f:
+            yield f.read()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> str:
+    """A folder with tokenizer.json (byte-level BPE, 512 tokens) and tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.save(str(out / "tokenizer.json"))
+    cfg = {
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 2048,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return str(out)
+
+
+def _hf_config(arch: str, vocab: int, eos: int):
+    import transformers as tf
+
+    common = dict(vocab_size=vocab, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    if arch == "llama":
+        return tf.LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            rms_norm_eps=1e-6,
+            initializer_range=0.1,
+            **common,
+        )
+    if arch == "qwen2":
+        return tf.Qwen2Config(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            tie_word_embeddings=True,
+            initializer_range=0.1,
+            **common,
+        )
+    if arch == "gpt2":
+        return tf.GPT2Config(
+            n_embd=64, n_layer=2, n_head=4, n_positions=512, initializer_range=0.1, **common
+        )
+    raise ValueError(arch)
+
+
+@pytest.fixture(scope="session")
+def make_model(tmp_path_factory, tokenizer_dir):
+    """Builds (once per arch) a tiny random float32 transformers model with the test tokenizer."""
+    import shutil
+
+    cache: dict[str, str] = {}
+
+    def build(arch: str = "llama") -> str:
+        if arch in cache:
+            return cache[arch]
+        import torch
+        import transformers as tf
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
+        eos = tok.token_to_id("<|endoftext|>")
+        cfg = _hf_config(arch, tok.get_vocab_size(), eos)
+        torch.manual_seed(0)
+        model = tf.AutoModelForCausalLM.from_config(cfg).to(torch.float32).eval()
+        out = tmp_path_factory.mktemp(f"model-{arch}")
+        model.save_pretrained(out, safe_serialization=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(tokenizer_dir, name), out / name)
+        cache[arch] = str(out)
+        return cache[arch]
+
+    return build
