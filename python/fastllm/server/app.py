@@ -611,7 +611,8 @@ async def _stream_completion(
                     continue
                 text, toks, first = d.take(c, hold)
                 finish = c.finish_reason
-                if not text and not toks and not finish:
+                want_lp = params.logprobs is not None and c.logprobs is not None
+                if not text and not finish and not (toks and want_lp) and d.started:
                     continue
                 prefix = ""
                 if not d.started:
@@ -619,7 +620,7 @@ async def _stream_completion(
                     prefix = echoes[i]
                     offsets[key] = len(prefix)
                 lp = None
-                if params.logprobs is not None and c.logprobs is not None:
+                if want_lp:
                     lp = _completion_logprobs(
                         toks, c.logprobs[first : first + len(toks)], offsets[key]
                     )
@@ -703,10 +704,11 @@ async def _stream_chat(
                     continue
                 text, toks, first = d.take(c, hold)
                 finish = c.finish_reason
-                if not text and not toks and not finish:
+                want_lp = params.logprobs is not None and c.logprobs is not None
+                if not text and not finish and not (toks and want_lp):
                     continue
                 lp = None
-                if params.logprobs is not None and c.logprobs is not None:
+                if want_lp:
                     lp = _chat_logprobs(toks, c.logprobs[first : first + len(toks)], top_k)
                 if finish:
                     d.finished = True

@@ -286,5 +286,3 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
-
-
