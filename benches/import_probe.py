@@ -80,21 +80,30 @@ def main() -> None:
     )
     results["import_torch_ms"] = median_ms("", "import torch", env, args.repeats)
     results["ratio_fastllm_to_torch"] = results["import_fastllm_ms"] / results["import_torch_ms"]
+    results["import_fastllm_platform_ms"] = median_ms(
+        "import fastllm, fastllm._core", "import fastllm.platform", env, args.repeats
+    )
     results["probe_no_driver_ms"] = median_ms(
-        "import fastllm, fastllm._core", "fastllm.probe()", env, args.repeats
+        "import fastllm, fastllm._core, fastllm.platform", "fastllm.probe()", env, args.repeats
     )
     with tempfile.TemporaryDirectory() as tmp:
         lib = build_fake_driver(Path(tmp))
         fake = env_with(FASTLLM_LIBCUDA=str(lib), FAKE_CUDA_DEVICES="2")
         results["probe_isolated_fake_driver_ms"] = median_ms(
-            "import fastllm, fastllm._core", "fastllm.probe()", fake, args.repeats
+            "import fastllm, fastllm._core, fastllm.platform", "fastllm.probe()", fake, args.repeats
         )
         results["probe_cached_call_ms"] = median_ms(
-            "import fastllm, fastllm._core\nfastllm.probe()", "fastllm.probe()", fake, args.repeats
+            "import fastllm, fastllm._core, fastllm.platform\nfastllm.probe()",
+            "fastllm.probe()",
+            fake,
+            args.repeats,
         )
         crash = env_with(FASTLLM_LIBCUDA=str(lib), FAKE_CUDA_MODE="segv")
         results["probe_isolated_crashing_driver_ms"] = median_ms(
-            "import fastllm, fastllm._core", "fastllm.probe()", crash, args.repeats
+            "import fastllm, fastllm._core, fastllm.platform",
+            "fastllm.probe()",
+            crash,
+            args.repeats,
         )
 
     failures = 0
@@ -113,14 +122,15 @@ def main() -> None:
         ("import fastllm", results["import_fastllm_ms"]),
         ("import fastllm, fastllm._core", results["import_fastllm_core_ms"]),
         ("import torch", results["import_torch_ms"]),
+        ("first fastllm.probe() imports fastllm.platform", results["import_fastllm_platform_ms"]),
         ("probe(), no driver present", results["probe_no_driver_ms"]),
         ("probe(), isolated child, fake driver", results["probe_isolated_fake_driver_ms"]),
         ("probe(), isolated child, crashing driver", results["probe_isolated_crashing_driver_ms"]),
         ("probe(), cached second call", results["probe_cached_call_ms"]),
     ]
     for name, ms in rows:
-        print(f"  {name:<42} {ms:10.3f} ms")
-    print(f"  {'import fastllm / import torch':<42} {results['ratio_fastllm_to_torch']:10.4f}")
+        print(f"  {name:<48} {ms:10.3f} ms")
+    print(f"  {'import fastllm / import torch':<48} {results['ratio_fastllm_to_torch']:10.4f}")
     print(
         f"  {args.loops} fresh `python -c 'import fastllm._core'`: {failures} failures "
         f"({results['import_core_loop_s']:.1f} s)"
