@@ -124,7 +124,10 @@ impl TensorArg {
             expected *= size as isize;
         }
         if self.numel() > 0 && self.ptr == 0 {
-            return Err(PyValueError::new_err(format!("{}: null data pointer", self.name)));
+            return Err(PyValueError::new_err(format!(
+                "{}: null data pointer",
+                self.name
+            )));
         }
         Ok(self)
     }
