@@ -295,7 +295,7 @@ def cpu_has_native_bf16() -> bool:
     from fastllm import _core
 
     feats = _core.cpu_features()
-    return bool(feats.get("avx512_bf16") or feats.get("amx_bf16"))
+    return bool(feats.get("avx512bf16") or feats.get("amx"))
 
 
 def resolve_dtype(dtype: Any, device: str, config_dtype: str | None) -> Any:
