@@ -6,6 +6,7 @@
 //! return `Result<_, CoreError>`; no panic is meant to cross the FFI boundary.
 
 pub mod attention;
+pub mod cpu;
 pub mod cuda;
 pub mod error;
 pub mod kv;

@@ -1,12 +1,243 @@
-"""Configuration: the engine's settings and the dtype rules of DESIGN.md."""
+"""Configuration: the model's ``config.json``, the engine's settings, and the
+dtype rules of DESIGN.md.
+
+This module does not import torch: the engine reads the configuration before it
+decides on a device or a dtype.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger("fastllm")
+
+# GPT-2 spells the common fields differently; these map them to the usual names.
+_GPT2_NAMES = {
+    "hidden_size": "n_embd",
+    "num_hidden_layers": "n_layer",
+    "num_attention_heads": "n_head",
+    "max_position_embeddings": "n_positions",
+    "intermediate_size": "n_inner",
+}
+
+
+def _read_json(path: str, what: str) -> dict[str, Any]:
+    """Reads one JSON object from ``path``; errors name the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} not found: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{what} is not valid JSON: {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} must hold a JSON object, got {type(data).__name__}: {path}")
+    return data
+
+
+def _token_ids(value: Any, name: str, path: str) -> list[int]:
+    """Normalises an eos/bos id field (None, int or list of ints) to a list."""
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    for v in values:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(
+                f"{path}: {name!r} must be a non-negative integer or a list of them, got {value!r}"
+            )
+    return list(values)
+
+
+@dataclass
+class ModelConfig:
+    """The fields of a Hugging Face ``config.json`` that fastllm's models use."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    sliding_window: int | None
+    tie_word_embeddings: bool
+    torch_dtype: str | None
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # None or a dict with "rope_type"
+    partial_rotary_factor: float = 1.0
+    hf: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_pretrained(cls, folder: str) -> ModelConfig:
+        """Reads ``config.json`` (and ``generation_config.json`` if present) from ``folder``."""
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"model folder not found: {folder}")
+        path = os.path.join(folder, "config.json")
+        hf = _read_json(path, "config.json")
+        gen_path = os.path.join(folder, "generation_config.json")
+        gen = _read_json(gen_path, "generation_config.json") if os.path.isfile(gen_path) else {}
+        return cls.from_dict(hf, path=path, generation_config=gen, generation_path=gen_path)
+
+    @classmethod
+    def from_dict(
+        cls,
+        hf: dict[str, Any],
+        path: str = "config.json",
+        generation_config: dict[str, Any] | None = None,
+        generation_path: str = "generation_config.json",
+    ) -> ModelConfig:
+        """Builds the configuration from an already parsed ``config.json`` dict."""
+        archs = hf.get("architectures")
+        if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+            raise ValueError(f"{path}: field 'architectures' is missing or not a list of names")
+        model_type = hf.get("model_type")
+        if not isinstance(model_type, str):
+            raise ValueError(f"{path}: field 'model_type' is missing or not a string")
+        is_gpt2 = model_type == "gpt2"
+
+        def get(name: str, default: Any = None, required: bool = True) -> Any:
+            key = _GPT2_NAMES.get(name, name) if is_gpt2 else name
+            value = hf.get(key)
+            if value is None and is_gpt2 and name == "max_position_embeddings":
+                value = hf.get("n_ctx")
+            if value is None:
+                if required and default is None:
+                    raise ValueError(f"{path}: required field {key!r} is missing")
+                return default
+            return value
+
+        def positive_int(name: str, value: Any) -> int:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(
+                    f"{path}: field {name!r} must be a positive integer, got {value!r}"
+                )
+            return value
+
+        vocab_size = positive_int("vocab_size", get("vocab_size"))
+        hidden_size = positive_int("hidden_size", get("hidden_size"))
+        num_layers = positive_int("num_hidden_layers", get("num_hidden_layers"))
+        num_heads = positive_int("num_attention_heads", get("num_attention_heads"))
+        num_kv_heads = positive_int(
+            "num_key_value_heads", get("num_key_value_heads", default=num_heads, required=False)
+        )
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"{path}: num_attention_heads ({num_heads}) must be a multiple of "
+                f"num_key_value_heads ({num_kv_heads})"
+            )
+        head_dim = hf.get("head_dim")
+        if head_dim is None:
+            if hidden_size % num_heads != 0:
+                raise ValueError(
+                    f"{path}: hidden_size ({hidden_size}) is not divisible by "
+                    f"num_attention_heads ({num_heads}) and no 'head_dim' is given"
+                )
+            head_dim = hidden_size // num_heads
+        head_dim = positive_int("head_dim", head_dim)
+        default_inner = 4 * hidden_size if is_gpt2 else None
+        intermediate_size = positive_int(
+            "intermediate_size", get("intermediate_size", default=default_inner)
+        )
+        max_pos = positive_int("max_position_embeddings", get("max_position_embeddings"))
+
+        sliding_window = hf.get("sliding_window")
+        if hf.get("use_sliding_window") is False:
+            sliding_window = None  # Qwen2/Qwen3 keep the field but switch it off
+        if sliding_window is not None:
+            sliding_window = positive_int("sliding_window", sliding_window)
+
+        dtype = hf.get("dtype") or hf.get("torch_dtype")
+        if dtype is not None and not isinstance(dtype, str):
+            raise ValueError(f"{path}: field 'torch_dtype' must be a string, got {dtype!r}")
+
+        gen = generation_config or {}
+        eos = _token_ids(hf.get("eos_token_id"), "eos_token_id", path)
+        for t in _token_ids(gen.get("eos_token_id"), "eos_token_id", generation_path):
+            if t not in eos:
+                eos.append(t)
+        bos = hf.get("bos_token_id")
+        if bos is None:
+            bos = gen.get("bos_token_id")
+        bos_ids = _token_ids(bos, "bos_token_id", path)
+
+        rope_theta, rope_scaling, partial = _rope_parameters(hf, path)
+        return cls(
+            architecture=archs[0],
+            model_type=model_type,
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            intermediate_size=intermediate_size,
+            max_position_embeddings=max_pos,
+            sliding_window=sliding_window,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", is_gpt2)),
+            torch_dtype=dtype,
+            eos_token_ids=eos,
+            bos_token_id=bos_ids[0] if bos_ids else None,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            partial_rotary_factor=partial,
+            hf=hf,
+        )
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer ``layer`` (None: full attention)."""
+        if self.sliding_window is None:
+            return None
+        layer_types = self.hf.get("layer_types")
+        if isinstance(layer_types, list) and layer < len(layer_types):
+            return self.sliding_window if layer_types[layer] == "sliding_attention" else None
+        if self.model_type in ("qwen2", "qwen3"):
+            # Qwen applies the window only from layer max_window_layers on.
+            first = self.hf.get("max_window_layers", 0) or 0
+            return self.sliding_window if layer >= first else None
+        return self.sliding_window
+
+
+def _rope_parameters(hf: dict[str, Any], path: str) -> tuple[float, dict[str, Any] | None, float]:
+    """Reads (rope_theta, rope_scaling, partial_rotary_factor) from either config layout.
+
+    transformers 5 writes one ``rope_parameters`` dict; older configs have
+    top-level ``rope_theta``, ``rope_scaling`` and ``partial_rotary_factor``.
+    """
+    params = hf.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):
+        raise ValueError(f"{path}: field 'rope_parameters' must be an object, got {params!r}")
+    params = dict(params or {})
+    legacy = hf.get("rope_scaling")
+    if legacy is not None:
+        if not isinstance(legacy, dict):
+            raise ValueError(f"{path}: field 'rope_scaling' must be an object, got {legacy!r}")
+        for k, v in legacy.items():
+            params.setdefault(k, v)
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if not isinstance(theta, (int, float)) or theta <= 0:
+        raise ValueError(f"{path}: 'rope_theta' must be a positive number, got {theta!r}")
+    if not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+        raise ValueError(f"{path}: 'partial_rotary_factor' must be in (0, 1], got {partial!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    scaling = None
+    if rope_type != "default":
+        scaling = {
+            k: v
+            for k, v in params.items()
+            if k not in ("rope_theta", "partial_rotary_factor", "type")
+        }
+        scaling["rope_type"] = rope_type
+    return float(theta), scaling, float(partial)
 
 
 @dataclass
@@ -64,7 +295,7 @@ def cpu_has_native_bf16() -> bool:
     from fastllm import _core
 
     feats = _core.cpu_features()
-    return bool(feats.get("avx512_bf16") or feats.get("amx_bf16"))
+    return bool(feats.get("avx512bf16") or feats.get("amx"))
 
 
 def resolve_dtype(dtype: Any, device: str, config_dtype: str | None) -> Any:

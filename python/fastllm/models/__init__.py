@@ -1,1 +1,37 @@
-"""fastllm.models."""
+"""fastllm.models: model implementations and the registry of supported architectures.
+
+Every model is a ``torch.nn.Module`` with
+
+* ``forward(input_ids [T] int64, positions [T] int64) -> hidden [T, hidden_size]``
+  for the packed tokens of one step (attention metadata from
+  ``fastllm.engine.context.get_context()``),
+* ``compute_logits(hidden [n, hidden_size]) -> float32 [n, vocab_size]``,
+* ``attention_layers() -> list[PagedAttention]`` (the runner assigns their caches),
+* ``weight_specs() -> dict[str, WeightSpec]`` (how the loader finds parameters).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# architecture name in config.json -> (module, class)
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("fastllm.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("fastllm.models.llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("fastllm.models.llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("fastllm.models.llama", "Qwen3ForCausalLM"),
+    "PhiForCausalLM": ("fastllm.models.phi", "PhiForCausalLM"),
+    "GPT2LMHeadModel": ("fastllm.models.gpt2", "GPT2LMHeadModel"),
+}
+
+
+def get_model_class(architecture: str) -> Any:
+    """The model class for ``architecture``; a ValueError listing the supported ones."""
+    entry = ARCHITECTURES.get(architecture)
+    if entry is None:
+        raise ValueError(
+            f"Unsupported architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)}"
+        )
+    module, name = entry
+    return getattr(importlib.import_module(module), name)

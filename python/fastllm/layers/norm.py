@@ -1,0 +1,38 @@
+"""Normalisation layers: RMSNorm (Llama family) and LayerNorm (Phi, GPT-2)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, scaled by a learned weight."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalises the last dimension of ``x``."""
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Multiplying after the cast back matches the reference models' rounding.
+        return self.weight * xf.to(dtype)
+
+
+class LayerNorm(nn.Module):
+    """Layer norm with a learned weight and bias."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalises the last dimension of ``x``."""
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)

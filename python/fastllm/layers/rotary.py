@@ -1,0 +1,117 @@
+"""Rotary position embedding (neox style: the two halves of the rotated dims pair up).
+
+Supports the rope types Hugging Face calls "default", "linear" and "llama3", and
+partial rotary (only the first ``rotary_dim`` dims of each head rotate, as in Phi).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim // 2] (float32) for the given rope scaling."""
+    # Explicit CPU device: models are built under ``torch.device("meta")``.
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
+    inv_freq = 1.0 / (theta**exponents)
+    rope_type = "default" if scaling is None else scaling.get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(_scaling_field(scaling, "factor"))
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(
+        f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+    )
+
+
+def _scaling_field(scaling: dict[str, Any], name: str) -> Any:
+    if name not in scaling:
+        raise ValueError(f"rope scaling {scaling.get('rope_type')!r} needs the field {name!r}")
+    return scaling[name]
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's scaling: long wavelengths divided by ``factor``, a smooth blend in between."""
+    factor = float(_scaling_field(scaling, "factor"))
+    low = float(_scaling_field(scaling, "low_freq_factor"))
+    high = float(_scaling_field(scaling, "high_freq_factor"))
+    old_len = float(_scaling_field(scaling, "original_max_position_embeddings"))
+    low_wavelen = old_len / low
+    high_wavelen = old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q/k heads by their tokens' positions.
+
+    The cos/sin table is computed in float32 on first use on each device (so a
+    model built on the meta device needs no special care) and covers
+    ``max_position`` positions.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        rotary_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if rotary_dim % 2 != 0 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(
+                f"rotary_dim must be even and in (0, head_dim={head_dim}], got {rotary_dim}"
+            )
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        self.max_position = max_position
+        self.inv_freq = rope_inv_freq(rotary_dim, theta, scaling)  # plain attribute: stays on CPU
+        self._table: torch.Tensor | None = None  # [max_position, rotary_dim]: cos half | sin half
+
+    def _cos_sin_table(self, device: torch.device) -> torch.Tensor:
+        table = self._table
+        if table is None or table.device != device:
+            t = torch.arange(self.max_position, dtype=torch.float32, device="cpu")
+            freqs = torch.outer(t, self.inv_freq)
+            table = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+            self._table = table
+        return table
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [num_tokens, 1, rotary_dim // 2] for ``positions``, cast to ``dtype``."""
+        table = self._cos_sin_table(positions.device)[positions].to(dtype)
+        cos, sin = table.unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotates q [num_tokens, heads, head_dim] and k [num_tokens, kv_heads, head_dim]."""
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates the first ``2 * cos.shape[-1]`` dims of each head of x [tokens, heads, head_dim]."""
+    half = cos.shape[-1]
+    x1 = x[..., :half]
+    x2 = x[..., half : 2 * half]
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    if 2 * half == x.shape[-1]:
+        return rotated
+    return torch.cat((rotated, x[..., 2 * half :]), dim=-1)

@@ -1,0 +1,207 @@
+"""The Llama family: Llama 2/3, Mistral, Qwen2 and Qwen3 share one implementation.
+
+Differences are flags: Qwen2 has q/k/v biases, Qwen3 RMS-normalises q and k per
+head before the rotary embedding, Mistral (and Qwen when enabled) use a sliding
+window. q/k/v are fused into one projection and gate/up into another; the
+loader concatenates the checkpoint's separate tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastllm.config import ModelConfig
+from fastllm.layers.activation import ActAndMul
+from fastllm.layers.attention import PagedAttention
+from fastllm.layers.linear import Embedding, Linear
+from fastllm.layers.norm import RMSNorm
+from fastllm.layers.rotary import RotaryEmbedding, apply_rotary
+from fastllm.models.weights import WeightSpec
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with fused q/k/v, rotary positions and a paged KV cache."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        eps: float,
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.attn = PagedAttention(
+            self.num_heads,
+            self.head_dim,
+            self.num_kv_heads,
+            self.head_dim**-0.5,
+            config.layer_sliding_window(layer),
+        )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)) with gate and up fused."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.act = ActAndMul(act)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with residual connections."""
+
+    def __init__(self, config: ModelConfig, layer: int, flags: dict[str, bool]) -> None:
+        super().__init__()
+        hf = config.hf
+        eps = float(hf.get("rms_norm_eps", 1e-6))
+        self.self_attn = LlamaAttention(
+            config, layer, flags["qkv_bias"], flags["o_bias"], flags["qk_norm"], eps
+        )
+        self.mlp = LlamaMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            hf.get("hidden_act", "silu"),
+            flags["mlp_bias"],
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and the final norm."""
+
+    def __init__(self, config: ModelConfig, flags: dict[str, bool]) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, flags) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, float(config.hf.get("rms_norm_eps", 1e-6)))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama 2 / 3 (with rope scaling), TinyLlama, SmolLM."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tied = config.tie_word_embeddings
+        self.model = LlamaModel(config, self._flags(config))
+        self.lm_head = None if self.tied else Linear(config.hidden_size, config.vocab_size)
+        rotary_dim = int(config.head_dim * config.partial_rotary_factor)
+        self.rotary = RotaryEmbedding(
+            config.head_dim,
+            rotary_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+        )
+
+    @staticmethod
+    def _flags(config: ModelConfig) -> dict[str, bool]:
+        bias = bool(config.hf.get("attention_bias", False))
+        return {
+            "qkv_bias": bias,
+            "o_bias": bias,
+            "qk_norm": False,
+            "mlp_bias": bool(config.hf.get("mlp_bias", False)),
+        }
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states [T, hidden] of the step's packed tokens."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [n, vocab] for the given rows of hidden states."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def attention_layers(self) -> list[PagedAttention]:
+        """The paged-attention layers, in order, for the runner to give caches."""
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def weight_specs(self) -> dict[str, WeightSpec]:
+        """Checkpoint sources of the fused parameters (others keep their names)."""
+        c = self.config
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        specs: dict[str, WeightSpec] = {}
+        for i, layer in enumerate(self.model.layers):
+            p = f"model.layers.{i}"
+            kinds = ["weight"] + (["bias"] if layer.self_attn.qkv_proj.bias is not None else [])
+            for kind in kinds:
+                specs[f"{p}.self_attn.qkv_proj.{kind}"] = WeightSpec(
+                    tuple(f"{p}.self_attn.{n}_proj.{kind}" for n in "qkv"), (q, kv, kv)
+                )
+            m = c.intermediate_size
+            kinds = ["weight"] + (["bias"] if layer.mlp.gate_up_proj.bias is not None else [])
+            for kind in kinds:
+                specs[f"{p}.mlp.gate_up_proj.{kind}"] = WeightSpec(
+                    (f"{p}.mlp.gate_proj.{kind}", f"{p}.mlp.up_proj.{kind}"), (m, m)
+                )
+        return specs
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama with a sliding attention window."""
+
+    @staticmethod
+    def _flags(config: ModelConfig) -> dict[str, bool]:
+        return {"qkv_bias": False, "o_bias": False, "qk_norm": False, "mlp_bias": False}
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 / Qwen2.5: biases on q, k and v (not on o)."""
+
+    @staticmethod
+    def _flags(config: ModelConfig) -> dict[str, bool]:
+        return {"qkv_bias": True, "o_bias": False, "qk_norm": False, "mlp_bias": False}
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: per-head RMSNorm on q and k before the rotary embedding."""
+
+    @staticmethod
+    def _flags(config: ModelConfig) -> dict[str, bool]:
+        bias = bool(config.hf.get("attention_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": True, "mlp_bias": False}

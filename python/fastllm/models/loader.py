@@ -1,0 +1,232 @@
+"""Builds a model and fills it from a Hugging Face safetensors checkpoint.
+
+The model is built on the meta device (no memory, no initialisation), every
+checkpoint tensor is checked (present, right shape) before any is read, then all
+parameters are read, converted to the target dtype and device once, and only
+when every one of them is ready are they assigned to the model. A failure at any
+point leaves no half-loaded model behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from fastllm.config import ModelConfig
+from fastllm.layers.norm import LayerNorm, RMSNorm
+from fastllm.models import get_model_class
+from fastllm.models.weights import WeightSpec
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+DUMMY_SEED = 0
+DUMMY_STD = 0.02
+
+
+def load_model(
+    config: ModelConfig,
+    folder: str,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    load_format: str = "auto",
+) -> nn.Module:
+    """The model for ``config`` with its weights from ``folder`` (or random ones: "dummy")."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"load_format must be one of {', '.join(repr(f) for f in LOAD_FORMATS)}; got {load_format!r}"
+        )
+    cls = get_model_class(config.architecture)
+    with torch.device("meta"):
+        model = cls(config)
+    device = torch.device(device)
+    if load_format == "dummy":
+        state = _dummy_state(model, dtype, device)
+    else:
+        with _Checkpoint(folder) as ckpt:
+            state = _checkpoint_state(model, ckpt, dtype, device)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval()
+
+
+class _Checkpoint:
+    """The safetensors file(s) of a folder, opened memory-mapped; a context manager."""
+
+    def __init__(self, folder: str) -> None:
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"model folder not found: {folder}")
+        self.folder = folder
+        self.files = self._find_files(folder)
+        self._stack = ExitStack()
+        self._handles: dict[str, Any] = {}
+        self.location: dict[str, str] = {}  # tensor name -> file path
+
+    @staticmethod
+    def _find_files(folder: str) -> list[str]:
+        index = os.path.join(folder, _INDEX)
+        single = os.path.join(folder, _SINGLE)
+        if os.path.isfile(index):
+            try:
+                with open(index, encoding="utf-8") as f:
+                    weight_map = json.load(f)["weight_map"]
+                names = sorted(set(weight_map.values()))
+            except (
+                json.JSONDecodeError,
+                KeyError,
+                TypeError,
+                AttributeError,
+                UnicodeDecodeError,
+            ) as e:
+                raise ValueError(f"malformed safetensors index {index}: {e!r}") from None
+            files = [os.path.join(folder, n) for n in names]
+            for path in files:
+                if not os.path.isfile(path):
+                    raise FileNotFoundError(
+                        f"safetensors shard {path} listed in {index} is missing"
+                    )
+            return files
+        if os.path.isfile(single):
+            return [single]
+        shards = sorted(
+            os.path.join(folder, n)
+            for n in os.listdir(folder)
+            if n.endswith(".safetensors") and not n.startswith(".")
+        )
+        if shards:
+            return shards
+        others = [n for n in os.listdir(folder) if n.endswith((".bin", ".pt", ".pth", ".gguf"))]
+        hint = (
+            f" (found {', '.join(sorted(others))}; only safetensors is supported)" if others else ""
+        )
+        raise FileNotFoundError(f"no safetensors weights found in {folder}{hint}")
+
+    def __enter__(self) -> _Checkpoint:
+        try:
+            for path in self.files:
+                try:
+                    handle = self._stack.enter_context(
+                        safe_open(path, framework="pt", device="cpu")
+                    )
+                    names = list(handle.keys())
+                except Exception as e:  # safetensors raises its own error type
+                    raise ValueError(f"corrupt or truncated safetensors file {path}: {e}") from None
+                self._handles[path] = handle
+                for name in names:
+                    self.location.setdefault(name, path)
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape of tensor ``name`` (no data read)."""
+        path = self.location[name]
+        try:
+            return tuple(self._handles[path].get_slice(name).get_shape())
+        except Exception as e:
+            raise ValueError(f"cannot read tensor {name!r} in {path}: {e}") from None
+
+    def read(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` as a CPU tensor; errors name the tensor and the file."""
+        path = self.location[name]
+        try:
+            return self._handles[path].get_tensor(name)
+        except Exception as e:
+            raise ValueError(
+                f"corrupt or truncated safetensors file {path}: cannot read tensor {name!r}: {e}"
+            ) from None
+
+
+def _resolve(model: nn.Module, ckpt: _Checkpoint, name: str) -> str | None:
+    """The checkpoint's name for ``name``, trying the model's prefix aliases."""
+    if name in ckpt.location:
+        return name
+    for prefix, alias in getattr(model, "checkpoint_prefix_aliases", ()):
+        if name.startswith(prefix):
+            other = alias + name[len(prefix) :]
+            if other in ckpt.location:
+                return other
+    return None
+
+
+def _plan(
+    model: nn.Module, ckpt: _Checkpoint
+) -> list[tuple[str, torch.Size, WeightSpec, list[str]]]:
+    """(param, shape, spec, resolved source names) for every parameter, all checked first."""
+    specs: dict[str, WeightSpec] = model.weight_specs()
+    where = (
+        ", ".join(ckpt.files)
+        if len(ckpt.files) <= 3
+        else f"{len(ckpt.files)} shards in {ckpt.folder}"
+    )
+    plan = []
+    for pname, param in model.named_parameters():
+        spec = specs.get(pname, WeightSpec((pname,)))
+        expected = spec.source_shapes(tuple(param.shape))
+        names = []
+        for source, shape in zip(spec.sources, expected, strict=True):
+            resolved = _resolve(model, ckpt, source)
+            if resolved is None:
+                raise ValueError(f"missing tensor {source!r} in {where}")
+            actual = ckpt.shape(resolved)
+            if actual != shape:
+                raise ValueError(
+                    f"tensor {resolved!r} in {ckpt.location[resolved]} has shape {list(actual)}, "
+                    f"expected {list(shape)}"
+                )
+            names.append(resolved)
+        plan.append((pname, param.shape, spec, names))
+    return plan
+
+
+def _checkpoint_state(
+    model: nn.Module, ckpt: _Checkpoint, dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Every parameter read, fused and converted; nothing is assigned here."""
+    state: dict[str, torch.Tensor] = {}
+    for pname, shape, spec, names in _plan(model, ckpt):
+        if len(names) == 1 and not spec.transpose:
+            state[pname] = ckpt.read(names[0]).to(device=device, dtype=dtype).contiguous()
+            continue
+        out = torch.empty(shape, dtype=dtype, device=device)
+        offset = 0
+        for name in names:
+            t = ckpt.read(name)
+            if spec.transpose:
+                t = t.t()
+            out[offset : offset + t.shape[0]].copy_(t)
+            offset += t.shape[0]
+        state[pname] = out
+    return state
+
+
+def _dummy_state(
+    model: nn.Module, dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Deterministic random weights: normal(0, 0.02), norms at 1, biases at 0."""
+    norm_params = set()
+    for mname, module in model.named_modules():
+        if isinstance(module, (RMSNorm, LayerNorm)):
+            norm_params.add(f"{mname}.weight" if mname else "weight")
+    gen = torch.Generator(device="cpu").manual_seed(DUMMY_SEED)
+    state: dict[str, torch.Tensor] = {}
+    for pname, param in model.named_parameters():
+        if pname in norm_params:
+            t = torch.ones(param.shape, dtype=dtype, device=device)
+        elif pname.endswith("bias"):
+            t = torch.zeros(param.shape, dtype=dtype, device=device)
+        else:
+            t = torch.empty(param.shape, dtype=torch.float32, device="cpu")
+            t.normal_(0.0, DUMMY_STD, generator=gen)
+            t = t.to(device=device, dtype=dtype)
+        state[pname] = t
+    return state

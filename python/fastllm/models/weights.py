@@ -1,0 +1,31 @@
+"""How a model's parameters are found in a Hugging Face checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """Checkpoint tensors that make up one parameter.
+
+    ``sources`` are concatenated along dim 0 (fused q/k/v or gate/up); ``splits``
+    gives each source's size along that dim. ``transpose`` marks GPT-2's
+    ``Conv1D`` weights, stored as [in, out] instead of [out, in].
+    """
+
+    sources: tuple[str, ...]
+    splits: tuple[int, ...] | None = None
+    transpose: bool = False
+
+    def source_shapes(self, param_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """The shape each source tensor must have in the checkpoint."""
+        if len(self.sources) == 1:
+            shapes = [tuple(param_shape)]
+        else:
+            if self.splits is None or len(self.splits) != len(self.sources):
+                raise ValueError(f"WeightSpec {self.sources} needs one split size per source")
+            shapes = [(n, *param_shape[1:]) for n in self.splits]
+        if self.transpose:
+            shapes = [tuple(reversed(s)) for s in shapes]
+        return shapes

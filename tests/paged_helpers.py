@@ -1,0 +1,79 @@
+"""Test helper: runs a fastllm model step by step over a paged KV cache.
+
+It plays the model runner's part in miniature: one cache pair per attention
+layer, blocks handed out from a shuffled free list (so block tables are not
+contiguous), and the ``AttentionMetadata`` of each step built from scratch.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from fastllm.engine.context import AttentionMetadata, set_context
+
+
+class PagedRunner:
+    """Feeds chunks of tokens of several sequences through a model, one step at a time."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        dtype: torch.dtype,
+        device: str = "cpu",
+        block_size: int = 4,
+        num_blocks: int = 64,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.device = torch.device(device)
+        self.block_size = block_size
+        for layer in model.attention_layers():
+            shape = (num_blocks, layer.num_kv_heads, block_size, layer.head_size)
+            # NaN-filled so that reading a slot never written is caught by the comparison.
+            layer.k_cache = torch.full(shape, float("nan"), dtype=dtype, device=self.device)
+            layer.v_cache = torch.full(shape, float("nan"), dtype=dtype, device=self.device)
+        self.free = list(range(1, num_blocks))  # block 0 only pads block tables
+        random.Random(seed).shuffle(self.free)
+        self.blocks: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+
+    def step(self, chunks: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+        """Runs one step; ``chunks`` are (sequence id, new tokens); returns logits per chunk."""
+        ids, positions, slots, seq_lens, starts, tables = [], [], [], [], [0], []
+        for seq, tokens in chunks:
+            blocks = self.blocks.setdefault(seq, [])
+            start = self.lengths.get(seq, 0)
+            end = start + len(tokens)
+            while len(blocks) * self.block_size < end:
+                blocks.append(self.free.pop())
+            for p in range(start, end):
+                slots.append(blocks[p // self.block_size] * self.block_size + p % self.block_size)
+            ids += tokens
+            positions += range(start, end)
+            seq_lens.append(end)
+            starts.append(starts[-1] + len(tokens))
+            tables.append(blocks)
+            self.lengths[seq] = end
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            max_query_len=max(len(t) for _, t in chunks),
+            max_seq_len=max(seq_lens),
+        )
+        set_context(meta)
+        try:
+            with torch.inference_mode():
+                hidden = self.model(
+                    torch.tensor(ids, dtype=torch.int64, device=dev),
+                    torch.tensor(positions, dtype=torch.int64, device=dev),
+                )
+                logits = self.model.compute_logits(hidden)
+        finally:
+            set_context(None)
+        return [logits[starts[i] : starts[i + 1]].cpu() for i in range(len(chunks))]

@@ -1,0 +1,490 @@
+"""fastllm's models against transformers, and the loader's handling of bad checkpoints.
+
+Each architecture is a tiny random model built with transformers (the reference,
+test-only), saved with ``save_pretrained`` and loaded with fastllm's loader. Its
+logits, computed step by step over a paged KV cache, are compared with
+transformers' full forward pass over each whole sequence.
+
+Tolerances:
+* float32: |ours - ref| <= 1e-4 * max(1, max|ref|) + 1e-4 * |ref| per logit
+  (the two implementations sum in different orders; observed error ~1e-6).
+* bfloat16 (ours in bf16, transformers in float32): max |ours - ref| <= 3% of
+  max|ref|; the arg-max agrees on at least 80% of positions, and where it does
+  not, our top token's reference logit is within 3% of max|ref| of the best one
+  (a near tie). bf16 keeps 8 mantissa bits; transformers itself in bf16 is off
+  by ~1.5% of max|ref| on these models, as are we.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from fastllm.config import ModelConfig  # noqa: E402
+from fastllm.models import ARCHITECTURES, get_model_class  # noqa: E402
+from fastllm.models.loader import load_model  # noqa: E402
+from paged_helpers import PagedRunner  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+VOCAB = 512
+# head_dim 64: a size every attention backend supports.
+LLAMA_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32 * 2,
+    max_position_embeddings=256,
+)
+
+
+def _configs() -> dict[str, object]:
+    t = transformers
+    c = dict(LLAMA_COMMON)
+    c["hidden_size"] = 128
+    return {
+        "llama": t.LlamaConfig(**c),
+        "llama3-rope": t.LlamaConfig(
+            **{**c, "max_position_embeddings": 512},
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                # Small, so the scaled band covers some of the tiny model's frequencies.
+                "original_max_position_embeddings": 16,
+            },
+            rope_theta=500000.0,
+        ),
+        "llama-linear-rope": t.LlamaConfig(
+            **c, rope_scaling={"rope_type": "linear", "factor": 4.0}
+        ),
+        "mistral": t.MistralConfig(**c, sliding_window=5),
+        "qwen2": t.Qwen2Config(**c),
+        "qwen3": t.Qwen3Config(**c, tie_word_embeddings=True),
+        "phi": t.PhiConfig(
+            vocab_size=VOCAB,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=256,
+            partial_rotary_factor=0.5,
+        ),
+        "gpt2": t.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=128,
+            n_layer=2,
+            n_head=2,
+            n_positions=256,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+    }
+
+
+CONFIGS = _configs()
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights large enough that logits are O(1) and biases nonzero (HF inits them to 0)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            is_norm = any(k in name for k in ("norm", "ln_", "layernorm"))
+            if is_norm and name.endswith("weight"):
+                p.copy_(1.0 + 0.1 * noise)
+            elif p.ndim == 1:
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(0.08 * noise)
+
+
+def _build(name: str, folder: str, seed: int = 0) -> torch.nn.Module:
+    """Builds, randomizes and saves the reference model; returns it (float32, eval)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        CONFIGS[name], attn_implementation="eager"
+    )
+    _randomize(model, seed)
+    model = model.float().eval()
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models: a thread pool only adds wake-up latency (100x on a loaded 2-core box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, torch.nn.Module]]:
+    """Every reference model saved once for the module: name -> (folder, model)."""
+    out = {}
+    for name in CONFIGS:
+        folder = str(tmp_path_factory.mktemp(name))
+        out[name] = (folder, _build(name, folder))
+    return out
+
+
+def _sequences(seed: int, lengths: list[int]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def _reference(model: torch.nn.Module, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """transformers' logits [len, vocab] for each whole sequence (no cache, no padding)."""
+    with torch.no_grad():
+        return [model(torch.tensor([s])).logits[0].float() for s in seqs]
+
+
+def _assert_close_f32(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    scale = max(1.0, ref.abs().max().item())
+    torch.testing.assert_close(
+        ours, ref, atol=1e-4 * scale, rtol=1e-4, msg=lambda m: f"{what}: {m}"
+    )
+
+
+def _load(folder: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    return load_model(ModelConfig.from_pretrained(folder), folder, dtype, "cpu")
+
+
+LENGTHS = [7, 13, 1, 17, 4]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_packed_prefill_matches_transformers(name: str, saved: dict) -> None:
+    folder, ref_model = saved[name]
+    seqs = _sequences(1, LENGTHS)
+    ref = _reference(ref_model, seqs)
+    model = _load(folder)
+    runner = PagedRunner(model, torch.float32)
+    logits = runner.step(list(enumerate(seqs)))
+    for i, (ours, expected) in enumerate(zip(logits, ref, strict=True)):
+        _assert_close_f32(ours, expected, f"{name} sequence {i}")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_prefix_then_chunks_then_decode_matches_transformers(name: str, saved: dict) -> None:
+    """Prefill a prefix, then mixed steps (chunked prefill beside decode), then pure decode."""
+    folder, ref_model = saved[name]
+    seqs = _sequences(2, [19, 12, 23])
+    ref = _reference(ref_model, seqs)
+    model = _load(folder)
+    runner = PagedRunner(model, torch.float32, seed=3)
+    done = [0, 0, 0]
+    prefix = [5, 1, 9]
+    chunk_plan = [
+        [1, 3, 2],
+        [1, 3, 2],
+        [2, 1, 1],
+    ]  # steps with max_query_len > 1 after a cached prefix
+
+    def run(sizes: list[int]) -> None:
+        chunks = []
+        for i, size in enumerate(sizes):
+            size = min(size, len(seqs[i]) - done[i])
+            if size > 0:
+                chunks.append((i, seqs[i][done[i] : done[i] + size]))
+        outputs = runner.step(chunks)
+        for (i, tokens), ours in zip(chunks, outputs, strict=True):
+            expected = ref[i][done[i] : done[i] + len(tokens)]
+            _assert_close_f32(ours, expected, f"{name} sequence {i} positions {done[i]}..")
+            done[i] += len(tokens)
+
+    run(prefix)
+    for sizes in chunk_plan:
+        run(sizes)
+    while any(d < len(s) for d, s in zip(done, seqs, strict=True)):
+        run([1, 1, 1])  # one token per sequence: the decode path
+    assert done == [len(s) for s in seqs]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_bfloat16_close_to_float32_reference(name: str, saved: dict) -> None:
+    folder, ref_model = saved[name]
+    seqs = _sequences(4, [9, 16, 3])
+    ref = _reference(ref_model, seqs)
+    model = _load(folder, torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    runner = PagedRunner(model, torch.bfloat16)
+    prefill = runner.step([(i, s[:-2]) for i, s in enumerate(seqs)])
+    decode1 = runner.step([(i, s[-2:-1]) for i, s in enumerate(seqs)])
+    decode2 = runner.step([(i, s[-1:]) for i, s in enumerate(seqs)])
+    ours = torch.cat(
+        [torch.cat([a, b, c]) for a, b, c in zip(prefill, decode1, decode2, strict=True)]
+    )
+    assert ours.dtype == torch.float32
+    expected = torch.cat(ref)
+    scale = expected.abs().max().item()
+    err = (ours - expected).abs().max().item()
+    assert err <= 0.03 * scale, f"{name}: max abs diff {err} (logit scale {scale})"
+    top = ours.argmax(-1)
+    agree = (top == expected.argmax(-1)).float().mean().item()
+    assert agree >= 0.8, f"{name}: top-1 agrees on only {agree:.0%} of positions"
+    # Where the top-1 differs, it is a near tie in the reference.
+    gap = expected.max(-1).values - expected.gather(1, top[:, None])[:, 0]
+    assert gap.max().item() <= 0.03 * scale, f"{name}: top-1 off by {gap.max().item()}"
+
+
+def test_prompts_without_kv_cache(saved: dict) -> None:
+    """Before the runner assigns caches (a profiling run), whole prompts still attend correctly."""
+    from fastllm.engine.context import AttentionMetadata, set_context
+
+    folder, ref_model = saved["mistral"]
+    seqs = _sequences(8, [9, 4])
+    model = _load(folder)
+    assert all(layer.k_cache is None for layer in model.attention_layers())
+    set_context(
+        AttentionMetadata(
+            slot_mapping=torch.arange(13),
+            block_tables=torch.zeros(2, 1, dtype=torch.int32),
+            seq_lens=torch.tensor([9, 4], dtype=torch.int32),
+            query_start_loc=torch.tensor([0, 9, 13], dtype=torch.int32),
+            max_query_len=9,
+            max_seq_len=9,
+        )
+    )
+    try:
+        with torch.inference_mode():
+            hidden = model(torch.tensor(seqs[0] + seqs[1]), torch.tensor([*range(9), *range(4)]))
+            logits = model.compute_logits(hidden)
+    finally:
+        set_context(None)
+    ref = _reference(ref_model, seqs)
+    _assert_close_f32(logits[:9], ref[0], "uncached sequence 0")
+    _assert_close_f32(logits[9:], ref[1], "uncached sequence 1")
+
+
+def test_sliding_window_changes_the_result(saved: dict) -> None:
+    """The Mistral test model's window (5) is shorter than its sequences, so it matters."""
+    folder, ref_model = saved["mistral"]
+    seq = _sequences(5, [15])[0]
+    config = ModelConfig.from_pretrained(folder)
+    assert config.sliding_window == 5
+    config.sliding_window = None
+    full = load_model(config, folder, torch.float32, "cpu")
+    windowed = _load(folder)
+    a = PagedRunner(full, torch.float32).step([(0, seq)])[0]
+    b = PagedRunner(windowed, torch.float32).step([(0, seq)])[0]
+    _assert_close_f32(b, _reference(ref_model, [seq])[0], "mistral windowed")
+    assert not torch.allclose(a[6:], b[6:], atol=1e-3)
+    torch.testing.assert_close(a[:5], b[:5])  # identical while the window covers everything
+
+
+# ---- loader ----
+
+
+def test_sharded_checkpoint(tmp_path, saved: dict) -> None:
+    ref_model = saved["llama"][1]
+    folder = str(tmp_path / "sharded")
+    ref_model.save_pretrained(folder, max_shard_size="100KB")
+    assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json"))
+    assert len([n for n in os.listdir(folder) if n.endswith(".safetensors")]) > 2
+    seqs = _sequences(6, [6, 11])
+    logits = PagedRunner(_load(folder), torch.float32).step(list(enumerate(seqs)))
+    for ours, expected in zip(logits, _reference(ref_model, seqs), strict=True):
+        _assert_close_f32(ours, expected, "sharded")
+
+
+def test_tied_embeddings_without_lm_head_tensor(saved: dict) -> None:
+    for name in ("qwen3", "gpt2"):
+        folder = saved[name][0]
+        tensors = load_file(os.path.join(folder, "model.safetensors"))
+        assert "lm_head.weight" not in tensors
+        model = _load(folder)
+        assert model.compute_logits(torch.zeros(1, 128)).shape == (1, VOCAB)
+
+
+def test_gpt2_checkpoint_without_transformer_prefix(tmp_path, saved: dict) -> None:
+    """The original GPT-2 checkpoints name tensors "h.0..." instead of "transformer.h.0..."."""
+    src, ref_model = saved["gpt2"]
+    folder = tmp_path / "gpt2-old"
+    folder.mkdir()
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    renamed = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    renamed["h.0.attn.bias"] = torch.ones(1, 1, 4, 4)  # old causal-mask buffer: ignored
+    save_file(renamed, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(open(os.path.join(src, "config.json")).read())
+    seq = _sequences(7, [10])
+    ours = PagedRunner(_load(str(folder)), torch.float32).step([(0, seq[0])])[0]
+    _assert_close_f32(ours, _reference(ref_model, seq)[0], "gpt2 old names")
+
+
+def _copy_folder(src: str, dst) -> str:
+    dst.mkdir()
+    for n in os.listdir(src):
+        (dst / n).write_bytes(open(os.path.join(src, n), "rb").read())
+    return str(dst)
+
+
+def test_missing_config(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        ModelConfig.from_pretrained(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="model folder not found"):
+        ModelConfig.from_pretrained(str(tmp_path / "nope"))
+
+
+def test_malformed_config(tmp_path) -> None:
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        ModelConfig.from_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    )
+    with pytest.raises(ValueError, match="'vocab_size'"):
+        ModelConfig.from_pretrained(str(tmp_path))
+
+
+def test_config_fields(saved: dict) -> None:
+    gpt2 = ModelConfig.from_pretrained(saved["gpt2"][0])
+    assert (gpt2.hidden_size, gpt2.num_hidden_layers, gpt2.num_attention_heads) == (128, 2, 2)
+    assert (gpt2.intermediate_size, gpt2.max_position_embeddings, gpt2.head_dim) == (512, 256, 64)
+    assert gpt2.tie_word_embeddings and gpt2.eos_token_ids == [0] and gpt2.sliding_window is None
+    llama3 = ModelConfig.from_pretrained(saved["llama3-rope"][0])
+    assert llama3.rope_scaling is not None and llama3.rope_scaling["rope_type"] == "llama3"
+    assert llama3.rope_theta == 500000.0 and llama3.torch_dtype == "float32"
+    phi = ModelConfig.from_pretrained(saved["phi"][0])
+    assert phi.partial_rotary_factor == 0.5 and phi.num_key_value_heads == 2
+    qwen2 = ModelConfig.from_pretrained(saved["qwen2"][0])
+    assert qwen2.sliding_window is None  # the field is set but use_sliding_window is false
+
+
+def test_legacy_config_layout_and_generation_eos(tmp_path) -> None:
+    """Older configs: top-level rope_theta / rope_scaling / partial_rotary_factor; eos lists."""
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 100,
+        "hidden_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "max_position_embeddings": 64,
+        "rope_theta": 1000.0,
+        "rope_scaling": {"type": "linear", "factor": 2.0},
+        "eos_token_id": [5, 6],
+        "torch_dtype": "bfloat16",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [6, 7], "bos_token_id": 1})
+    )
+    c = ModelConfig.from_pretrained(str(tmp_path))
+    assert c.eos_token_ids == [5, 6, 7] and c.bos_token_id == 1
+    assert c.rope_theta == 1000.0 and c.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert c.num_key_value_heads == 4 and c.head_dim == 16 and c.torch_dtype == "bfloat16"
+    assert not c.tie_word_embeddings
+
+
+def test_unsupported_architecture(tmp_path, saved: dict) -> None:
+    cfg = json.load(open(os.path.join(saved["llama"][0], "config.json")))
+    cfg["architectures"] = ["MambaForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    config = ModelConfig.from_pretrained(str(tmp_path))
+    with pytest.raises(ValueError) as e:
+        load_model(config, str(tmp_path), torch.float32, "cpu")
+    msg = str(e.value)
+    assert "Unsupported architecture 'MambaForCausalLM'" in msg
+    assert all(a in msg for a in ARCHITECTURES)
+    with pytest.raises(ValueError, match="supported: LlamaForCausalLM"):
+        get_model_class("Nope")
+
+
+def test_unsupported_rope_type(saved: dict) -> None:
+    hf = json.load(open(os.path.join(saved["llama"][0], "config.json")))
+    hf["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    config = ModelConfig.from_dict(hf)
+    with pytest.raises(
+        ValueError, match="unsupported rope scaling type 'yarn'; supported: default"
+    ):
+        load_model(config, "unused", torch.float32, "cpu", load_format="dummy")
+
+
+def test_no_safetensors_file(tmp_path, saved: dict) -> None:
+    (tmp_path / "config.json").write_text(
+        open(os.path.join(saved["llama"][0], "config.json")).read()
+    )
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(FileNotFoundError, match="no safetensors weights found.*pytorch_model.bin"):
+        _load(str(tmp_path))
+
+
+def test_truncated_safetensors(tmp_path, saved: dict) -> None:
+    folder = _copy_folder(saved["llama"][0], tmp_path / "cut")
+    path = os.path.join(folder, "model.safetensors")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) - 1000])
+    with pytest.raises(
+        ValueError, match="corrupt or truncated safetensors file .*model.safetensors"
+    ):
+        _load(folder)
+    # A header that claims more than the file holds.
+    (header_len,) = struct.unpack("<Q", data[:8])
+    open(path, "wb").write(data[: 8 + header_len // 2])
+    with pytest.raises(ValueError, match="corrupt or truncated safetensors file"):
+        _load(folder)
+
+
+def test_wrong_shape_and_missing_tensor(tmp_path, saved: dict) -> None:
+    src = saved["qwen2"][0]
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    bad = tmp_path / "bad"
+    folder = _copy_folder(src, bad)
+    name = "model.layers.1.self_attn.k_proj.bias"
+    save_file({**tensors, name: torch.zeros(3)}, os.path.join(folder, "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"'{name}'.* has shape \[3\], expected \[128\]"):
+        _load(folder)
+    missing = {k: v for k, v in tensors.items() if k != "model.layers.0.mlp.up_proj.weight"}
+    save_file(missing, os.path.join(folder, "model.safetensors"))
+    with pytest.raises(ValueError, match="missing tensor 'model.layers.0.mlp.up_proj.weight'"):
+        _load(folder)
+
+
+def test_extra_tensors_are_ignored(tmp_path, saved: dict) -> None:
+    src = saved["llama"][0]
+    folder = _copy_folder(src, tmp_path / "extra")
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(32)
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    model = _load(folder)
+    expected = tensors["model.layers.0.self_attn.q_proj.weight"]
+    torch.testing.assert_close(model.model.layers[0].self_attn.qkv_proj.weight[:256], expected)
+
+
+def test_dummy_load_format(tmp_path, saved: dict) -> None:
+    (tmp_path / "config.json").write_text(
+        open(os.path.join(saved["qwen2"][0], "config.json")).read()
+    )
+    config = ModelConfig.from_pretrained(str(tmp_path))
+    a = load_model(config, str(tmp_path), torch.bfloat16, "cpu", load_format="dummy")
+    b = load_model(config, str(tmp_path), torch.bfloat16, "cpu", load_format="dummy")
+    ref = transformers.AutoModelForCausalLM.from_config(CONFIGS["qwen2"])
+    assert sum(p.numel() for p in a.parameters()) == sum(p.numel() for p in ref.parameters())
+    for (na, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert pa.dtype == torch.bfloat16 and pa.device.type == "cpu"
+        assert torch.equal(pa, pb), na
+    assert torch.equal(a.model.norm.weight, torch.ones(128, dtype=torch.bfloat16))
+    logits = PagedRunner(a, torch.bfloat16).step([(0, [1, 2, 3])])[0]
+    assert logits.shape == (3, VOCAB) and torch.isfinite(logits).all()
+    with pytest.raises(ValueError, match="'auto', 'safetensors', 'dummy'"):
+        load_model(config, str(tmp_path), torch.float32, "cpu", load_format="pt")
+
+
+def test_every_architecture_is_tested() -> None:
+    tested = {type(c).__name__.replace("Config", "") for c in CONFIGS.values()}
+    assert {a.split("For")[0].replace("LMHeadModel", "") for a in ARCHITECTURES} <= tested
