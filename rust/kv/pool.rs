@@ -315,8 +315,8 @@ impl BlockPool {
                 self.tokens[start..start + self.block_size].copy_from_slice(tokens);
             }
         }
-        if !self.cache.contains_key(&hash) {
-            self.cache.insert(hash, id);
+        if let std::collections::hash_map::Entry::Vacant(slot) = self.cache.entry(hash) {
+            slot.insert(id);
             self.blocks[i].cached = true;
         }
         Ok(())
