@@ -187,12 +187,16 @@ def test_completion_matches_offline(client, llm):
 
 
 def test_token_id_prompt_and_several_prompts(client, llm):
-    ids = llm.get_tokenizer().encode(PROMPTS[1])
+    tok = llm.get_tokenizer()
     kw = dict(temperature=0.0, max_tokens=6)
-    r = client.completions.create(model=NAME, prompt=[ids, PROMPTS[2]], **kw)
-    assert [c.index for c in r.choices] == [0, 1]
-    assert r.choices[0].text == _offline(llm, {"prompt_token_ids": ids}, **kw).outputs[0].text
-    assert r.choices[1].text == _offline(llm, PROMPTS[2], **kw).outputs[0].text
+    want = [_offline(llm, p, **kw).outputs[0].text for p in PROMPTS[1:3]]
+    ids = [tok.encode(p) for p in PROMPTS[1:3]]
+    for prompt in (ids, PROMPTS[1:3]):
+        r = client.completions.create(model=NAME, prompt=prompt, **kw)
+        assert [c.index for c in r.choices] == [0, 1]
+        assert [c.text for c in r.choices] == want
+    r = client.completions.create(model=NAME, prompt=ids[0], **kw)
+    assert r.choices[0].text == want[0]
 
 
 def test_chat_matches_offline(client, llm):

@@ -289,9 +289,11 @@ def _completion_logprobs(
         text = chosen.decoded_token or ""
         tokens.append(text)
         lps.append(_finite(chosen.logprob))
-        tops.append(
-            {(lp.decoded_token or ""): _finite(lp.logprob) for lp in _ranked(entry, len(entry))}
-        )
+        top: dict[str, float] = {}
+        for lp in _ranked(entry, len(entry)):
+            # tokens that decode alike share a key: keep the likelier one
+            top.setdefault(lp.decoded_token or "", _finite(lp.logprob))
+        tops.append(top)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
