@@ -20,7 +20,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-
 from fastllm import _core
 
 

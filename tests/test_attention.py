@@ -22,10 +22,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from fastllm import _core
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from fastllm import _core
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-4, rtol=2**-8)}
 
@@ -71,7 +70,7 @@ def reference_attention(query, key_cache, value_cache, block_tables, seq_lens, q
             continue
         blocks = block_tables[i, : math.ceil(ctx / block_size)].long()
 
-        def gather(cache):
+        def gather(cache, blocks=blocks, ctx=ctx):
             x = (
                 cache[blocks]
                 .float()
