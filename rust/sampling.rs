@@ -346,13 +346,7 @@ fn fast_exp(x: f32) -> f32 {
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
     const SHIFTER: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
-    let xc = if x < -87.0 {
-        -87.0
-    } else if x > 88.0 {
-        88.0
-    } else {
-        x
-    };
+    let xc = x.clamp(-87.0, 88.0);
     let kf = (xc * std::f32::consts::LOG2_E + SHIFTER) - SHIFTER;
     let r = xc - kf * LN2_HI - kf * LN2_LO;
     let mut p = 1.987_569_1e-4_f32;
@@ -360,7 +354,7 @@ fn fast_exp(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5;
     let y = p * (r * r) + r + 1.0;
     let scale = f32::from_bits(((kf as i32 + 127) as u32) << 23);
     if x < -87.0 {
@@ -391,7 +385,15 @@ fn row_max(x: &[f32]) -> f32 {
 
 /// Lowest index holding `target` after sanitising (0 if none).
 fn first_index_of(x: &[f32], target: f32) -> usize {
-    x.iter().position(|&v| sanitize(v) == target).unwrap_or(0)
+    for (ci, chunk) in x.chunks(64).enumerate() {
+        let hits = chunk.iter().filter(|&&v| sanitize(v) == target).count();
+        if hits > 0 {
+            if let Some(j) = chunk.iter().position(|&v| sanitize(v) == target) {
+                return ci * 64 + j;
+            }
+        }
+    }
+    0
 }
 
 /// Σ exp(sanitize(x) - m), accumulated in f32 lanes per block, blocks in f64.
@@ -470,9 +472,17 @@ fn chunk_max(chunk: &[f32], map: &impl Fn(f32) -> f32) -> f32 {
 /// lower id, sorted best first. A bounded heap with a per-chunk maximum test,
 /// so the common case is one vectorised pass; large `n` uses selection.
 fn top_n(values: &[f32], n: usize, map: impl Fn(f32) -> f32) -> Vec<Entry> {
+    top_n_with_rest(values, n, map).0
+}
+
+/// `top_n`, plus the largest value left out (-inf if none): equal to the
+/// n-th value exactly when ties at the boundary were left out.
+fn top_n_with_rest(values: &[f32], n: usize, map: impl Fn(f32) -> f32) -> (Vec<Entry>, f32) {
     let n = n.min(values.len());
+    let mut rest = f32::NEG_INFINITY;
+    let mut note = |v: f32| rest = if v > rest { v } else { rest };
     if n == 0 {
-        return Vec::new();
+        return (Vec::new(), chunk_max(values, &map));
     }
     if n.saturating_mul(8) >= values.len() {
         let mut all: Vec<Entry> = values
@@ -485,18 +495,23 @@ fn top_n(values: &[f32], n: usize, map: impl Fn(f32) -> f32) -> Vec<Entry> {
             .collect();
         if n < all.len() {
             all.select_nth_unstable(n - 1);
+            all[n..].iter().for_each(|e| note(e.v));
             all.truncate(n);
         }
         all.sort_unstable();
-        return all;
+        return (all, rest);
     }
     let mut heap: BinaryHeap<Entry> = BinaryHeap::with_capacity(n + 1);
     let mut worst = f32::NEG_INFINITY;
     const CHUNK: usize = 64;
     for (ci, chunk) in values.chunks(CHUNK).enumerate() {
         // A later id never beats an equal value, so only strictly larger values matter.
-        if heap.len() == n && chunk_max(chunk, &map) <= worst {
-            continue;
+        if heap.len() == n {
+            let m = chunk_max(chunk, &map);
+            if m <= worst {
+                note(m);
+                continue;
+            }
         }
         for (j, &v) in chunk.iter().enumerate() {
             let v = map(v);
@@ -505,9 +520,11 @@ fn top_n(values: &[f32], n: usize, map: impl Fn(f32) -> f32) -> Vec<Entry> {
                 heap.push(Entry { v, i });
             } else if v > worst {
                 if let Some(mut top) = heap.peek_mut() {
+                    note(top.v);
                     *top = Entry { v, i };
                 }
             } else {
+                note(v);
                 continue;
             }
             if heap.len() == n {
@@ -515,7 +532,7 @@ fn top_n(values: &[f32], n: usize, map: impl Fn(f32) -> f32) -> Vec<Entry> {
             }
         }
     }
-    heap.into_sorted_vec()
+    (heap.into_sorted_vec(), rest)
 }
 
 /// Per-thread buffers, reused across the rows one worker handles.
@@ -537,10 +554,9 @@ struct RowInput<'a> {
     output: &'a [i32],
 }
 
-/// Maximum and argmax (lowest id) of the raw, sanitised logits.
+/// Maximum of the raw, sanitised logits.
 struct RawStats {
     max: f32,
-    argmax: usize,
 }
 
 /// The set a row draws from.
@@ -562,9 +578,9 @@ struct Plan {
 }
 
 fn raw_stats(x: &[f32]) -> RawStats {
-    let max = sanitize(row_max(x));
-    let argmax = first_index_of(x, max);
-    RawStats { max, argmax }
+    RawStats {
+        max: sanitize(row_max(x)),
+    }
 }
 
 /// Writes `z / temperature` into `s.w`, where `z` is the penalised logit.
@@ -621,43 +637,41 @@ fn plan_row(row: &RowInput<'_>, raw: &RawStats, s: &mut Scratch) -> Plan {
     let p = row.params;
     let vocab = row.logits.len();
     let penalised = p.has_penalties() && !(row.prompt.is_empty() && row.output.is_empty());
+    let raw_argmax = || first_index_of(row.logits, raw.max);
     if p.is_greedy() && !penalised {
+        let i = raw_argmax();
         return Plan {
-            kept: Kept::One(raw.argmax),
+            kept: Kept::One(i),
             w_max: raw.max,
-            w_argmax: raw.argmax,
+            w_argmax: i,
         };
     }
     let temperature = if p.is_greedy() { 1.0 } else { p.temperature };
     tempered_logits(row, temperature, s);
     let w_max = row_max(&s.w);
-    if w_max == f32::NEG_INFINITY {
-        return Plan {
-            kept: Kept::One(raw.argmax),
-            w_max,
-            w_argmax: raw.argmax,
-        };
-    }
-    let w_argmax = first_index_of(&s.w, w_max);
     let one = |i| Plan {
         kept: Kept::One(i),
         w_max,
         w_argmax: i,
     };
+    if w_max == f32::NEG_INFINITY {
+        return one(raw_argmax());
+    }
     if p.is_greedy() {
-        return one(w_argmax);
+        return one(first_index_of(&s.w, w_max));
     }
     let min_p = if p.min_p > 0.0 { p.min_p } else { 0.0 };
     let top_p = (p.top_p < 1.0).then_some(p.top_p as f64);
     if let Some(k) = p.top_k_active(vocab) {
         let list = top_k_candidates(&s.w, w_max, k, min_p, top_p);
-        if list.is_empty() {
-            return one(w_argmax);
-        }
-        return Plan {
-            kept: Kept::List(list),
-            w_max,
-            w_argmax,
+        return match list.first() {
+            // The largest `w` (lowest id on ties) comes first and is always kept.
+            Some(&w_argmax) => Plan {
+                kept: Kept::List(list),
+                w_max,
+                w_argmax,
+            },
+            None => one(first_index_of(&s.w, w_max)),
         };
     }
     let min_e = match top_p {
@@ -667,16 +681,15 @@ fn plan_row(row: &RowInput<'_>, raw: &RawStats, s: &mut Scratch) -> Plan {
     Plan {
         kept: Kept::Threshold { min_e },
         w_max,
-        w_argmax,
+        w_argmax: first_index_of(&s.w, w_max),
     }
 }
 
 /// Top-k (ties kept), then min_p and top-p on the small candidate list; best first.
 fn top_k_candidates(w: &[f32], w_max: f32, k: usize, min_p: f32, top_p: Option<f64>) -> Vec<usize> {
-    let best = top_n(w, k, |v| v);
+    let (best, rest) = top_n_with_rest(w, k, |v| v);
     let kth = best.last().map_or(f32::NEG_INFINITY, |e| e.v);
-    let ties_in_best = best.iter().filter(|e| e.v == kth).count();
-    let mut cand = if w.iter().filter(|&&v| v == kth).count() > ties_in_best {
+    let mut cand = if rest == kth {
         let mut all: Vec<Entry> = w
             .iter()
             .enumerate()
@@ -991,6 +1004,8 @@ mod tests {
                 .collect();
             want.sort();
             assert_eq!(got, want[..n].iter().map(|p| p.1).collect::<Vec<_>>());
+            let (_, rest) = top_n_with_rest(&long, n, |v| v);
+            assert_eq!(rest, -(want[n].0 as f32));
         }
     }
 
