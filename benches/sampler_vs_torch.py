@@ -12,7 +12,6 @@ import statistics
 import time
 
 import torch
-
 from fastllm import _core
 
 VOCAB = 151936
