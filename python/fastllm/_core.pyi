@@ -75,6 +75,7 @@ class BlockPool:
         """free_blocks, cached_blocks, hits, queries, evictions."""
     def reset_prefix_cache(self) -> bool:
         """Drops every cache entry unless a cached block is referenced; returns whether it did."""
+
 # ---- attention ----
 
 def reshape_and_cache(
@@ -112,6 +113,7 @@ def paged_attention(
     ``seq_lens[i]`` tokens and attend causally; ``sliding_window > 0`` limits a
     query at position ``p`` to keys in ``(p - sliding_window, p]``.
     """
+
 # ---- sampling ----
 
 def sample(

@@ -170,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_generate_parser(sub)
     add_chat_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
@@ -177,6 +178,25 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fastllm`` console script."""
     args = build_parser().parse_args(argv)
     return int(args.func(args))
+
+
+# ---- bench ---------------------------------------------------------------------
+
+
+def add_bench_parser(sub: Any) -> None:
+    """Registers ``fastllm bench`` (throughput / latency, optionally against transformers)."""
+    from fastllm import benchmark
+
+    p = sub.add_parser(
+        "bench",
+        help="measure throughput or batch-1 latency (optionally against transformers)",
+        description="Offline throughput (random prompts, ignore_eos, one warm-up) or batch-1 "
+        "latency (time to first token, prefill and decode tokens/s); --compare transformers "
+        "runs transformers.generate on the same folder and workload in the same invocation.",
+        formatter_class=_HelpFormatter,
+    )
+    benchmark.add_arguments(p)
+    p.set_defaults(func=benchmark.run)
 
 
 # ---- serve, generate, chat -------------------------------------------------------
