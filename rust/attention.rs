@@ -378,7 +378,7 @@ fn validate<T>(
     num_heads: usize,
     batch: BatchLayout<'_>,
 ) -> CoreResult<Vec<SeqInfo>> {
-    if shape.num_kv_heads == 0 || num_heads % shape.num_kv_heads != 0 {
+    if shape.num_kv_heads == 0 || !num_heads.is_multiple_of(shape.num_kv_heads) {
         return Err(CoreError::invalid(format!(
             "query: num_heads ({num_heads}) must be a positive multiple of the cache's num_kv_heads ({})",
             shape.num_kv_heads
@@ -396,7 +396,7 @@ fn validate<T>(
         )));
     }
     let row = num_heads * shape.head_size;
-    if query.len() != out.len() || row == 0 || query.len() % row != 0 {
+    if query.len() != out.len() || row == 0 || !query.len().is_multiple_of(row) {
         return Err(CoreError::invalid(format!(
             "query/out: expected [num_tokens, {num_heads}, {}] elements, got {} and {}",
             shape.head_size,
@@ -708,7 +708,7 @@ impl MulAdd for X86 {
     #[inline(always)]
     fn scores8(q: &[f32], keys: &[f32], out: &mut [f32]) -> bool {
         let d = q.len();
-        if d % 8 != 0 || keys.len() < 8 * d || out.len() < 8 {
+        if !d.is_multiple_of(8) || keys.len() < 8 * d || out.len() < 8 {
             return false;
         }
         // SAFETY: only instantiated inside `attend_avx2` / `attend_avx512`,
