@@ -99,7 +99,7 @@ def test_preemption_gives_same_outputs(make_model):
         block_size=8,
         max_model_len=128,
         # 24 blocks of 2 layers x (K, V) x 2 heads x 16 dims x 8 tokens x 4 bytes
-        kv_cache_memory_bytes=24 * 2048,
+        kv_cache_memory_bytes=24 * 4096,
     )
     got = small.generate(prompts, greedy(40), use_tqdm=False)
     assert small.llm_engine.scheduler.num_preemptions > 0

@@ -121,6 +121,7 @@ class ModelRunner:
             extra[idx] = self.model.compute_logits(hidden[lo:hi]).float().cpu()
         return logits.float().cpu(), extra
 
+    @torch.inference_mode()
     def sample(
         self, logits: torch.Tensor, seqs: list[Sequence], suppress: list[list[int]]
     ) -> tuple[list[int], list[float], list[int], list[list[tuple[int, float]]]]:
