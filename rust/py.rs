@@ -566,8 +566,7 @@ fn nvrtc_compile<'py>(
     let nvrtc = load_nvrtc(py, nvrtc_path)?;
     let output = if cubin { Output::Cubin } else { Output::Ptx };
     let headers = [crate::cuda::kernels::COMMON_HEADER];
-    let image =
-        py.detach(|| compile_cached(nvrtc, source, name, &headers, arch, output, &[]))?;
+    let image = py.detach(|| compile_cached(nvrtc, source, name, &headers, arch, output, &[]))?;
     Ok(pyo3::types::PyBytes::new(py, &image))
 }
 
@@ -913,7 +912,11 @@ fn cuda_sample(
     let fp = TensorArg::extract("fparams", fparams)?;
     fp.expect_cuda(&[DType::F32], 2)?;
     fp.expect_dim(0, rows, "rows of logits")?;
-    fp.expect_dim(1, 6, "temperature, top_p, min_p, repetition, frequency, presence")?;
+    fp.expect_dim(
+        1,
+        6,
+        "temperature, top_p, min_p, repetition, frequency, presence",
+    )?;
     let ip = TensorArg::extract("iparams", iparams)?;
     ip.expect_cuda(&[DType::I64], 2)?;
     ip.expect_dim(0, rows, "rows of logits")?;

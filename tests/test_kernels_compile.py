@@ -215,3 +215,17 @@ def test_kernel_fallback_warns_once(caplog, monkeypatch):
     assert "CUDA_ERROR_INVALID_IMAGE" in (cuda_ops.disabled_reason() or "")
     warnings = [r for r in caplog.records if "CUDA kernels disabled" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_cpu_generate_resolves_no_cuda_library(make_model):
+    """A CPU generate never maps libcuda or libnvrtc into the process."""
+    folder = make_model("llama")
+    proc = run_python(
+        "from fastllm import LLM, SamplingParams\n"
+        f"llm = LLM({folder!r}, device='cpu', dtype='float32')\n"
+        "out = llm.generate(['def f(x):'], SamplingParams(max_tokens=4, seed=1), use_tqdm=False)\n"
+        "assert len(out[0].outputs[0].token_ids) == 4\n"
+        "maps = open('/proc/self/maps').read()\n"
+        "print('MAPPED' if ('libcuda.so' in maps or 'libnvrtc' in maps) else 'CLEAN')\n",
+    )
+    assert "CLEAN" in proc.stdout, proc.stdout + proc.stderr

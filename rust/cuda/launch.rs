@@ -9,7 +9,7 @@
 //! the caller passes (torch's current stream). Every call is a `Result` whose
 //! error names the CUDA call and the error.
 
-use std::ffi::{c_uint, c_void, CString};
+use std::ffi::{c_char, c_uint, c_void, CString};
 use std::sync::Mutex;
 
 use super::driver::{CuDevice, CuResult, Driver};
@@ -21,7 +21,7 @@ type Handle = *mut c_void;
 type FnPrimaryCtxRetain = unsafe extern "C" fn(*mut Handle, CuDevice) -> CuResult;
 type FnCtxSetCurrent = unsafe extern "C" fn(Handle) -> CuResult;
 type FnModuleLoadData = unsafe extern "C" fn(*mut Handle, *const c_void) -> CuResult;
-type FnModuleGetFunction = unsafe extern "C" fn(*mut Handle, Handle, *const i8) -> CuResult;
+type FnModuleGetFunction = unsafe extern "C" fn(*mut Handle, Handle, *const c_char) -> CuResult;
 type FnLaunchKernel = unsafe extern "C" fn(
     Handle,
     c_uint,
@@ -217,11 +217,12 @@ impl Runtime {
         let headers = [kernels::COMMON_HEADER];
         // A CUBIN for the exact architecture; PTX when this NVRTC cannot
         // target it (a GPU newer than the compiler).
-        let image = nvrtc::compile_cached(nvrtc, source, file, &headers, dev.arch, Output::Cubin, &[])
-            .or_else(|cubin_err| {
-                nvrtc::compile_cached(nvrtc, source, file, &headers, dev.arch, Output::Ptx, &[])
-                    .map_err(|_| cubin_err)
-            })?;
+        let image =
+            nvrtc::compile_cached(nvrtc, source, file, &headers, dev.arch, Output::Cubin, &[])
+                .or_else(|cubin_err| {
+                    nvrtc::compile_cached(nvrtc, source, file, &headers, dev.arch, Output::Ptx, &[])
+                        .map_err(|_| cubin_err)
+                })?;
         let image = nul_terminated(image);
         self.set_current(dev.context)?;
         let mut module: Handle = std::ptr::null_mut();
@@ -261,9 +262,8 @@ impl Runtime {
             .map_err(|_| CoreError::invalid("kernel name contains a NUL byte"))?;
         let mut function: Handle = std::ptr::null_mut();
         // SAFETY: `module` is loaded; writes one function handle.
-        let rc = unsafe {
-            (self.module_get_function)(&mut function, module as Handle, cname.as_ptr() as *const i8)
-        };
+        let rc =
+            unsafe { (self.module_get_function)(&mut function, module as Handle, cname.as_ptr()) };
         self.check("cuModuleGetFunction", rc)
             .map_err(|e| CoreError::Cuda(format!("kernel {name} of {file}: {e}")))?;
         dev.functions.push((key, function as usize));
@@ -349,7 +349,11 @@ mod tests {
 
     #[test]
     fn arguments_are_8_byte_slots_in_native_order() {
-        let a = Args::new().ptr(0x1122_3344_5566_7788).i32(-2).f32(1.5).i64(-3);
+        let a = Args::new()
+            .ptr(0x1122_3344_5566_7788)
+            .i32(-2)
+            .f32(1.5)
+            .i64(-3);
         assert_eq!(a.len(), 4);
         assert_eq!(a.slots[0].0, 0x1122_3344_5566_7788u64.to_ne_bytes());
         assert_eq!(&a.slots[1].0[..4], &(-2i32).to_ne_bytes());

@@ -397,7 +397,9 @@ pub fn digest(parts: &[&[u8]]) -> String {
     for part in parts {
         for &byte in part.iter().chain((part.len() as u64).to_le_bytes().iter()) {
             a = (a ^ byte as u64).wrapping_mul(0x0000_0100_0000_01b3);
-            b = (b ^ byte as u64).wrapping_mul(0x0000_0100_0000_01b3).rotate_left(5);
+            b = (b ^ byte as u64)
+                .wrapping_mul(0x0000_0100_0000_01b3)
+                .rotate_left(5);
         }
     }
     format!("{a:016x}{b:016x}")
@@ -405,7 +407,11 @@ pub fn digest(parts: &[&[u8]]) -> String {
 
 /// The kernel cache folder: `FASTLLM_CACHE_DIR`, else the XDG cache, else `~/.cache`.
 pub fn cache_dir() -> Option<PathBuf> {
-    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let var = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
     if let Some(d) = var("FASTLLM_CACHE_DIR") {
         return Some(d);
     }
@@ -494,7 +500,13 @@ mod tests {
         let found = libraries_in(&dir);
         let names: Vec<String> = found
             .iter()
-            .map(|p| Path::new(p).file_name().unwrap().to_string_lossy().into_owned())
+            .map(|p| {
+                Path::new(p)
+                    .file_name()
+                    .unwrap()
+                    .to_string_lossy()
+                    .into_owned()
+            })
             .collect();
         assert_eq!(names, ["libnvrtc.so.13", "libnvrtc.so.12"]);
         // An explicit folder is searched and nothing else is tried.
@@ -505,7 +517,11 @@ mod tests {
 
     #[test]
     fn candidate_order() {
-        let got = candidates(None, Some("/nonexistent-cuda"), &["/nonexistent-wheel".into()]);
+        let got = candidates(
+            None,
+            Some("/nonexistent-cuda"),
+            &["/nonexistent-wheel".into()],
+        );
         if !cfg!(windows) {
             assert!(got.ends_with(&[
                 "libnvrtc.so.13".into(),
@@ -521,7 +537,10 @@ mod tests {
 
     #[test]
     fn missing_nvrtc_names_the_package() {
-        let err = match open_first(&["/nonexistent/libnvrtc.so.13".into()], Some("/nonexistent")) {
+        let err = match open_first(
+            &["/nonexistent/libnvrtc.so.13".into()],
+            Some("/nonexistent"),
+        ) {
             Ok(_) => panic!("a missing NVRTC loaded"),
             Err(e) => e.to_string(),
         };
