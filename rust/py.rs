@@ -7,6 +7,9 @@ use pyo3::exceptions::{PyMemoryError, PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
+use half::bf16;
+
+use crate::attention::{self, BatchLayout, CacheShape};
 use crate::error::CoreError;
 use crate::kv::{BlockId, BlockPool};
 
@@ -515,6 +518,414 @@ impl PyBlockPool {
 }
 
 // ---- end kv: block pool ----
+// ---- attention ----
+
+/// Fails unless two tensors' memory ranges are disjoint (a kernel reads one while writing the other).
+fn expect_disjoint(a: &TensorArg, b: &TensorArg) -> PyResult<()> {
+    let end = |t: &TensorArg| t.ptr + t.numel() * t.dtype.size();
+    if a.numel() > 0 && b.numel() > 0 && a.ptr < end(b) && b.ptr < end(a) {
+        return Err(PyValueError::new_err(format!(
+            "{} and {} must not share memory",
+            a.name, b.name
+        )));
+    }
+    Ok(())
+}
+
+/// Fails unless `t` has the dtype of `like` (the caches fix the element type).
+fn expect_same_dtype(t: &TensorArg, like: &TensorArg) -> PyResult<()> {
+    if t.dtype != like.dtype {
+        return Err(PyValueError::new_err(format!(
+            "{}: dtype {:?} must match {} ({:?})",
+            t.name, t.dtype, like.name, like.dtype
+        )));
+    }
+    Ok(())
+}
+
+/// Checks the two cache tensors and returns their shape.
+fn cache_shape(kc: &TensorArg, vc: &TensorArg) -> PyResult<CacheShape> {
+    kc.expect(&[DType::F32, DType::BF16], 4)?;
+    vc.expect(&[DType::F32, DType::BF16], 4)?;
+    expect_same_dtype(vc, kc)?;
+    if kc.shape != vc.shape {
+        return Err(PyValueError::new_err(format!(
+            "value_cache: shape {:?} must match key_cache {:?}",
+            vc.shape, kc.shape
+        )));
+    }
+    expect_disjoint(kc, vc)?;
+    Ok(CacheShape {
+        num_blocks: kc.shape[0],
+        num_kv_heads: kc.shape[1],
+        block_size: kc.shape[2],
+        head_size: kc.shape[3],
+    })
+}
+
+/// Stores new K/V rows into their cache slots (a negative slot skips the token).
+#[pyfunction]
+fn reshape_and_cache(
+    py: Python<'_>,
+    key: &Bound<'_, PyAny>,
+    value: &Bound<'_, PyAny>,
+    key_cache: &Bound<'_, PyAny>,
+    value_cache: &Bound<'_, PyAny>,
+    slot_mapping: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let k = TensorArg::extract("key", key)?;
+    let v = TensorArg::extract("value", value)?;
+    let kc = TensorArg::extract("key_cache", key_cache)?;
+    let vc = TensorArg::extract("value_cache", value_cache)?;
+    let slots = TensorArg::extract("slot_mapping", slot_mapping)?;
+    let shape = cache_shape(&kc, &vc)?;
+    for t in [&k, &v] {
+        t.expect(&[DType::F32, DType::BF16], 3)?;
+        expect_same_dtype(t, &kc)?;
+        t.expect_dim(1, shape.num_kv_heads, "num_kv_heads of the cache")?;
+        t.expect_dim(2, shape.head_size, "head_size of the cache")?;
+        expect_disjoint(t, &kc)?;
+        expect_disjoint(t, &vc)?;
+    }
+    v.expect_dim(0, k.shape[0], "num_tokens of key")?;
+    slots.expect(&[DType::I64], 1)?;
+    slots.expect_dim(0, k.shape[0], "num_tokens of key")?;
+    // SAFETY: dtypes, shapes and contiguity are checked above; the caches are
+    // disjoint from each other and from the inputs; the tensors outlive the call.
+    unsafe {
+        let slots = slots.slice::<i64>();
+        match kc.dtype {
+            DType::BF16 => {
+                let (k, v) = (k.slice::<bf16>(), v.slice::<bf16>());
+                let (kc, vc) = (kc.slice_mut::<bf16>(), vc.slice_mut::<bf16>());
+                py.detach(|| attention::reshape_and_cache(k, v, kc, vc, slots, shape))?
+            }
+            _ => {
+                let (k, v) = (k.slice::<f32>(), v.slice::<f32>());
+                let (kc, vc) = (kc.slice_mut::<f32>(), vc.slice_mut::<f32>());
+                py.detach(|| attention::reshape_and_cache(k, v, kc, vc, slots, shape))?
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Attention of packed new tokens over the paged KV cache, written into `out`.
+#[pyfunction]
+#[pyo3(signature = (out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window = 0))]
+#[allow(clippy::too_many_arguments)]
+fn paged_attention(
+    py: Python<'_>,
+    out: &Bound<'_, PyAny>,
+    query: &Bound<'_, PyAny>,
+    key_cache: &Bound<'_, PyAny>,
+    value_cache: &Bound<'_, PyAny>,
+    block_tables: &Bound<'_, PyAny>,
+    seq_lens: &Bound<'_, PyAny>,
+    query_start_loc: &Bound<'_, PyAny>,
+    scale: f64,
+    sliding_window: i64,
+) -> PyResult<()> {
+    let o = TensorArg::extract("out", out)?;
+    let q = TensorArg::extract("query", query)?;
+    let kc = TensorArg::extract("key_cache", key_cache)?;
+    let vc = TensorArg::extract("value_cache", value_cache)?;
+    let bt = TensorArg::extract("block_tables", block_tables)?;
+    let sl = TensorArg::extract("seq_lens", seq_lens)?;
+    let qsl = TensorArg::extract("query_start_loc", query_start_loc)?;
+    let shape = cache_shape(&kc, &vc)?;
+    q.expect(&[DType::F32, DType::BF16], 3)?;
+    expect_same_dtype(&q, &kc)?;
+    q.expect_dim(2, shape.head_size, "head_size of the cache")?;
+    let num_heads = q.shape[1];
+    if num_heads == 0 || num_heads % shape.num_kv_heads.max(1) != 0 {
+        return Err(PyValueError::new_err(format!(
+            "query: num_heads ({num_heads}) must be a positive multiple of the cache's num_kv_heads ({})",
+            shape.num_kv_heads
+        )));
+    }
+    o.expect(&[DType::F32, DType::BF16], 3)?;
+    expect_same_dtype(&o, &kc)?;
+    if o.shape != q.shape {
+        return Err(PyValueError::new_err(format!(
+            "out: shape {:?} must match query {:?}",
+            o.shape, q.shape
+        )));
+    }
+    for t in [&q, &kc, &vc] {
+        expect_disjoint(&o, t)?;
+    }
+    bt.expect(&[DType::I32], 2)?;
+    sl.expect(&[DType::I32], 1)?;
+    sl.expect_dim(0, bt.shape[0], "num_seqs of block_tables")?;
+    qsl.expect(&[DType::I32], 1)?;
+    qsl.expect_dim(0, bt.shape[0] + 1, "num_seqs + 1")?;
+    if !scale.is_finite() {
+        return Err(PyValueError::new_err(format!(
+            "scale: must be finite, got {scale}"
+        )));
+    }
+    // SAFETY: dtypes, shapes and contiguity are checked above; `out` is
+    // disjoint from every input; the tensors outlive the call.
+    unsafe {
+        let batch = BatchLayout {
+            block_tables: bt.slice::<i32>(),
+            max_blocks_per_seq: bt.shape[1],
+            seq_lens: sl.slice::<i32>(),
+            query_start_loc: qsl.slice::<i32>(),
+        };
+        let scale = scale as f32;
+        match kc.dtype {
+            DType::BF16 => {
+                let (o, q) = (o.slice_mut::<bf16>(), q.slice::<bf16>());
+                let (kc, vc) = (kc.slice::<bf16>(), vc.slice::<bf16>());
+                py.detach(|| {
+                    attention::paged_attention(
+                        o,
+                        q,
+                        kc,
+                        vc,
+                        shape,
+                        num_heads,
+                        batch,
+                        scale,
+                        sliding_window,
+                    )
+                })?
+            }
+            _ => {
+                let (o, q) = (o.slice_mut::<f32>(), q.slice::<f32>());
+                let (kc, vc) = (kc.slice::<f32>(), vc.slice::<f32>());
+                py.detach(|| {
+                    attention::paged_attention(
+                        o,
+                        q,
+                        kc,
+                        vc,
+                        shape,
+                        num_heads,
+                        batch,
+                        scale,
+                        sliding_window,
+                    )
+                })?
+            }
+        }
+    }
+    Ok(())
+}
+
+// ---- end attention ----
+// ---- sampling ----
+
+/// Per-row sampling arguments as received from Python, checked for length.
+#[allow(clippy::too_many_arguments)]
+fn sampling_params(
+    rows: usize,
+    temperature: &[f32],
+    top_k: &[i64],
+    top_p: &[f32],
+    min_p: &[f32],
+    repetition_penalty: &[f32],
+    frequency_penalty: &[f32],
+    presence_penalty: &[f32],
+    seed: Option<&[u64]>,
+    position: Option<&[u64]>,
+    num_logprobs: Option<&[usize]>,
+) -> PyResult<Vec<crate::sampling::SamplingParams>> {
+    let check = |name: &str, len: usize| -> PyResult<()> {
+        if len != rows {
+            return Err(PyValueError::new_err(format!(
+                "{name}: expected {rows} values (one per logits row), got {len}"
+            )));
+        }
+        Ok(())
+    };
+    check("temperature", temperature.len())?;
+    check("top_k", top_k.len())?;
+    check("top_p", top_p.len())?;
+    check("min_p", min_p.len())?;
+    check("repetition_penalty", repetition_penalty.len())?;
+    check("frequency_penalty", frequency_penalty.len())?;
+    check("presence_penalty", presence_penalty.len())?;
+    for (name, v) in [
+        ("seed", seed.map(<[u64]>::len)),
+        ("position", position.map(<[u64]>::len)),
+    ] {
+        if let Some(len) = v {
+            check(name, len)?;
+        }
+    }
+    if let Some(n) = num_logprobs {
+        check("num_logprobs", n.len())?;
+    }
+    Ok((0..rows)
+        .map(|r| crate::sampling::SamplingParams {
+            temperature: temperature[r],
+            top_k: top_k[r],
+            top_p: top_p[r],
+            min_p: min_p[r],
+            repetition_penalty: repetition_penalty[r],
+            frequency_penalty: frequency_penalty[r],
+            presence_penalty: presence_penalty[r],
+            seed: seed.map_or(0, |s| s[r]),
+            position: position.map_or(0, |p| p[r]),
+            num_logprobs: num_logprobs.map_or(0, |n| n[r]),
+        })
+        .collect())
+}
+
+/// The checked logits `[B, V]` and the flat int32 token histories.
+struct SamplerTensors {
+    logits: TensorArg,
+    prompt_tokens: TensorArg,
+    output_tokens: TensorArg,
+}
+
+impl SamplerTensors {
+    fn extract(
+        logits: &Bound<'_, PyAny>,
+        prompt_tokens: &Bound<'_, PyAny>,
+        output_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<SamplerTensors> {
+        let logits = TensorArg::extract("logits", logits)?;
+        logits.expect(&[DType::F32], 2)?;
+        let prompt_tokens = TensorArg::extract("prompt_tokens", prompt_tokens)?;
+        prompt_tokens.expect(&[DType::I32], 1)?;
+        let output_tokens = TensorArg::extract("output_tokens", output_tokens)?;
+        output_tokens.expect(&[DType::I32], 1)?;
+        Ok(SamplerTensors {
+            logits,
+            prompt_tokens,
+            output_tokens,
+        })
+    }
+
+    fn rows(&self) -> usize {
+        self.logits.shape[0]
+    }
+
+    /// # Safety
+    /// The tensors were checked by `extract` and must outlive the batch.
+    unsafe fn batch<'a>(
+        &'a self,
+        params: &'a [crate::sampling::SamplingParams],
+        prompt_offsets: &'a [usize],
+        output_offsets: &'a [usize],
+    ) -> crate::sampling::Batch<'a> {
+        crate::sampling::Batch {
+            logits: self.logits.slice::<f32>(),
+            vocab: self.logits.shape[1],
+            params,
+            prompt_tokens: self.prompt_tokens.slice::<i32>(),
+            prompt_offsets,
+            output_tokens: self.output_tokens.slice::<i32>(),
+            output_offsets,
+        }
+    }
+}
+
+/// Result of `sample`: tokens, their raw logprobs, their ranks, top-N lists.
+type SampleOutput = (Vec<u32>, Vec<f32>, Vec<u32>, Vec<Vec<(u32, f32)>>);
+
+/// Samples one token per row of float32 logits `[B, V]` (see `_core.pyi`).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn sample(
+    py: Python<'_>,
+    logits: &Bound<'_, PyAny>,
+    temperature: Vec<f32>,
+    top_k: Vec<i64>,
+    top_p: Vec<f32>,
+    min_p: Vec<f32>,
+    repetition_penalty: Vec<f32>,
+    frequency_penalty: Vec<f32>,
+    presence_penalty: Vec<f32>,
+    seed: Vec<u64>,
+    position: Vec<u64>,
+    prompt_tokens: &Bound<'_, PyAny>,
+    prompt_offsets: Vec<usize>,
+    output_tokens: &Bound<'_, PyAny>,
+    output_offsets: Vec<usize>,
+    num_logprobs: Vec<usize>,
+) -> PyResult<SampleOutput> {
+    let tensors = SamplerTensors::extract(logits, prompt_tokens, output_tokens)?;
+    let params = sampling_params(
+        tensors.rows(),
+        &temperature,
+        &top_k,
+        &top_p,
+        &min_p,
+        &repetition_penalty,
+        &frequency_penalty,
+        &presence_penalty,
+        Some(&seed),
+        Some(&position),
+        Some(&num_logprobs),
+    )?;
+    // SAFETY: checked by `SamplerTensors::extract`; the tensors are borrowed
+    // from the call's arguments and stay alive until it returns.
+    let batch = unsafe { tensors.batch(&params, &prompt_offsets, &output_offsets) };
+    let samples = py.detach(|| crate::sampling::sample_batch(&batch))?;
+    let mut out: SampleOutput = (
+        Vec::with_capacity(samples.len()),
+        Vec::with_capacity(samples.len()),
+        Vec::with_capacity(samples.len()),
+        Vec::with_capacity(samples.len()),
+    );
+    for s in samples {
+        out.0.push(s.token);
+        out.1.push(s.logprob);
+        out.2.push(s.rank);
+        out.3.push(s.top_logprobs);
+    }
+    Ok(out)
+}
+
+/// The token ids each row may draw after penalties and filters (a debugging aid).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn sampling_support(
+    py: Python<'_>,
+    logits: &Bound<'_, PyAny>,
+    temperature: Vec<f32>,
+    top_k: Vec<i64>,
+    top_p: Vec<f32>,
+    min_p: Vec<f32>,
+    repetition_penalty: Vec<f32>,
+    frequency_penalty: Vec<f32>,
+    presence_penalty: Vec<f32>,
+    prompt_tokens: &Bound<'_, PyAny>,
+    prompt_offsets: Vec<usize>,
+    output_tokens: &Bound<'_, PyAny>,
+    output_offsets: Vec<usize>,
+) -> PyResult<Vec<Vec<u32>>> {
+    let tensors = SamplerTensors::extract(logits, prompt_tokens, output_tokens)?;
+    let params = sampling_params(
+        tensors.rows(),
+        &temperature,
+        &top_k,
+        &top_p,
+        &min_p,
+        &repetition_penalty,
+        &frequency_penalty,
+        &presence_penalty,
+        None,
+        None,
+        None,
+    )?;
+    // SAFETY: as in `sample`.
+    let batch = unsafe { tensors.batch(&params, &prompt_offsets, &output_offsets) };
+    Ok(py.detach(|| crate::sampling::support_batch(&batch))?)
+}
+
+/// The sampler's uniform draw in (0, 1) for `(seed, position, token)`.
+#[pyfunction]
+fn sampling_uniform(seed: u64, position: u64, token: u32) -> f64 {
+    crate::sampling::uniform(seed, position, token)
+}
+
+// ---- end sampling ----
 
 // ---- cuda kernels ----
 
@@ -1001,5 +1412,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add_function(f)?;
     }
     m.add_class::<PyBlockPool>()?; // kv: block pool
+                                   // attention
+    m.add_function(wrap_pyfunction!(reshape_and_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(paged_attention, m)?)?;
+    // sampling
+    m.add_function(wrap_pyfunction!(sample, m)?)?;
+    m.add_function(wrap_pyfunction!(sampling_support, m)?)?;
+    m.add_function(wrap_pyfunction!(sampling_uniform, m)?)?;
     Ok(())
 }

@@ -2,6 +2,7 @@
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 __version__: str
@@ -74,6 +75,91 @@ class BlockPool:
         """free_blocks, cached_blocks, hits, queries, evictions."""
     def reset_prefix_cache(self) -> bool:
         """Drops every cache entry unless a cached block is referenced; returns whether it did."""
+
+# ---- attention ----
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Stores new K/V rows into their cache slots (a negative slot skips the token).
+
+    ``key``/``value``: ``[num_tokens, num_kv_heads, head_size]``, the caches' dtype
+    (float32 or bfloat16); caches: ``[num_blocks, num_kv_heads, block_size, head_size]``;
+    ``slot_mapping``: int64 ``[num_tokens]``, ``slot = block_id * block_size + offset``.
+    Raises ValueError on a wrong dtype, shape, device or layout, or a slot out of range.
+    """
+
+def paged_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+) -> None:
+    """Attention of packed new tokens over the paged KV cache, written into ``out``.
+
+    ``query``/``out``: ``[num_tokens, num_heads, head_size]`` in the caches' dtype;
+    ``block_tables``: int32 ``[num_seqs, max_blocks_per_seq]``; ``seq_lens``: int32
+    ``[num_seqs]`` (context length including the new tokens); ``query_start_loc``:
+    int32 ``[num_seqs + 1]``. Sequence ``i``'s new tokens are the last of its
+    ``seq_lens[i]`` tokens and attend causally; ``sliding_window > 0`` limits a
+    query at position ``p`` to keys in ``(p - sliding_window, p]``.
+    """
+
+# ---- sampling ----
+
+def sample(
+    logits: Tensor,
+    temperature: Sequence[float],
+    top_k: Sequence[int],
+    top_p: Sequence[float],
+    min_p: Sequence[float],
+    repetition_penalty: Sequence[float],
+    frequency_penalty: Sequence[float],
+    presence_penalty: Sequence[float],
+    seed: Sequence[int],
+    position: Sequence[int],
+    prompt_tokens: Tensor,
+    prompt_offsets: Sequence[int],
+    output_tokens: Tensor,
+    output_offsets: Sequence[int],
+    num_logprobs: Sequence[int],
+) -> tuple[list[int], list[float], list[int], list[list[tuple[int, float]]]]:
+    """Samples one token per row; returns (tokens, their raw logprobs, their ranks, top-N (id, logprob) per row).
+
+    ``logits`` is float32 ``[B, V]``, CPU, contiguous, read only. Per-row sequences have
+    length B; ``prompt_tokens`` / ``output_tokens`` are flat int32 tensors indexed by
+    ``B + 1`` offsets. Order (vLLM's): logprobs of the raw logits, penalties, greedy if
+    temperature < 1e-5, temperature, min_p, top-k, top-p, then an exponential race whose
+    randomness is a function of (seed, position, token) only.
+    """
+
+def sampling_support(
+    logits: Tensor,
+    temperature: Sequence[float],
+    top_k: Sequence[int],
+    top_p: Sequence[float],
+    min_p: Sequence[float],
+    repetition_penalty: Sequence[float],
+    frequency_penalty: Sequence[float],
+    presence_penalty: Sequence[float],
+    prompt_tokens: Tensor,
+    prompt_offsets: Sequence[int],
+    output_tokens: Tensor,
+    output_offsets: Sequence[int],
+) -> list[list[int]]:
+    """The ascending token ids each row may draw after penalties and filters (debugging aid)."""
+
+def sampling_uniform(seed: int, position: int, token: int) -> float:
+    """The sampler's counter-based uniform draw in (0, 1) for (seed, position, token)."""
 
 # ---- cuda kernels ----
 # NVRTC and the CUDA kernels of ``kernels/``. ``nvrtc_*`` never touch the

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -43,6 +42,8 @@ class LatencyResult:
 
 
 def _peak_rss_mib() -> float:
+    import resource  # Unix only; imported here so the CLI loads everywhere
+
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb / 1024 if sys.platform != "darwin" else kb / (1024 * 1024)
 

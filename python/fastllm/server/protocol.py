@@ -1,0 +1,288 @@
+"""Request bodies of the OpenAI-compatible API (OpenAI's fields plus vLLM's
+extras), their conversion to SamplingParams, and OpenAI-format errors."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from fastllm.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20
+MAX_N = 128
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's format: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        type: str | None = None,
+        code: str | int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.type = type or _ERROR_TYPES.get(status, "InternalServerError")
+        self.code = code if code is not None else status
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body of the error response."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    413: "RequestTooLargeError",
+    503: "ServiceUnavailableError",
+}
+
+
+def validation_error(err: ValidationError) -> APIError:
+    """A 400 APIError naming the first invalid field of a pydantic ValidationError."""
+    first = err.errors()[0]
+    loc = [str(p) for p in first.get("loc", ())]
+    # Union members add their type name to the location; keep only real fields.
+    field = ".".join(p for p in loc if not _TYPE_TAG.match(p)) or None
+    where = f"{field}: " if field else ""
+    return APIError(f"{where}{first.get('msg', 'invalid value')}", 400, param=field)
+
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-.*|.*\[.*\])$")
+_PARAM_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+)")
+
+
+def sampling_error(err: ValueError, rename: dict[str, str] | None = None) -> APIError:
+    """A 400 APIError from SamplingParams' ValueError, naming the request field."""
+    msg = str(err)
+    m = _PARAM_IN_MESSAGE.search(msg)
+    field = m.group(1) if m else None
+    if field and rename and field in rename:
+        msg = msg.replace(f"SamplingParams.{field}", rename[field])
+        field = rename[field]
+    elif field:
+        msg = msg.replace(f"SamplingParams.{field}", field)
+    return APIError(msg, 400, param=field)
+
+
+class StreamOptions(BaseModel):
+    """``stream_options`` of a streaming request."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def _sampling_kwargs(self) -> dict[str, Any]:
+        if self.logit_bias:
+            raise APIError("logit_bias is not supported", 400, param="logit_bias")
+        if isinstance(self.n, int) and self.n > MAX_N:
+            raise APIError(f"n must be at most {MAX_N}, got {self.n}", 400, param="n")
+        kw: dict[str, Any] = {
+            "n": self.n,
+            "stop": self.stop,
+            "seed": self.seed,
+            "min_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos,
+            "stop_token_ids": self.stop_token_ids,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        optional = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        kw.update({k: v for k, v in optional.items() if v is not None})
+        return kw
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streaming response ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    """Body of ``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError("prompt must not be empty", 400, param="prompt")
+        if isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        for i, item in enumerate(p):
+            if isinstance(item, list) and not item:
+                raise APIError(f"prompt[{i}] must not be empty", 400, param="prompt")
+        return list(p)  # type: ignore[arg-type]
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """SamplingParams of this request; a 400 APIError names a bad field."""
+        if self.suffix:
+            raise APIError("suffix is not supported", 400, param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError("best_of must equal n (or be omitted)", 400, param="best_of")
+        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
+            raise APIError(
+                f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs}",
+                400,
+                param="logprobs",
+            )
+        if self.echo and self.logprobs is not None:
+            raise APIError("echo together with logprobs is not supported", 400, param="echo")
+        kw = self._sampling_kwargs()
+        try:
+            return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **kw)
+        except ValueError as e:
+            raise sampling_error(e) from e
+
+
+class ChatMessage(BaseModel):
+    """One message of a conversation."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it (text parts joined)."""
+        d = self.model_dump(exclude_none=True)
+        content = self.content
+        if isinstance(content, list):
+            parts = []
+            for i, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(
+                        f"content part {i} must be {{'type': 'text', 'text': ...}}; "
+                        "only text is supported",
+                        400,
+                        param="messages",
+                    )
+                parts.append(part["text"])
+            d["content"] = "\n".join(parts)
+        elif content is None:
+            d["content"] = ""
+        return d
+
+
+class ChatCompletionRequest(_Common):
+    """Body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    echo: bool = False
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The output length limit and the field that set it."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """SamplingParams of this request; a 400 APIError names a bad field."""
+        if self.tools:
+            raise APIError("tools are not supported", 400, param="tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise APIError(
+                "only response_format {'type': 'text'} is supported", 400, param="response_format"
+            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs requires logprobs=true", 400, param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                400,
+                param="top_logprobs",
+            )
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        kw = self._sampling_kwargs()
+        _, field = self.requested_max_tokens()
+        try:
+            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kw)
+        except ValueError as e:
+            raise sampling_error(e, {"logprobs": "top_logprobs", "max_tokens": field}) from e
+
+
+class TokenizeRequest(BaseModel):
+    """Body of ``POST /tokenize``: a prompt, or messages rendered with the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """Body of ``POST /detokenize``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]

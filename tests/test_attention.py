@@ -1,0 +1,284 @@
+"""Paged attention and the cache write against plain torch references.
+
+The attention reference gathers each sequence's keys and values from the paged
+cache through its block table into contiguous tensors and runs
+``torch.nn.functional.scaled_dot_product_attention`` in float32 with an explicit
+boolean mask (causal with the prefix offset, optional sliding window), GQA by
+``repeat_interleave``.
+
+Tolerances:
+- float32: ``atol=2e-5, rtol=1e-5``. Both sides compute in f32; they differ only
+  in summation order and in the kernel's polynomial ``exp`` (~1 ulp).
+- bfloat16: the reference runs in f32 on the *same* bf16 inputs (upcast), so the
+  only extra error is the kernel's final rounding of its f32 result to bf16:
+  half an ulp, ``2**-9`` relative. We allow ``rtol=2**-8`` (one ulp) plus
+  ``atol=1e-4`` for accumulation-order differences near zero.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fastllm import _core
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-4, rtol=2**-8)}
+
+
+def make_batch(
+    gen, *, ctx_lens, q_lens, num_heads, num_kv_heads, head_size, block_size, dtype, spare_blocks=3
+):
+    """Random query, caches and a shuffled (non-contiguous) block table for the given sequences."""
+    needed = [math.ceil(c / block_size) for c in ctx_lens]
+    num_blocks = sum(needed) + spare_blocks
+    max_blocks = max(needed) + 1
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    # Padding entries are junk: the kernel must ignore them.
+    block_tables = torch.full((len(ctx_lens), max_blocks), -12345, dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(needed):
+        block_tables[i, :n] = perm[start : start + n]
+        start += n
+    num_tokens = sum(q_lens)
+    query = torch.randn(num_tokens, num_heads, head_size, generator=gen).to(dtype)
+    key_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_size, generator=gen).to(
+        dtype
+    )
+    value_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_size, generator=gen).to(
+        dtype
+    )
+    seq_lens = torch.tensor(ctx_lens, dtype=torch.int32)
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    return query, key_cache, value_cache, block_tables, seq_lens, qsl
+
+
+def reference_attention(query, key_cache, value_cache, block_tables, seq_lens, qsl, scale, window):
+    """Float32 attention over K/V gathered into contiguous tensors, via torch SDPA."""
+    num_heads, head_size = query.shape[1], query.shape[2]
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    out = torch.empty(query.shape, dtype=torch.float32)
+    for i in range(len(seq_lens)):
+        ctx = int(seq_lens[i])
+        q0, q1 = int(qsl[i]), int(qsl[i + 1])
+        q_len = q1 - q0
+        if q_len == 0:
+            continue
+        blocks = block_tables[i, : math.ceil(ctx / block_size)].long()
+
+        def gather(cache, blocks=blocks, ctx=ctx):
+            x = (
+                cache[blocks]
+                .float()
+                .permute(1, 0, 2, 3)
+                .reshape(num_kv_heads, -1, head_size)[:, :ctx]
+            )
+            return x.repeat_interleave(num_heads // num_kv_heads, dim=0)
+
+        k, v = gather(key_cache), gather(value_cache)
+        q = query[q0:q1].float().transpose(0, 1)
+        pos = torch.arange(ctx - q_len, ctx)[:, None]
+        keys = torch.arange(ctx)[None, :]
+        mask = keys <= pos
+        if window > 0:
+            mask &= keys > pos - window
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out[q0:q1] = o.transpose(0, 1)
+    return out
+
+
+@st.composite
+def attention_cases(draw):
+    num_seqs = draw(st.integers(1, 4))
+    ctx_lens, q_lens = [], []
+    for _ in range(num_seqs):
+        ctx = draw(st.integers(1, 160))
+        kind = draw(st.sampled_from(["decode", "prefill", "prefill_after_prefix", "idle"]))
+        q_len = {"decode": 1, "prefill": ctx, "idle": 0}.get(kind) or draw(st.integers(1, ctx))
+        ctx_lens.append(ctx)
+        q_lens.append(q_len)
+    num_kv_heads = draw(st.sampled_from([1, 2, 3]))
+    group = draw(st.sampled_from([1, 2, 4, 7]))
+    return dict(
+        ctx_lens=ctx_lens,
+        q_lens=q_lens,
+        num_kv_heads=num_kv_heads,
+        num_heads=num_kv_heads * group,
+        head_size=draw(st.sampled_from([64, 80, 96, 128, 256])),
+        block_size=draw(st.sampled_from([8, 16, 32])),
+        dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+        window=draw(st.sampled_from([0, 0, -1]) | st.integers(1, 64)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def run_attention(query, key_cache, value_cache, block_tables, seq_lens, qsl, scale, window):
+    out = torch.full_like(query, float("nan"))
+    _core.paged_attention(
+        out, query, key_cache, value_cache, block_tables, seq_lens, qsl, scale, window
+    )
+    return out
+
+
+@settings(max_examples=50, deadline=None)
+@given(attention_cases())
+def test_paged_attention_matches_sdpa(case):
+    gen = torch.Generator().manual_seed(case.pop("seed"))
+    window = case.pop("window")
+    batch = make_batch(gen, **case)
+    scale = 1.0 / math.sqrt(case["head_size"])
+    got = run_attention(*batch, scale, window)
+    want = reference_attention(*batch, scale, window)
+    assert got.dtype == case["dtype"]
+    torch.testing.assert_close(got.float(), want, **TOL[case["dtype"]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_context_decode_uses_partitions(dtype):
+    """Batch-1 decode over a long context: the key range is split and merged."""
+    gen = torch.Generator().manual_seed(1)
+    batch = make_batch(
+        gen,
+        ctx_lens=[3000],
+        q_lens=[1],
+        num_heads=14,
+        num_kv_heads=2,
+        head_size=64,
+        block_size=16,
+        dtype=dtype,
+    )
+    got = run_attention(*batch, 0.125, 0)
+    torch.testing.assert_close(got.float(), reference_attention(*batch, 0.125, 0), **TOL[dtype])
+
+
+def test_long_prefill_with_window_mixed_with_decode():
+    gen = torch.Generator().manual_seed(2)
+    batch = make_batch(
+        gen,
+        ctx_lens=[700, 300],
+        q_lens=[200, 1],
+        num_heads=8,
+        num_kv_heads=2,
+        head_size=128,
+        block_size=16,
+        dtype=torch.float32,
+    )
+    got = run_attention(*batch, 0.1, 100)
+    torch.testing.assert_close(got, reference_attention(*batch, 0.1, 100), **TOL[torch.float32])
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    num_tokens=st.integers(0, 40),
+    num_kv_heads=st.integers(1, 3),
+    head_size=st.sampled_from([64, 80, 128]),
+    block_size=st.sampled_from([8, 16]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_reshape_and_cache_matches_indexing(
+    num_tokens, num_kv_heads, head_size, block_size, dtype, seed
+):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 6
+    key = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen).to(dtype)
+    value = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen).to(dtype)
+    # Distinct slots, some tokens skipped with -1.
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    skip = torch.rand(num_tokens, generator=gen) < 0.25
+    slots[skip] = -1
+    key_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_size, generator=gen).to(
+        dtype
+    )
+    value_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_size, generator=gen).to(
+        dtype
+    )
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    keep = slots >= 0
+    b, o = slots[keep] // block_size, slots[keep] % block_size
+    want_k[b, :, o] = key[keep]
+    want_v[b, :, o] = value[keep]
+
+    _core.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, want_k)
+    assert torch.equal(value_cache, want_v)
+
+
+def small_cache(dtype=torch.float32):
+    return torch.zeros(4, 2, 8, 64, dtype=dtype), torch.zeros(4, 2, 8, 64, dtype=dtype)
+
+
+def test_reshape_and_cache_errors():
+    kc, vc = small_cache()
+    key = torch.randn(3, 2, 64)
+    value = torch.randn(3, 2, 64)
+    slots = torch.tensor([0, 5, 32], dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"slot_mapping: token 2 has slot 32"):
+        _core.reshape_and_cache(key, value, kc, vc, slots)
+    assert not kc.any(), "a rejected call must not write anything"
+    ok_slots = torch.tensor([0, 5, 31])
+    with pytest.raises(ValueError, match="slot_mapping: expected dtype"):
+        _core.reshape_and_cache(key, value, kc, vc, ok_slots.to(torch.int32))
+    with pytest.raises(ValueError, match="key: dtype"):
+        _core.reshape_and_cache(key.bfloat16(), value, kc, vc, ok_slots)
+    with pytest.raises(ValueError, match="value_cache: dtype"):
+        _core.reshape_and_cache(key, value, kc, vc.bfloat16(), ok_slots)
+    with pytest.raises(ValueError, match="key: must be contiguous"):
+        _core.reshape_and_cache(torch.randn(3, 64, 2).transpose(1, 2), value, kc, vc, ok_slots)
+    with pytest.raises(ValueError, match="key_cache: must be contiguous"):
+        _core.reshape_and_cache(key, value, torch.zeros(4, 8, 2, 64).transpose(1, 2), vc, ok_slots)
+    with pytest.raises(ValueError, match="value: dimension 2 must be 64"):
+        _core.reshape_and_cache(key, torch.randn(3, 2, 32), kc, vc, ok_slots)
+    with pytest.raises(ValueError, match="slot_mapping: dimension 0 must be 3"):
+        _core.reshape_and_cache(key, value, kc, vc, ok_slots[:2])
+    with pytest.raises(ValueError, match="must not share memory"):
+        _core.reshape_and_cache(key, value, kc, kc, ok_slots)
+    with pytest.raises(ValueError, match="key: expected a torch.Tensor"):
+        _core.reshape_and_cache([1, 2], value, kc, vc, ok_slots)
+
+
+def attention_args(dtype=torch.float32):
+    kc, vc = small_cache(dtype)
+    query = torch.randn(3, 4, 64).to(dtype)
+    out = torch.empty_like(query)
+    block_tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    seq_lens = torch.tensor([10, 5], dtype=torch.int32)
+    qsl = torch.tensor([0, 2, 3], dtype=torch.int32)
+    return [out, query, kc, vc, block_tables, seq_lens, qsl]
+
+
+def test_paged_attention_errors():
+    args = attention_args()
+    _core.paged_attention(*args, 0.125)
+
+    def check(index, value, match):
+        bad = list(args)
+        bad[index] = value
+        with pytest.raises(ValueError, match=match):
+            _core.paged_attention(*bad, 0.125)
+
+    check(0, args[0].bfloat16(), "out: dtype")
+    check(1, args[1].bfloat16(), "query: dtype")
+    check(1, torch.randn(3, 64, 4).transpose(1, 2), "query: must be contiguous")
+    check(1, torch.randn(3, 3, 64), "num_heads")
+    check(1, torch.randn(3, 4, 32), "query: dimension 2 must be 64")
+    check(0, torch.empty(2, 4, 64), "out: shape")
+    check(0, args[1], "must not share memory")
+    check(4, args[4].long(), "block_tables: expected dtype")
+    check(
+        4,
+        torch.tensor([[0, 4], [2, 9]], dtype=torch.int32),
+        "block_tables: sequence 0 block 1 is 4",
+    )
+    check(5, torch.tensor([10, 17], dtype=torch.int32), "seq_lens: sequence 1 has length 17")
+    check(5, torch.tensor([1, 5], dtype=torch.int32), "seq_lens: sequence 0 has length 1, shorter")
+    check(5, torch.tensor([10], dtype=torch.int32), "seq_lens: dimension 0 must be 2")
+    check(6, torch.tensor([0, 2, 4], dtype=torch.int32), "query_start_loc: must start at 0 and end")
+    check(6, torch.tensor([0, 2], dtype=torch.int32), "query_start_loc: dimension 0 must be 3")
+    check(3, torch.zeros(4, 2, 16, 64), "value_cache: shape")
+    with pytest.raises(ValueError, match="scale"):
+        _core.paged_attention(*args, float("nan"))

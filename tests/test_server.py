@@ -1,0 +1,573 @@
+"""The OpenAI-compatible server: a real ``fastllm serve`` process on 127.0.0.1,
+driven by the official ``openai`` client and compared with offline ``LLM``
+runs of the same requests."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from fastllm import LLM, SamplingParams  # noqa: E402
+
+NAME = "tiny"
+KEY = "sk-test-key"
+MAX_LEN = 256
+PROMPTS = [
+    "def fibonacci(n):",
+    "The quick brown fox",
+    "import os\nimport sys\n",
+    "class Foo:\n    def __init__(self):",
+    "return self.",
+    "for i in range(",
+    "x",
+    "    # a comment about",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _python_path() -> str:
+    import fastllm
+
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(fastllm.__file__)))
+    return os.pathsep.join([pkg_root, os.environ.get("PYTHONPATH", "")])
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_model) -> str:
+    return make_model("llama")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    """One server process for the whole module: (host, port)."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "fastllm.cli",
+        "serve",
+        model_dir,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--max-model-len",
+        str(MAX_LEN),
+        "--served-model-name",
+        NAME,
+        "--api-key",
+        KEY,
+        "--log-level",
+        "warning",
+    ]
+    env = dict(os.environ, PYTHONPATH=_python_path())
+    env.pop("FASTLLM_API_KEY", None)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.time() + 120
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
+            try:
+                status, _ = _get("127.0.0.1", port, "/health")
+                if status == 200:
+                    break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                pytest.fail(f"server did not start:\n{log.read_text()}")
+            time.sleep(0.2)
+        yield "127.0.0.1", port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    host, port = server
+    return openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir) -> LLM:
+    """The offline reference: the same model in this process."""
+    return LLM(model_dir, dtype="float32", device="cpu", max_model_len=MAX_LEN)
+
+
+def _get(host: str, port: int, path: str, headers: dict | None = None) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        conn.request("GET", path, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def _post(host: str, port: int, path: str, body, headers: dict | None = None, **kw):
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        h = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+        h.update(headers or {})
+        conn.request("POST", path, body=body, headers=h, **kw)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"null")
+    finally:
+        conn.close()
+
+
+def _metrics(server) -> dict[str, float]:
+    """The /metrics page as {name{labels}: value}, labels reduced to the finish reason."""
+    status, body = _get(*server, "/metrics")
+    assert status == 200
+    out = {}
+    for line in body.decode().splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, value = line.rsplit(" ", 1)
+        name, _, labels = key.partition("{")
+        extra = [p for p in labels.rstrip("}").split(",") if not p.startswith("model_name=")]
+        out[name + (f"{{{','.join(extra)}}}" if extra else "")] = float(value)
+    return out
+
+
+def _offline(llm: LLM, prompt, **kw):
+    (out,) = llm.generate([prompt], SamplingParams(**kw), use_tqdm=False)
+    return out
+
+
+# ---- basic endpoints -------------------------------------------------------------
+
+
+def test_models_and_health(server, client, model_dir):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [NAME]
+    assert _get(*server, "/health")[0] == 200
+
+
+def test_completion_matches_offline(client, llm):
+    kw = dict(temperature=0.8, top_p=0.95, seed=1234, max_tokens=12)
+    r = client.completions.create(model=NAME, prompt=PROMPTS[0], **kw)
+    ref = _offline(llm, PROMPTS[0], **kw)
+    assert r.choices[0].text == ref.outputs[0].text
+    assert r.choices[0].finish_reason == ref.outputs[0].finish_reason
+    assert r.usage.prompt_tokens == len(llm.get_tokenizer().encode(PROMPTS[0]))
+    assert r.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    assert r.model == NAME and r.object == "text_completion"
+
+
+def test_token_id_prompt_and_several_prompts(client, llm):
+    tok = llm.get_tokenizer()
+    kw = dict(temperature=0.0, max_tokens=6)
+    want = [_offline(llm, p, **kw).outputs[0].text for p in PROMPTS[1:3]]
+    ids = [tok.encode(p) for p in PROMPTS[1:3]]
+    for prompt in (ids, PROMPTS[1:3]):
+        r = client.completions.create(model=NAME, prompt=prompt, **kw)
+        assert [c.index for c in r.choices] == [0, 1]
+        assert [c.text for c in r.choices] == want
+    r = client.completions.create(model=NAME, prompt=ids[0], **kw)
+    assert r.choices[0].text == want[0]
+
+
+def test_chat_matches_offline(client, llm):
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Write a loop."},
+    ]
+    r = client.chat.completions.create(
+        model=NAME,
+        messages=messages,
+        temperature=0.0,
+        max_tokens=10,
+        extra_body={"ignore_eos": True},
+    )
+    (ref,) = llm.chat(
+        messages, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False
+    )
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.outputs[0].text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == 10
+
+
+def test_streaming_completion_equals_whole(client):
+    kw = dict(model=NAME, prompt=PROMPTS[3], temperature=0.9, seed=7, max_tokens=14)
+    whole = client.completions.create(**kw)
+    chunks = list(
+        client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason and all(f is None for f in finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+
+def test_streaming_chat_equals_whole(client):
+    kw = dict(
+        model=NAME,
+        messages=[{"role": "user", "content": "hello there"}],
+        temperature=0.7,
+        seed=11,
+        max_tokens=12,
+    )
+    whole = client.chat.completions.create(**kw)
+    chunks = list(
+        client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == (
+        whole.choices[0].finish_reason
+    )
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_n2_matches_offline(client, llm):
+    kw = dict(temperature=1.0, seed=99, max_tokens=8, n=2)
+    r = client.completions.create(model=NAME, prompt=PROMPTS[4], **kw)
+    ref = _offline(llm, PROMPTS[4], **kw)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    by_index = {c.index: c.text for c in r.choices}
+    assert by_index == {c.index: c.text for c in ref.outputs}
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[4], stream=True, **kw))
+    streamed = {0: "", 1: ""}
+    for ch in chunks:
+        streamed[ch.choices[0].index] += ch.choices[0].text
+    assert streamed == by_index
+
+
+def test_stop_strings(client, llm):
+    kw = dict(temperature=0.0, max_tokens=24, extra_body={"ignore_eos": True})
+    full = client.completions.create(model=NAME, prompt=PROMPTS[0], **kw).choices[0].text
+    assert len(full) >= 8, full
+    stop = full[4:7]
+    want = full[: full.index(stop)]
+    r = client.completions.create(model=NAME, prompt=PROMPTS[0], stop=[stop], **kw)
+    assert r.choices[0].text == want
+    assert r.choices[0].finish_reason == "stop"
+    chunks = list(
+        client.completions.create(model=NAME, prompt=PROMPTS[0], stop=stop, stream=True, **kw)
+    )
+    assert "".join(c.choices[0].text for c in chunks) == want
+    chat = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        temperature=0.0,
+        max_tokens=16,
+        extra_body={"ignore_eos": True},
+    )
+    ctext = chat.choices[0].message.content
+    assert len(ctext) >= 4, ctext
+    cstop = ctext[2:4]
+    stopped = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        temperature=0.0,
+        max_tokens=16,
+        stop=cstop,
+        extra_body={"ignore_eos": True},
+    )
+    assert stopped.choices[0].message.content == ctext[: ctext.index(cstop)]
+
+
+def test_logprobs(client, llm):
+    kw = dict(temperature=0.0, max_tokens=6, extra_body={"ignore_eos": True})
+    r = client.completions.create(model=NAME, prompt=PROMPTS[5], logprobs=3, **kw)
+    ref = _offline(llm, PROMPTS[5], temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    c, rc = r.choices[0], ref.outputs[0]
+    want = [rc.logprobs[i][t].logprob for i, t in enumerate(rc.token_ids)]
+    assert c.logprobs.token_logprobs == pytest.approx(want, abs=1e-5)
+    tok = llm.get_tokenizer()
+    assert c.logprobs.tokens == [tok.decode([t], skip_special_tokens=False) for t in rc.token_ids]
+    for lp, top in zip(c.logprobs.token_logprobs, c.logprobs.top_logprobs):
+        assert 1 <= len(top) <= 4
+        # greedy: the chosen token is the most likely one
+        assert lp == pytest.approx(max(top.values()), abs=1e-6)
+    offsets = c.logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+
+    chat = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        logprobs=True,
+        top_logprobs=2,
+        **kw,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 6
+    for item in content:
+        assert len(item.top_logprobs) == 2
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob, abs=1e-6)
+        assert item.bytes == list(item.token.encode())
+
+
+def test_seeded_reproducible(client, llm):
+    kw = dict(temperature=1.0, top_k=50, max_tokens=10)
+    texts = [
+        client.completions.create(
+            model=NAME,
+            prompt=PROMPTS[6],
+            seed=2024,
+            max_tokens=10,
+            temperature=1.0,
+            extra_body={"top_k": 50},
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
+    assert texts[0] == texts[1]
+    assert texts[0] == _offline(llm, PROMPTS[6], seed=2024, **kw).outputs[0].text
+
+
+# ---- bad requests ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": MAX_LEN + 10}, "max_tokens"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"extra_body": {"top_k": -3}}, "top_k"),
+        ({"extra_body": {"min_p": 2.0}}, "min_p"),
+        ({"extra_body": {"repetition_penalty": 0.0}}, "repetition_penalty"),
+        ({"extra_body": {"stop_token_ids": [-1]}}, "stop_token_ids"),
+        ({"extra_body": {"min_tokens": 20}, "max_tokens": 5}, "min_tokens"),
+        ({"prompt": "x " * (MAX_LEN + 50)}, "prompt"),
+        ({"prompt": []}, "prompt"),
+    ],
+)
+def test_invalid_completion_params(client, kwargs, field):
+    kw = {"model": NAME, "prompt": "hello"}
+    kw.update(kwargs)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(**kw)
+    assert exc.value.status_code == 400
+    assert exc.value.body["param"] == field
+    assert field in exc.value.body["message"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"content": "no role"}]}, "messages.0.role"),
+    ],
+)
+def test_invalid_chat_params(client, kwargs, field):
+    kw = {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}
+    kw.update(kwargs)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(**kw)
+    assert exc.value.body["param"] == field
+    assert field in exc.value.body["message"]
+
+
+def test_api_key(server, client):
+    host, port = server
+    bad = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=NAME, prompt="hi", max_tokens=2)
+    status, body = _get(host, port, "/v1/models")  # no Authorization header at all
+    assert status == 401 and body and json.loads(body)["error"]["code"] == "invalid_api_key"
+    assert _get(host, port, "/health")[0] == 200  # health stays open
+
+
+def test_unknown_model_and_malformed_bodies(server, client):
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.completions.create(model="no-such-model", prompt="hi")
+    assert exc.value.body["param"] == "model"
+    status, body = _post(*server, "/v1/completions", b"{not json")
+    assert status == 400 and body["error"]["type"] == "BadRequestError"
+    status, body = _post(*server, "/v1/completions", b"[1, 2]")
+    assert status == 400
+    status, body = _post(*server, "/v1/completions", json.dumps({"model": NAME}))
+    assert status == 400 and body["error"]["param"] == "prompt"
+
+
+def test_body_over_limit(server):
+    big = json.dumps({"model": NAME, "prompt": "a" * (5 << 20)}).encode()
+    status, body = _post(*server, "/v1/completions", big)
+    assert status == 413 and "limit" in body["error"]["message"]
+    # a chunked body has no Content-Length: the limit applies while reading
+    chunks = (big[i : i + (1 << 20)] for i in range(0, len(big), 1 << 20))
+    status, body = _post(*server, "/v1/completions", chunks, encode_chunked=True)
+    assert status == 413
+
+
+def test_tokenize_detokenize(server, llm):
+    tok = llm.get_tokenizer()
+    status, body = _post(*server, "/tokenize", json.dumps({"prompt": PROMPTS[2]}))
+    assert status == 200 and body["tokens"] == tok.encode(PROMPTS[2])
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == MAX_LEN
+    status, body = _post(*server, "/detokenize", json.dumps({"tokens": body["tokens"]}))
+    assert status == 200 and body["prompt"] == PROMPTS[2]
+    status, body = _post(*server, "/detokenize", json.dumps({"tokens": [10**6]}))
+    assert status == 400 and body["error"]["param"] == "tokens"
+
+
+# ---- load and disconnects --------------------------------------------------------
+
+
+def test_64_concurrent_streaming_clients(server, llm):
+    host, port = server
+    n_clients = 64
+    reqs = [
+        (PROMPTS[i % len(PROMPTS)], 1000 + i, 0.6 + 0.05 * (i % 8), 4 + i % 5)
+        for i in range(n_clients)
+    ]
+
+    async def one(client, prompt, seed, temp, max_tokens) -> str:
+        stream = await client.completions.create(
+            model=NAME,
+            prompt=prompt,
+            seed=seed,
+            temperature=temp,
+            max_tokens=max_tokens,
+            stream=True,
+        )
+        parts = []
+        async for chunk in stream:
+            parts.append(chunk.choices[0].text)
+        return "".join(parts)
+
+    async def bad(client) -> int:
+        try:
+            await client.completions.create(model=NAME, prompt="x", top_p=7.0)
+        except openai.BadRequestError as e:
+            return e.status_code
+        return 200
+
+    async def main():
+        client = openai.AsyncOpenAI(
+            base_url=f"http://{host}:{port}/v1", api_key=KEY, max_retries=0, timeout=120
+        )
+        async with client:
+            jobs = [one(client, *r) for r in reqs] + [bad(client) for _ in range(4)]
+            return await asyncio.gather(*jobs)
+
+    results = asyncio.run(main())
+    texts, bad_codes = results[:n_clients], results[n_clients:]
+    assert bad_codes == [400] * 4
+    params = [SamplingParams(seed=s, temperature=t, max_tokens=m) for _, s, t, m in reqs]
+    ref = llm.generate([r[0] for r in reqs], params, use_tqdm=False)
+    assert texts == [o.outputs[0].text for o in ref]
+
+
+def _open_stream(server, prompt: str) -> socket.socket:
+    """Starts a streaming completion on a raw socket and reads its first event."""
+    body = json.dumps(
+        {
+            "model": NAME,
+            "prompt": prompt,
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": True,
+        }
+    ).encode()
+    sock = socket.create_connection(server, timeout=30)
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    sock.sendall(head + body)
+    data = b""
+    while b"data: " not in data:
+        part = sock.recv(4096)
+        assert part, "the server closed the stream early"
+        data += part
+    assert data.startswith(b"HTTP/1.1 200")
+    return sock
+
+
+def test_disconnect_returns_blocks(server):
+    before = _metrics(server)
+    assert before["fastllm_num_requests_running"] == 0
+    socks = [_open_stream(server, p) for p in PROMPTS[:4]]
+    during = _metrics(server)
+    assert during["fastllm_kv_blocks_free"] < before["fastllm_kv_blocks_free"]
+    for s in socks:
+        s.close()
+    deadline = time.time() + 30
+    while True:
+        after = _metrics(server)
+        idle = after["fastllm_num_requests_running"] == 0
+        idle = idle and after["fastllm_num_requests_waiting"] == 0
+        if idle or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    assert idle
+    assert after["fastllm_kv_blocks_free"] == before["fastllm_kv_blocks_free"]
+    key = 'fastllm_request_finished_total{finished_reason="abort"}'
+    assert after[key] - before[key] == 4
+    # the aborted requests stopped early: far fewer than 4 x 200 tokens were generated
+    made = after["fastllm_generation_tokens_total"] - before["fastllm_generation_tokens_total"]
+    assert made < 4 * 200
+
+
+def test_prefix_cache_hits(server, client):
+    before = _metrics(server)
+    prompt = " ".join(PROMPTS) * 2  # several full KV blocks
+    for _ in range(2):
+        client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0.0)
+    after = _metrics(server)
+    hits = after["fastllm_prefix_cache_hits_total"] - before["fastllm_prefix_cache_hits_total"]
+    assert hits >= 2
+
+
+def test_metrics(server):
+    m = _metrics(server)
+    assert m["fastllm_generation_tokens_total"] > 0
+    assert m["fastllm_prompt_tokens_total"] > 0
+    assert m["fastllm_time_to_first_token_seconds_count"] > 0
+    assert (
+        m['fastllm_time_to_first_token_seconds_bucket{le="+Inf"}']
+        == (m["fastllm_time_to_first_token_seconds_count"])
+    )
+    assert m["fastllm_inter_token_latency_seconds_count"] > 0
+    assert m["fastllm_kv_blocks_used"] + m["fastllm_kv_blocks_free"] == m["fastllm_kv_blocks_total"]
+    assert 0.0 < m["fastllm_prefix_cache_hit_rate"] <= 1.0
