@@ -99,8 +99,12 @@ impl Nvrtc {
         // SAFETY: each alias is the documented C signature of the symbol.
         unsafe {
             let version: FnVersion = symbol(&lib, path, "nvrtcVersion")?;
+            // Opened by a bare name, the loader may pick any file (or one
+            // already mapped, e.g. by torch): report the file actually used.
+            let resolved = super::driver::resolve_file_of(version as *const c_void)
+                .unwrap_or_else(|| path.to_string());
             let nvrtc = Nvrtc {
-                path: path.to_string(),
+                path: resolved,
                 version: (0, 0),
                 create: symbol(&lib, path, "nvrtcCreateProgram")?,
                 destroy: symbol(&lib, path, "nvrtcDestroyProgram")?,
@@ -123,7 +127,7 @@ impl Nvrtc {
         }
     }
 
-    /// The file the library was opened from.
+    /// The file the library was loaded from (resolved through the loader).
     pub fn path(&self) -> &str {
         &self.path
     }
