@@ -87,10 +87,10 @@ __device__ void paged_attention_impl(T* __restrict__ out, const T* __restrict__ 
         }
         const float tile_max = block_max(local_max, red);
         const float new_m = fmaxf(m, tile_max);
-        const float alpha = m == NEG_INF_ ? 0.0f : __expf(m - new_m);
+        const float alpha = m == NEG_INF_ ? 0.0f : expf(m - new_m);
         float local_sum = 0.0f;
         for (int i = tid; i < n; i += blockDim.x) {
-            const float p = __expf(p_s[i] - new_m);
+            const float p = expf(p_s[i] - new_m);
             p_s[i] = p;
             local_sum += p;
         }

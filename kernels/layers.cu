@@ -63,12 +63,12 @@ __device__ void rotary_impl(T* __restrict__ out, const T* __restrict__ x,
 }
 
 // out[r, i] = T(silu(x[r, i])) * x[r, d + i] for x [rows, 2d] (rows `x_stride`
-// apart) and out [rows, d] contiguous; grid (ceil(d / blockDim), rows).
+// apart) and out [rows, d] contiguous; grid (rows, ceil(d / blockDim)).
 template <typename T>
 __device__ void silu_and_mul_impl(T* __restrict__ out, const T* __restrict__ x, i64 x_stride,
                                   int d) {
-    const i64 r = blockIdx.y;
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    const i64 r = blockIdx.x;
+    const int i = blockIdx.y * blockDim.x + threadIdx.x;
     if (i >= d) return;
     const float g = to_float(x[r * x_stride + i]);
     const float u = to_float(x[r * x_stride + d + i]);

@@ -207,9 +207,16 @@ extern "C" __global__ void __launch_bounds__(1024) sample_rows(const float* __re
         }
         if (penalised) {
             __syncthreads();
-            for (i64 j = o_lo + tid; j < o_hi; j += nt) atomicAdd(&cnt[output_tokens[j]], 1);
+            // Token ids outside the vocabulary are ignored (the CPU sampler rejects them).
+            for (i64 j = o_lo + tid; j < o_hi; j += nt) {
+                const int tok = output_tokens[j];
+                if ((u32)tok < (u32)vocab) atomicAdd(&cnt[tok], 1);
+            }
             if (rep != 1.0f)
-                for (i64 j = p_lo + tid; j < p_hi; j += nt) atomicOr(&cnt[prompt_tokens[j]], PROMPT_BIT);
+                for (i64 j = p_lo + tid; j < p_hi; j += nt) {
+                    const int tok = prompt_tokens[j];
+                    if ((u32)tok < (u32)vocab) atomicOr(&cnt[tok], PROMPT_BIT);
+                }
             __syncthreads();
             for (int i = tid; i < vocab; i += nt) {
                 const int c = cnt[i];

@@ -1346,8 +1346,12 @@ fn cuda_sample(
     w.expect_cuda(&[DType::F32], 2)?;
     let c = TensorArg::extract("count_workspace", count_workspace)?;
     c.expect_cuda(&[DType::I32], 2)?;
+    // A workspace no row uses may be empty ([0, vocab]): `w` serves rows that
+    // are not plain greedy, `count` rows with penalties (the caller knows which).
     for ws in [&w, &c] {
-        ws.expect_dim(0, rows, "rows of logits")?;
+        if ws.shape[0] != 0 {
+            ws.expect_dim(0, rows, "rows of logits, or 0 when no row needs it")?;
+        }
         ws.expect_dim(1, vocab, "vocab of logits")?;
     }
     let tok = TensorArg::extract("out_token", out_token)?;

@@ -236,6 +236,8 @@ def cuda_sample(
 
     ``fparams`` float32 [B, 6]: temperature, top_p, min_p, repetition, frequency,
     presence; ``iparams`` int64 [B, 3]: top_k, seed (u64 bits), position; token
-    histories int32 with int64 [B + 1] offsets; workspaces [B, V] float32 / int32;
+    histories int32 with int64 [B + 1] offsets; workspaces [B, V] float32 / int32
+    (or [0, V] when no row needs one: ``w`` for rows that are not plain greedy,
+    ``count`` for rows with penalties and a history);
     outputs int32 / float32 / int32 [B]: token, its raw logprob, its rank.
     """

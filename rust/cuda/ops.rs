@@ -120,7 +120,7 @@ pub fn paged_attention(rt: &Runtime, t: Target<'_>, a: &Attention) -> CoreResult
             a.head_size
         )));
     }
-    if a.num_kv_heads == 0 || a.num_heads % a.num_kv_heads != 0 {
+    if a.num_kv_heads == 0 || !a.num_heads.is_multiple_of(a.num_kv_heads) {
         return Err(CoreError::invalid(format!(
             "query: num_heads ({}) must be a multiple of the caches' num_kv_heads ({})",
             a.num_heads, a.num_kv_heads
@@ -242,7 +242,7 @@ pub struct SiluAndMul {
     pub d: usize,
 }
 
-/// Launches SiLU-and-multiply: grid (ceil(d / 256), rows).
+/// Launches SiLU-and-multiply: grid (rows, ceil(d / 256)).
 pub fn silu_and_mul(rt: &Runtime, t: Target<'_>, a: &SiluAndMul) -> CoreResult<()> {
     let args = Args::new()
         .ptr(a.out)
@@ -251,8 +251,8 @@ pub fn silu_and_mul(rt: &Runtime, t: Target<'_>, a: &SiluAndMul) -> CoreResult<(
         .i32(a.d as i32);
     let cfg = LaunchConfig {
         grid: (
-            grid_dim(a.d.div_ceil(256), "d", X_LIMIT)?,
-            grid_dim(a.rows, "rows", Y_LIMIT)?,
+            grid_dim(a.rows, "rows", X_LIMIT)?,
+            grid_dim(a.d.div_ceil(256), "d / 256", Y_LIMIT)?,
             1,
         ),
         block: (256, 1, 1),

@@ -270,3 +270,29 @@ def test_seeded_draws_follow_the_softmax(ops):
     check_enabled(ops)
     counts = torch.bincount(torch.tensor(got[0]), minlength=vocab).double() / rows
     torch.testing.assert_close(counts, logits[0].exp().double(), atol=0.03, rtol=0)
+
+
+def test_greedy_batch_without_workspaces(ops):
+    """All rows greedy and unpenalised: no workspace is allocated, argmax with lowest-id ties."""
+    from fastllm import _core
+
+    logits = torch.randn(5, 3000)
+    logits[2, 10] = logits[2, 20] = logits[2].max() + 1  # a tie: the lower id wins
+    rows = logits.shape[0]
+    zeros, ones = [0.0] * rows, [1.0] * rows
+    empty = torch.zeros(0, dtype=torch.int32)
+    offs = [0] * (rows + 1)
+    got = ops.sample(
+        logits.cuda(), zeros, [0] * rows, ones, zeros, ones, zeros, zeros,
+        [0] * rows, [0] * rows, empty, offs, empty, offs,
+    )  # fmt: skip
+    check_enabled(ops)
+    assert got[0] == logits.argmax(dim=1).tolist()
+    assert got[0][2] == 10 and got[2] == [1] * rows
+    if hasattr(_core, "sample"):
+        cpu = _core.sample(
+            logits.clone(), zeros, [0] * rows, ones, zeros, ones, zeros, zeros,
+            [0] * rows, [0] * rows, empty, offs, empty, offs, [0] * rows,
+        )  # fmt: skip
+        assert got[0] == cpu[0]
+        torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(cpu[1]), atol=1e-4, rtol=0)

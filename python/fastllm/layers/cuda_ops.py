@@ -221,8 +221,16 @@ def sample(
     prompt_d = _tokens_on(prompt_tokens, dev)
     output_d = _tokens_on(output_tokens, dev)
     logits = logits.float().contiguous()
-    w = torch.empty((rows, vocab), dtype=torch.float32, device=dev)
-    counts = torch.empty((rows, vocab), dtype=torch.int32, device=dev)
+    # Workspaces only when some row uses them (they are [rows, vocab] each).
+    penalised = [
+        (repetition_penalty[r] != 1.0 or frequency_penalty[r] != 0.0 or presence_penalty[r] != 0.0)
+        and (prompt_offsets[r + 1] > prompt_offsets[r] or output_offsets[r + 1] > output_offsets[r])
+        for r in range(rows)
+    ]
+    # 5e-6, not 1e-5: a margin so the kernel (comparing in f32) never disagrees.
+    needs_w = any(penalised[r] or temperature[r] >= 5e-6 for r in range(rows))
+    w = torch.empty((rows if needs_w else 0, vocab), dtype=torch.float32, device=dev)
+    counts = torch.empty((rows if any(penalised) else 0, vocab), dtype=torch.int32, device=dev)
     out_token = torch.empty(rows, dtype=torch.int32, device=dev)
     out_logprob = torch.empty(rows, dtype=torch.float32, device=dev)
     out_rank = torch.empty(rows, dtype=torch.int32, device=dev)
