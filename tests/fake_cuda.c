@@ -14,6 +14,12 @@
  * line to it, so a test can tell whether (and how often) it was loaded.
  * Compiled with -DFAKE_NO_CUINIT the library lacks the cuInit symbol.
  *
+ * The launch entry points exist so fastllm's CUDA layer can get as far as
+ * loading a module: cuDevicePrimaryCtxRetain and cuCtxSetCurrent succeed,
+ * cuModuleLoadData fails with CUDA_ERROR_INVALID_IMAGE (200) (this driver
+ * runs no code), and cuModuleGetFunction / cuLaunchKernel with
+ * CUDA_ERROR_INVALID_HANDLE (400).
+ *
  * Device i is "Fake GPU i" with (i + 1) * 16 GiB and compute capability
  * 9.0 for even i, 8.6 for odd i; the driver version is 12040.
  */
@@ -98,8 +104,41 @@ int cuDeviceGetAttribute(int *value, int attribute, int device) {
     return 0;
 }
 
+int cuDevicePrimaryCtxRetain(void **ctx, int device) {
+    if (device < 0 || device >= device_count()) return 101;
+    *ctx = (void *)(size_t)(0x1000 + device);
+    return 0;
+}
+
+int cuCtxSetCurrent(void *ctx) {
+    (void)ctx;
+    return 0;
+}
+
+int cuModuleLoadData(void **module, const void *image) {
+    (void)module;
+    (void)image;
+    return 200;
+}
+
+int cuModuleGetFunction(void **function, void *module, const char *name) {
+    (void)function;
+    (void)module;
+    (void)name;
+    return 400;
+}
+
+int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                   unsigned bz, unsigned shared, void *stream, void **params, void **extra) {
+    (void)f; (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz;
+    (void)shared; (void)stream; (void)params; (void)extra;
+    return 400;
+}
+
 int cuGetErrorName(int error, const char **name) {
     switch (error) {
+    case 200: *name = "CUDA_ERROR_INVALID_IMAGE"; return 0;
+    case 400: *name = "CUDA_ERROR_INVALID_HANDLE"; return 0;
     case 100: *name = "CUDA_ERROR_NO_DEVICE"; return 0;
     case 101: *name = "CUDA_ERROR_INVALID_DEVICE"; return 0;
     case 1: *name = "CUDA_ERROR_INVALID_VALUE"; return 0;

@@ -160,3 +160,84 @@ def sampling_support(
 
 def sampling_uniform(seed: int, position: int, token: int) -> float:
     """The sampler's counter-based uniform draw in (0, 1) for (seed, position, token)."""
+
+# ---- cuda kernels ----
+# NVRTC and the CUDA kernels of ``kernels/``. ``nvrtc_*`` never touch the
+# driver; ``cuda_*`` initialise it (after the isolated probe succeeded) and
+# launch on the given stream handle (``torch.cuda.current_stream().cuda_stream``).
+# Tensors must be CUDA tensors on one device; errors name the argument.
+
+def nvrtc_version(nvrtc_path: str | None = None) -> tuple[int, int]:
+    """NVRTC's (major, minor); searches FASTLLM_NVRTC, the CUDA toolkit, the loader, the NVRTC wheel."""
+
+def nvrtc_library(nvrtc_path: str | None = None) -> str:
+    """The path of the libnvrtc the search finds (RuntimeError naming the package if none)."""
+
+def nvrtc_compile(
+    source: str, name: str, arch: str, cubin: bool = False, nvrtc_path: str | None = None
+) -> bytes:
+    """Compiles CUDA C++ to PTX (compute_XY) or a CUBIN (sm_XY) through the disk cache; errors carry NVRTC's log."""
+
+def kernel_sources() -> dict[str, str]:
+    """The embedded sources of ``kernels/*.cu`` by file name (``common.cuh`` is included for them)."""
+
+def cuda_load_kernels(device: int = 0) -> list[str]:
+    """Compiles (CUBIN for the device's architecture, cached) and loads every kernel file on ``device``."""
+
+def cuda_reshape_and_cache(
+    key: Tensor,
+    value: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    slot_mapping: Tensor,
+    stream: int,
+) -> None:
+    """Stores key/value [T, kv_heads, head] (rows may be strided) into int64 ``slot_mapping`` slots; slots < 0 or past the cache are skipped."""
+
+def cuda_paged_attention(
+    out: Tensor,
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    scale: float,
+    sliding_window: int,
+    stream: int,
+) -> None:
+    """Paged attention with the contract of ``paged_attention`` (f32/f16/bf16, head_size <= 512), into ``out``."""
+
+def cuda_rms_norm(out: Tensor, x: Tensor, weight: Tensor, eps: float, stream: int) -> None:
+    """``out = weight * T(x * rsqrt(mean(x^2) + eps))`` for x [rows, dim] (rows may be strided)."""
+
+def cuda_rotary(out: Tensor, x: Tensor, cos: Tensor, sin: Tensor, stream: int) -> None:
+    """Neox rotary of x [T, heads, head] by cos/sin [T, half] (x's dtype) into contiguous ``out``; dims past 2*half copied."""
+
+def cuda_silu_and_mul(out: Tensor, x: Tensor, stream: int) -> None:
+    """``out = T(silu(x[:, :d])) * x[:, d:]`` for x [rows, 2d] into ``out`` [rows, d]."""
+
+def cuda_sample(
+    logits: Tensor,
+    fparams: Tensor,
+    iparams: Tensor,
+    prompt_tokens: Tensor,
+    prompt_offsets: Tensor,
+    output_tokens: Tensor,
+    output_offsets: Tensor,
+    w_workspace: Tensor,
+    count_workspace: Tensor,
+    out_token: Tensor,
+    out_logprob: Tensor,
+    out_rank: Tensor,
+    stream: int,
+) -> None:
+    """The CPU sampler's semantics and random draw on the GPU, one block per row of float32 ``logits`` [B, V].
+
+    ``fparams`` float32 [B, 6]: temperature, top_p, min_p, repetition, frequency,
+    presence; ``iparams`` int64 [B, 3]: top_k, seed (u64 bits), position; token
+    histories int32 with int64 [B + 1] offsets; workspaces [B, V] float32 / int32
+    (or [0, V] when no row needs one: ``w`` for rows that are not plain greedy,
+    ``count`` for rows with penalties and a history);
+    outputs int32 / float32 / int32 [B]: token, its raw logprob, its rank.
+    """

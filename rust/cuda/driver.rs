@@ -179,7 +179,7 @@ fn loader_message(err: &libloading::Error) -> String {
 }
 
 #[cfg(unix)]
-fn resolve_file_of(addr: *const c_void) -> Option<String> {
+pub(crate) fn resolve_file_of(addr: *const c_void) -> Option<String> {
     if addr.is_null() {
         return None;
     }
@@ -200,7 +200,7 @@ fn resolve_file_of(addr: *const c_void) -> Option<String> {
 }
 
 #[cfg(not(unix))]
-fn resolve_file_of(_addr: *const c_void) -> Option<String> {
+pub(crate) fn resolve_file_of(_addr: *const c_void) -> Option<String> {
     None
 }
 

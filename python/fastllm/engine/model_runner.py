@@ -68,9 +68,10 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Runs the forward pass of one step.
 
-        Returns float32 logits for the packed rows ``logit_rows`` and, for each
-        scheduled index in ``all_rows_for`` (prompt logprobs), the logits of all
-        its rows in this step.
+        Returns float32 logits for the packed rows ``logit_rows`` (left on the
+        GPU when the CUDA sampler will take them, else on the CPU) and, for each
+        scheduled index in ``all_rows_for`` (prompt logprobs), the CPU logits of
+        all its rows in this step.
         """
         self.copy_blocks(sched.block_copies)
         n_tokens = sched.num_tokens
@@ -119,16 +120,20 @@ class ModelRunner:
         for idx in all_rows_for:
             lo, hi = int(qsl[idx]), int(qsl[idx + 1])
             extra[idx] = self.model.compute_logits(hidden[lo:hi]).float().cpu()
+        if logits.is_cuda and _cuda_kernels_enabled():
+            return logits.float(), extra
         return logits.float().cpu(), extra
 
     @torch.inference_mode()
     def sample(
         self, logits: torch.Tensor, seqs: list[Sequence], suppress: list[list[int]]
     ) -> tuple[list[int], list[float], list[int], list[list[tuple[int, float]]]]:
-        """Samples one token per row of ``logits`` for ``seqs`` (CPU Rust sampler).
+        """Samples one token per row of ``logits`` for ``seqs``.
 
-        ``suppress[i]`` lists tokens row i may not produce (EOS and stop tokens
-        before ``min_tokens``).
+        CUDA logits go to the CUDA sampler (same semantics and random draw as
+        the CPU one); CPU logits, or CUDA ones when the kernels are off, go to
+        the Rust CPU sampler. ``suppress[i]`` lists tokens row i may not
+        produce (EOS and stop tokens before ``min_tokens``).
         """
         for i, toks in enumerate(suppress):
             if toks:
@@ -154,6 +159,29 @@ class ModelRunner:
             output_off.append(output_off[-1] + len(output_chunks[-1]))
         prompt_tokens = _flat_int32(prompt_chunks, prompt_off[-1])
         output_tokens = _flat_int32(output_chunks, output_off[-1])
+        if logits.is_cuda:
+            from fastllm.layers import cuda_ops
+
+            drawn = cuda_ops.sample(
+                logits,
+                [p.temperature for p in params],
+                [p.top_k for p in params],
+                [p.top_p for p in params],
+                [p.min_p for p in params],
+                [p.repetition_penalty for p in params],
+                [p.frequency_penalty for p in params],
+                [p.presence_penalty for p in params],
+                [s.seed for s in seqs],
+                [s.num_tokens for s in seqs],
+                prompt_tokens,
+                prompt_off,
+                output_tokens,
+                output_off,
+            )
+            if drawn is not None:
+                tokens, lps, ranks = drawn
+                return tokens, lps, ranks, _top_logprobs(logits, [p.logprobs or 0 for p in params])
+            logits = logits.cpu()
         return _core.sample(
             logits,
             [p.temperature for p in params],
@@ -171,6 +199,32 @@ class ModelRunner:
             output_off,
             [p.logprobs or 0 for p in params],
         )
+
+
+def _cuda_kernels_enabled() -> bool:
+    from fastllm.layers import cuda_ops
+
+    return cuda_ops.enabled()
+
+
+def _top_logprobs(logits: torch.Tensor, counts: list[int]) -> list[list[tuple[int, float]]]:
+    """Per row, the ``counts[r]`` largest raw logprobs as (id, logprob), ties by lower id."""
+    out: list[list[tuple[int, float]]] = [[] for _ in counts]
+    rows = [r for r, n in enumerate(counts) if n > 0]
+    if not rows:
+        return out
+    x = logits[rows]
+    x = torch.nan_to_num(
+        x, nan=float("-inf"), posinf=torch.finfo(torch.float32).max, neginf=float("-inf")
+    )
+    lp = torch.log_softmax(x.double(), dim=-1)
+    top = max(counts[r] for r in rows)
+    values, ids = torch.sort(lp, dim=-1, descending=True, stable=True)
+    values, ids = values[:, :top].float().cpu().tolist(), ids[:, :top].cpu().tolist()
+    for j, r in enumerate(rows):
+        n = counts[r]
+        out[r] = list(zip(ids[j][:n], values[j][:n]))
+    return out
 
 
 def _flat_int32(chunks: list[list[int]], total: int) -> torch.Tensor:

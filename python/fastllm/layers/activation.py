@@ -39,8 +39,16 @@ class ActAndMul(torch.nn.Module):
     def __init__(self, name: str = "silu") -> None:
         super().__init__()
         self.act = get_activation(name)
+        self.fused_silu = self.act is F.silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Applies the gate to the first half and multiplies by the second half."""
+        if self.fused_silu and x.is_cuda:
+            from fastllm.layers import cuda_ops
+
+            if cuda_ops.enabled():
+                out = cuda_ops.silu_and_mul(x)
+                if out is not None:
+                    return out
         d = x.shape[-1] // 2
         return self.act(x[..., :d]) * x[..., d:]

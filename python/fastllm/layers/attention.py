@@ -4,9 +4,11 @@ Two backends, chosen per call from the tensors' device:
 
 * CPU with the Rust kernels present (``fastllm._core.paged_attention``): the
   cache write and the attention run in Rust, reading the torch tensors in place.
-* otherwise (CUDA until its kernels land, or a build without the kernels): plain
-  torch, gathering each sequence's K/V through its block table and calling
-  ``scaled_dot_product_attention``.
+* CUDA: the NVRTC-compiled kernels of ``kernels/`` (``layers/cuda_ops.py``),
+  with the same contract;
+* otherwise (or when the CUDA kernels cannot be compiled or launched, which
+  warns once): plain torch, gathering each sequence's K/V through its block
+  table and calling ``scaled_dot_product_attention``.
 
 The cache layout is ``[num_blocks, num_kv_heads, block_size, head_size]`` and
 slot ``s`` is block ``s // block_size``, offset ``s % block_size``.
@@ -82,7 +84,8 @@ class PagedAttention(nn.Module):
         elif q.device.type == "cpu" and q.dtype in _RUST_DTYPES and _rust_core() is not None:
             out = self._attend_rust(q, k, v, meta)
         else:
-            out = self._attend_torch(q, k, v, meta)
+            cuda_out = self._attend_cuda(q, k, v, meta) if q.device.type == "cuda" else None
+            out = cuda_out if cuda_out is not None else self._attend_torch(q, k, v, meta)
         return out.reshape(num_tokens, self.num_heads * self.head_size)
 
     # ---- Rust CPU kernels ----
@@ -108,6 +111,31 @@ class PagedAttention(nn.Module):
             self.sliding_window or 0,
         )
         return out
+
+    # ---- CUDA kernels ----
+
+    def _attend_cuda(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """The NVRTC kernels; None when they are off (the caller falls back to torch)."""
+        from fastllm.layers import cuda_ops
+
+        k_cache, v_cache = self.k_cache, self.v_cache
+        assert k_cache is not None and v_cache is not None
+        if not cuda_ops.enabled() or q.dtype != k_cache.dtype:
+            return None
+        if not cuda_ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping):
+            return None
+        return cuda_ops.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            self.scale,
+            self.sliding_window or 0,
+        )
 
     # ---- plain torch ----
 

@@ -17,6 +17,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalises the last dimension of ``x``."""
+        if x.is_cuda and self.weight.dtype == x.dtype:
+            from fastllm.layers import cuda_ops
+
+            if cuda_ops.enabled():
+                out = cuda_ops.rms_norm(x, self.weight, self.eps)
+                if out is not None:
+                    return out
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

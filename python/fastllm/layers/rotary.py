@@ -108,6 +108,13 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotates the first ``2 * cos.shape[-1]`` dims of each head of x [tokens, heads, head_dim]."""
+    if x.is_cuda and cos.dtype == x.dtype:
+        from fastllm.layers import cuda_ops
+
+        if cuda_ops.enabled():
+            out = cuda_ops.rotary(x, cos, sin)
+            if out is not None:
+                return out
     half = cos.shape[-1]
     x1 = x[..., :half]
     x2 = x[..., half : 2 * half]
