@@ -1,0 +1,1168 @@
+//! Decode-time linear layers: `y = x @ W^T (+ bias)` for a small number of
+//! rows `M` (the sequences of one decode step) that stream the weights once.
+//!
+//! Batch-1 decode is bound by memory bandwidth: every token reads every weight
+//! once. The kernels here therefore read each weight row exactly once per call
+//! and compute the dot products of that row with all `M` rows of `x` while it
+//! sits in registers (register tiles of `R` weight rows × `MT` rows of `x`; for
+//! larger `M` the same small weight tile is re-read from L1 for every tile of
+//! `x`). Work is split over blocks of output rows on the private rayon pool.
+//!
+//! `x` is converted once per call into the form the chosen path consumes
+//! (bf16 for `vdpbf16ps`, f32 otherwise), padded with zeros to a multiple of
+//! 32 elements so that the last chunk of a row can be loaded whole; the weight
+//! tail is read with masked loads (AVX-512) or through a zero-padded copy
+//! (AVX2), never past the end of the weight matrix.
+//!
+//! SIMD paths are chosen at run time (`is_x86_feature_detected!`), so the crate
+//! keeps its baseline x86-64 target and never executes an instruction the CPU
+//! lacks: AVX512-BF16 (`vdpbf16ps`), AVX-512F (bf16 → f32 by a 16-bit shift,
+//! FMA), AVX2 + FMA, and portable scalar code. All accumulate in f32.
+
+use half::bf16;
+use rayon::prelude::*;
+use std::sync::OnceLock;
+
+use crate::error::{CoreError, CoreResult};
+
+/// Environment variable that forces a path (`scalar`, `avx2`, `avx512`,
+/// `avx512bf16`) for every call that does not name one.
+pub const PATH_ENV: &str = "FASTLLM_LINEAR_PATH";
+
+/// Rows of `x` are padded to a multiple of this many elements.
+const X_ALIGN: usize = 32;
+
+/// Bytes of weights one parallel task aims to stream.
+const TASK_BYTES: usize = 96 * 1024;
+
+/// One implementation of the kernel, from the most portable to the fastest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Path {
+    /// Plain Rust, f32 accumulation; runs everywhere.
+    Scalar,
+    /// AVX2 + FMA: bf16 widened to f32 by a shift, 8 lanes.
+    Avx2,
+    /// AVX-512F/BW/VL: bf16 widened to f32 by a shift, 16 lanes.
+    Avx512,
+    /// AVX512-BF16: `vdpbf16ps` multiplies bf16 pairs and adds to f32 lanes.
+    Avx512Bf16,
+}
+
+impl Path {
+    /// Every path, slowest first.
+    pub const ALL: [Path; 4] = [Path::Scalar, Path::Avx2, Path::Avx512, Path::Avx512Bf16];
+
+    /// The name used by `FASTLLM_LINEAR_PATH` and the Python binding.
+    pub fn name(self) -> &'static str {
+        match self {
+            Path::Scalar => "scalar",
+            Path::Avx2 => "avx2",
+            Path::Avx512 => "avx512",
+            Path::Avx512Bf16 => "avx512bf16",
+        }
+    }
+
+    /// Parses a path name (case-insensitive).
+    pub fn parse(name: &str) -> Option<Path> {
+        let name = name.trim().to_ascii_lowercase();
+        Path::ALL.into_iter().find(|p| p.name() == name)
+    }
+
+    /// Whether this CPU (and OS) can run the path.
+    pub fn is_available(self) -> bool {
+        match self {
+            Path::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Path::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+            #[cfg(target_arch = "x86_64")]
+            Path::Avx512 => {
+                is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Path::Avx512Bf16 => {
+                Path::Avx512.is_available() && is_x86_feature_detected!("avx512bf16")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+}
+
+/// The paths this CPU can run, slowest first.
+pub fn available_paths() -> Vec<Path> {
+    Path::ALL.into_iter().filter(|p| p.is_available()).collect()
+}
+
+/// The fastest path this CPU can run.
+pub fn best_path() -> Path {
+    available_paths().pop().unwrap_or(Path::Scalar)
+}
+
+/// The path used when a call names none: `FASTLLM_LINEAR_PATH` if set (read
+/// once per process), else the fastest available one.
+pub fn default_path() -> CoreResult<Path> {
+    static CHOSEN: OnceLock<Result<Path, String>> = OnceLock::new();
+    CHOSEN
+        .get_or_init(|| match std::env::var(PATH_ENV) {
+            Ok(v) if !v.trim().is_empty() => check_path(&v),
+            _ => Ok(best_path()),
+        })
+        .clone()
+        .map_err(CoreError::InvalidArgument)
+}
+
+/// Parses a path name and checks this CPU can run it.
+pub fn check_path(name: &str) -> Result<Path, String> {
+    let names: Vec<&str> = Path::ALL.iter().map(|p| p.name()).collect();
+    let path = Path::parse(name)
+        .ok_or_else(|| format!("unknown linear kernel path '{name}', expected one of {names:?}"))?;
+    if !path.is_available() {
+        let avail: Vec<&str> = available_paths().iter().map(|p| p.name()).collect();
+        return Err(format!(
+            "linear kernel path '{name}' is not supported by this CPU (available: {avail:?})"
+        ));
+    }
+    Ok(path)
+}
+
+/// A read-only bf16 or f32 matrix, row-major.
+#[derive(Clone, Copy, Debug)]
+pub enum Src<'a> {
+    /// bfloat16 elements.
+    Bf16(&'a [bf16]),
+    /// float32 elements.
+    F32(&'a [f32]),
+}
+
+impl Src<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Src::Bf16(s) => s.len(),
+            Src::F32(s) => s.len(),
+        }
+    }
+
+    #[inline]
+    fn get(&self, i: usize) -> f32 {
+        match self {
+            Src::Bf16(s) => s[i].to_f32(),
+            Src::F32(s) => s[i],
+        }
+    }
+}
+
+/// A writable bf16 or f32 matrix, row-major.
+#[derive(Debug)]
+pub enum Dst<'a> {
+    /// bfloat16 elements (results rounded to nearest even).
+    Bf16(&'a mut [bf16]),
+    /// float32 elements.
+    F32(&'a mut [f32]),
+}
+
+/// `out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n])` with the default path.
+///
+/// `x` is `[m, k]`, `weight` `[n, k]` (torch `Linear` layout), `bias` `[n]`,
+/// `out` `[m, n]`; all row-major. Accumulation is in f32.
+pub fn linear(
+    out: Dst<'_>,
+    x: Src<'_>,
+    weight: Src<'_>,
+    bias: Option<Src<'_>>,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> CoreResult<()> {
+    linear_with_path(default_path()?, out, x, weight, bias, m, n, k)
+}
+
+/// As [`linear`], on an explicit kernel path (an error if the CPU lacks it).
+///
+/// f32 weights have no `vdpbf16ps` form: `Avx512Bf16` runs them on `Avx512`.
+/// With f32 `x`, `Avx512Bf16` splits each element into two bf16 terms
+/// (`hi + lo`), which keeps about 16 significant bits of `x`.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_with_path(
+    path: Path,
+    out: Dst<'_>,
+    x: Src<'_>,
+    weight: Src<'_>,
+    bias: Option<Src<'_>>,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> CoreResult<()> {
+    if !path.is_available() {
+        return Err(CoreError::invalid(format!(
+            "linear kernel path '{}' is not supported by this CPU",
+            path.name()
+        )));
+    }
+    let numel = |a: usize, b: usize, what: &str| {
+        a.checked_mul(b)
+            .ok_or_else(|| CoreError::invalid(format!("{what}: size {a} x {b} overflows")))
+    };
+    let (mk, nk, mn) = (
+        numel(m, k, "x")?,
+        numel(n, k, "weight")?,
+        numel(m, n, "out")?,
+    );
+    if x.len() != mk {
+        return Err(CoreError::invalid(format!(
+            "x: expected {m} x {k} = {mk} elements, got {}",
+            x.len()
+        )));
+    }
+    if weight.len() != nk {
+        return Err(CoreError::invalid(format!(
+            "weight: expected {n} x {k} = {nk} elements, got {}",
+            weight.len()
+        )));
+    }
+    let out_len = match &out {
+        Dst::Bf16(o) => o.len(),
+        Dst::F32(o) => o.len(),
+    };
+    if out_len != mn {
+        return Err(CoreError::invalid(format!(
+            "out: expected {m} x {n} = {mn} elements, got {out_len}"
+        )));
+    }
+    if let Some(b) = &bias {
+        if b.len() != n {
+            return Err(CoreError::invalid(format!(
+                "bias: expected {n} elements, got {}",
+                b.len()
+            )));
+        }
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    // f32 weights have no dpbf16 form.
+    let path = match (path, weight) {
+        (Path::Avx512Bf16, Src::F32(_)) => Path::Avx512,
+        (p, _) => p,
+    };
+    let pack = Packed::new(path, x, m, k);
+    match out {
+        Dst::Bf16(o) => run(path, o, &pack, weight, bias, m, n, k),
+        Dst::F32(o) => run(path, o, &pack, weight, bias, m, n, k),
+    }
+    Ok(())
+}
+
+/// `x` converted once per call into what a path consumes; rows padded with
+/// zeros to `kp` (a multiple of `X_ALIGN`).
+enum Packed {
+    /// bf16 bit patterns; `terms` rows per row of `x` (1, or 2 for `hi + lo`).
+    Bf16 {
+        data: Vec<u16>,
+        terms: usize,
+        kp: usize,
+    },
+    /// f32 values.
+    F32 { data: Vec<f32>, kp: usize },
+}
+
+impl Packed {
+    fn new(path: Path, x: Src<'_>, m: usize, k: usize) -> Packed {
+        let kp = k.div_ceil(X_ALIGN).max(1) * X_ALIGN;
+        match (path, x) {
+            (Path::Avx512Bf16, Src::Bf16(xs)) => {
+                let mut data = vec![0u16; m * kp];
+                for (dst, src) in data.chunks_exact_mut(kp).zip(xs.chunks_exact(k.max(1))) {
+                    for (d, s) in dst.iter_mut().zip(src) {
+                        *d = s.to_bits();
+                    }
+                }
+                Packed::Bf16 { data, terms: 1, kp }
+            }
+            (Path::Avx512Bf16, Src::F32(xs)) => {
+                // Two rows per row of x: hi = bf16(x), lo = bf16(x - hi).
+                let mut data = vec![0u16; 2 * m * kp];
+                for (dst, src) in data.chunks_exact_mut(2 * kp).zip(xs.chunks_exact(k.max(1))) {
+                    let (hi, lo) = dst.split_at_mut(kp);
+                    for ((h, l), &s) in hi.iter_mut().zip(lo.iter_mut()).zip(src) {
+                        let top = bf16::from_f32(s);
+                        *h = top.to_bits();
+                        let rest = s - top.to_f32();
+                        *l = if rest.is_finite() {
+                            bf16::from_f32(rest).to_bits()
+                        } else {
+                            0
+                        };
+                    }
+                }
+                Packed::Bf16 { data, terms: 2, kp }
+            }
+            (_, x) => {
+                let mut data = vec![0f32; m * kp];
+                for (row, dst) in data.chunks_exact_mut(kp).enumerate() {
+                    for (j, d) in dst[..k].iter_mut().enumerate() {
+                        *d = x.get(row * k + j);
+                    }
+                }
+                Packed::F32 { data, kp }
+            }
+        }
+    }
+
+    /// Number of packed rows (rows of `x` times terms).
+    fn rows(&self) -> usize {
+        match self {
+            Packed::Bf16 { data, kp, .. } => data.len() / kp,
+            Packed::F32 { data, kp } => data.len() / kp,
+        }
+    }
+
+    fn terms(&self) -> usize {
+        match self {
+            Packed::Bf16 { terms, .. } => *terms,
+            Packed::F32 { .. } => 1,
+        }
+    }
+}
+
+/// Output element types.
+trait OutElem: Copy + Send + Sync {
+    fn from_f32(v: f32) -> Self;
+}
+
+impl OutElem for f32 {
+    #[inline]
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+}
+
+impl OutElem for bf16 {
+    #[inline]
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}
+
+/// The output pointer shared by tasks that write disjoint columns.
+struct SharedOut<T>(*mut T);
+// SAFETY: every task writes only the columns of its own block of output rows.
+unsafe impl<T: Send> Send for SharedOut<T> {}
+unsafe impl<T: Send> Sync for SharedOut<T> {}
+
+impl<T> SharedOut<T> {
+    fn ptr(&self) -> *mut T {
+        self.0
+    }
+}
+
+/// Rows of `weight` per parallel task: about `TASK_BYTES` of weights, at
+/// least 4 tasks per thread where the matrix allows, a multiple of 4 rows.
+fn rows_per_task(n: usize, k: usize, elem: usize, threads: usize) -> usize {
+    let by_bytes = (TASK_BYTES / (k * elem).max(1)).max(1);
+    let by_balance = n.div_ceil(4 * threads).max(1);
+    let rows = by_bytes.min(by_balance).max(4);
+    rows.div_ceil(4) * 4
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run<T: OutElem>(
+    path: Path,
+    out: &mut [T],
+    pack: &Packed,
+    weight: Src<'_>,
+    bias: Option<Src<'_>>,
+    m: usize,
+    n: usize,
+    k: usize,
+) {
+    let elem = match weight {
+        Src::Bf16(_) => 2,
+        Src::F32(_) => 4,
+    };
+    let threads = crate::threads::num_threads();
+    let rows = rows_per_task(n, k, elem, threads);
+    let tasks = n.div_ceil(rows);
+    let shared = SharedOut(out.as_mut_ptr());
+    let prows = pack.rows();
+    let task = |tile: &mut Vec<f32>, t: usize| {
+        let n0 = t * rows;
+        let n1 = (n0 + rows).min(n);
+        tile.clear();
+        tile.resize(prows * (n1 - n0), 0.0);
+        compute_block(path, pack, weight, n0, n1, k, tile);
+        // SAFETY: columns n0..n1 of every row of out belong to this task only,
+        // and out has m * n elements (checked by the caller).
+        unsafe { store_block(shared.ptr(), tile, pack.terms(), bias, m, n, n0, n1) };
+    };
+    if tasks == 1 || threads == 1 {
+        let mut tile = Vec::new();
+        for t in 0..tasks {
+            task(&mut tile, t);
+        }
+    } else {
+        crate::threads::install(|| {
+            (0..tasks)
+                .into_par_iter()
+                .for_each_init(Vec::new, |tile, t| task(tile, t));
+        });
+    }
+}
+
+/// Writes `tile` (`[rows of pack][n1 - n0]` f32 sums) plus bias into columns
+/// `n0..n1` of `out`, adding the `terms` partial rows of each row of `x`.
+///
+/// # Safety
+/// `out` must point to `m * n` elements and no other thread may touch
+/// columns `n0..n1`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn store_block<T: OutElem>(
+    out: *mut T,
+    tile: &[f32],
+    terms: usize,
+    bias: Option<Src<'_>>,
+    m: usize,
+    n: usize,
+    n0: usize,
+    n1: usize,
+) {
+    let w = n1 - n0;
+    for i in 0..m {
+        let dst = std::slice::from_raw_parts_mut(out.add(i * n + n0), w);
+        for (j, d) in dst.iter_mut().enumerate() {
+            let mut v = 0.0f32;
+            for t in 0..terms {
+                v += tile[(i * terms + t) * w + j];
+            }
+            if let Some(b) = &bias {
+                v += b.get(n0 + j);
+            }
+            *d = T::from_f32(v);
+        }
+    }
+}
+
+/// Dot products of weight rows `n0..n1` with every packed row of `x`, into
+/// `tile[p * (n1 - n0) + (row - n0)]`.
+fn compute_block(
+    path: Path,
+    pack: &Packed,
+    weight: Src<'_>,
+    n0: usize,
+    n1: usize,
+    k: usize,
+    tile: &mut [f32],
+) {
+    let rows = n1 - n0;
+    match (path, pack, weight) {
+        #[cfg(target_arch = "x86_64")]
+        (Path::Avx512Bf16, Packed::Bf16 { data, kp, .. }, Src::Bf16(w)) => {
+            let w = &w[n0 * k..n1 * k];
+            // SAFETY: the path was checked available; the slices have the
+            // sizes the kernel reads (rows * k weights, rows of kp x values).
+            unsafe { x86::block_dpbf16(w.as_ptr().cast(), rows, k, data, *kp, tile) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        (Path::Avx512 | Path::Avx512Bf16, Packed::F32 { data, kp }, Src::Bf16(w)) => {
+            let w = &w[n0 * k..n1 * k];
+            // SAFETY: as above.
+            unsafe { x86::block_avx512::<false>(w.as_ptr().cast(), rows, k, data, *kp, tile) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        (Path::Avx512 | Path::Avx512Bf16, Packed::F32 { data, kp }, Src::F32(w)) => {
+            let w = &w[n0 * k..n1 * k];
+            // SAFETY: as above.
+            unsafe { x86::block_avx512::<true>(w.as_ptr().cast(), rows, k, data, *kp, tile) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        (Path::Avx2, Packed::F32 { data, kp }, Src::Bf16(w)) => {
+            let w = &w[n0 * k..n1 * k];
+            // SAFETY: as above.
+            unsafe { x86::block_avx2::<false>(w.as_ptr().cast(), rows, k, data, *kp, tile) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        (Path::Avx2, Packed::F32 { data, kp }, Src::F32(w)) => {
+            let w = &w[n0 * k..n1 * k];
+            // SAFETY: as above.
+            unsafe { x86::block_avx2::<true>(w.as_ptr().cast(), rows, k, data, *kp, tile) }
+        }
+        (_, Packed::F32 { data, kp }, w) => block_scalar(w, n0, n1, k, data, *kp, tile),
+        // A bf16 pack is only built for Avx512Bf16 with bf16 weights, handled
+        // above; reaching here would be a bug in Packed::new, so fall back to
+        // exact scalar sums over the unpacked bf16 bits.
+        (_, Packed::Bf16 { data, kp, .. }, w) => {
+            let xs: Vec<f32> = data.iter().map(|&b| bf16::from_bits(b).to_f32()).collect();
+            block_scalar(w, n0, n1, k, &xs, *kp, tile)
+        }
+    }
+}
+
+/// Portable kernel: eight partial sums per dot product, so the compiler can
+/// keep them in SIMD registers of the baseline target.
+fn block_scalar(
+    weight: Src<'_>,
+    n0: usize,
+    n1: usize,
+    k: usize,
+    xs: &[f32],
+    kp: usize,
+    tile: &mut [f32],
+) {
+    let rows = n1 - n0;
+    let mut wrow = vec![0f32; k];
+    for r in 0..rows {
+        match weight {
+            Src::Bf16(w) => {
+                for (d, s) in wrow.iter_mut().zip(&w[(n0 + r) * k..(n0 + r + 1) * k]) {
+                    *d = s.to_f32();
+                }
+            }
+            Src::F32(w) => wrow.copy_from_slice(&w[(n0 + r) * k..(n0 + r + 1) * k]),
+        }
+        for (p, xrow) in xs.chunks_exact(kp).enumerate() {
+            let mut acc = [0f32; 8];
+            let mut wc = wrow.chunks_exact(8);
+            let mut xc = xrow[..k].chunks_exact(8);
+            for (a, b) in (&mut wc).zip(&mut xc) {
+                for l in 0..8 {
+                    acc[l] += a[l] * b[l];
+                }
+            }
+            let mut s = acc.iter().sum::<f32>();
+            for (a, b) in wc.remainder().iter().zip(xc.remainder()) {
+                s += a * b;
+            }
+            tile[p * rows + r] = s;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    //! The SIMD kernels. Each `block_*` walks groups of `R` weight rows and,
+    //! for each group, every tile of `MT` packed rows of `x`, so the group's
+    //! weights come from DRAM once and from L1 for the other tiles.
+
+    // Register tiles are indexed `acc[r][j]` on purpose: fixed-size loops
+    // that the compiler unrolls into registers.
+    #![allow(clippy::needless_range_loop)]
+
+    use std::arch::x86_64::*;
+
+    /// Reinterprets 32 bf16 bit patterns as the `vdpbf16ps` operand type.
+    #[inline(always)]
+    fn as_bh(v: __m512i) -> __m512bh {
+        // SAFETY: both are 64-byte plain vector types.
+        unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
+    }
+
+    /// How far ahead (bytes) of the current position weights are prefetched.
+    const PREFETCH: usize = 1024;
+
+    /// # Safety
+    /// Needs AVX-512F/BW/VL and AVX512-BF16. `w` points to `rows * k` bf16
+    /// values; `xs` holds packed rows of `kp >= k` (a multiple of 32) values,
+    /// zero past `k`; `tile` has `xs.len() / kp * rows` elements.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub unsafe fn block_dpbf16(
+        w: *const u16,
+        rows: usize,
+        k: usize,
+        xs: &[u16],
+        kp: usize,
+        tile: &mut [f32],
+    ) {
+        let prows = xs.len() / kp;
+        let mut r = 0;
+        while r < rows {
+            let rr = if rows - r >= 4 { 4 } else { 1 };
+            let mut p = 0;
+            while p < prows {
+                let mt = (prows - p).min(4);
+                let wp = w.add(r * k);
+                let xp = xs.as_ptr().add(p * kp);
+                let tp = tile.as_mut_ptr().add(p * rows + r);
+                match (rr, mt) {
+                    (4, 4) => dpbf16_tile::<4, 4>(wp, k, xp, kp, tp, rows),
+                    (4, 3) => dpbf16_tile::<4, 3>(wp, k, xp, kp, tp, rows),
+                    (4, 2) => dpbf16_tile::<4, 2>(wp, k, xp, kp, tp, rows),
+                    (4, _) => dpbf16_tile::<4, 1>(wp, k, xp, kp, tp, rows),
+                    (_, 4) => dpbf16_tile::<1, 4>(wp, k, xp, kp, tp, rows),
+                    (_, 3) => dpbf16_tile::<1, 3>(wp, k, xp, kp, tp, rows),
+                    (_, 2) => dpbf16_tile::<1, 2>(wp, k, xp, kp, tp, rows),
+                    (_, _) => dpbf16_tile::<1, 1>(wp, k, xp, kp, tp, rows),
+                }
+                p += mt;
+            }
+            r += rr;
+        }
+    }
+
+    /// `R` weight rows × `MT` packed x rows, 32 bf16 per step.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    unsafe fn dpbf16_tile<const R: usize, const MT: usize>(
+        w: *const u16,
+        k: usize,
+        x: *const u16,
+        kp: usize,
+        out: *mut f32,
+        out_stride: usize,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); MT]; R];
+        let mut wv = [_mm512_setzero_si512(); R];
+        let full = k / 32;
+        for c in 0..full {
+            let off = c * 32;
+            for r in 0..R {
+                let p = w.add(r * k + off);
+                _mm_prefetch::<_MM_HINT_T0>(p.cast::<i8>().add(PREFETCH));
+                wv[r] = _mm512_loadu_si512(p.cast());
+            }
+            for j in 0..MT {
+                let xv = as_bh(_mm512_loadu_si512(x.add(j * kp + off).cast()));
+                for r in 0..R {
+                    acc[r][j] = _mm512_dpbf16_ps(acc[r][j], as_bh(wv[r]), xv);
+                }
+            }
+        }
+        let rem = k % 32;
+        if rem != 0 {
+            let off = full * 32;
+            let mask: __mmask32 = (1u32 << rem) - 1;
+            for r in 0..R {
+                wv[r] = _mm512_maskz_loadu_epi16(mask, w.add(r * k + off).cast());
+            }
+            for j in 0..MT {
+                let xv = as_bh(_mm512_loadu_si512(x.add(j * kp + off).cast()));
+                for r in 0..R {
+                    acc[r][j] = _mm512_dpbf16_ps(acc[r][j], as_bh(wv[r]), xv);
+                }
+            }
+        }
+        for r in 0..R {
+            for j in 0..MT {
+                *out.add(j * out_stride + r) = _mm512_reduce_add_ps(acc[r][j]);
+            }
+        }
+    }
+
+    /// # Safety
+    /// Needs AVX-512F/BW/VL. `w` points to `rows * k` weights (f32 when `WF32`,
+    /// else bf16); `xs` holds packed f32 rows of `kp >= k` values (a multiple
+    /// of 32), zero past `k`; `tile` has `xs.len() / kp * rows` elements.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub unsafe fn block_avx512<const WF32: bool>(
+        w: *const u8,
+        rows: usize,
+        k: usize,
+        xs: &[f32],
+        kp: usize,
+        tile: &mut [f32],
+    ) {
+        let esize = if WF32 { 4 } else { 2 };
+        let prows = xs.len() / kp;
+        let mut r = 0;
+        while r < rows {
+            let rr = if rows - r >= 4 { 4 } else { 1 };
+            let mut p = 0;
+            while p < prows {
+                let mt = (prows - p).min(4);
+                let wp = w.add(r * k * esize);
+                let xp = xs.as_ptr().add(p * kp);
+                let tp = tile.as_mut_ptr().add(p * rows + r);
+                match (rr, mt) {
+                    (4, 4) => avx512_tile::<4, 4, WF32>(wp, k, xp, kp, tp, rows),
+                    (4, 3) => avx512_tile::<4, 3, WF32>(wp, k, xp, kp, tp, rows),
+                    (4, 2) => avx512_tile::<4, 2, WF32>(wp, k, xp, kp, tp, rows),
+                    (4, _) => avx512_tile::<4, 1, WF32>(wp, k, xp, kp, tp, rows),
+                    (_, 4) => avx512_tile::<1, 4, WF32>(wp, k, xp, kp, tp, rows),
+                    (_, 3) => avx512_tile::<1, 3, WF32>(wp, k, xp, kp, tp, rows),
+                    (_, 2) => avx512_tile::<1, 2, WF32>(wp, k, xp, kp, tp, rows),
+                    (_, _) => avx512_tile::<1, 1, WF32>(wp, k, xp, kp, tp, rows),
+                }
+                p += mt;
+            }
+            r += rr;
+        }
+    }
+
+    /// Loads 16 weights at element `off` of a row as f32 (masked by `mask`).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn load16<const WF32: bool>(row: *const u8, off: usize, mask: __mmask16) -> __m512 {
+        if WF32 {
+            _mm512_maskz_loadu_ps(mask, row.cast::<f32>().add(off))
+        } else {
+            let h = _mm256_maskz_loadu_epi16(mask, row.cast::<i16>().add(off));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        }
+    }
+
+    /// `R` weight rows × `MT` packed x rows, 16 weights per step.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn avx512_tile<const R: usize, const MT: usize, const WF32: bool>(
+        w: *const u8,
+        k: usize,
+        x: *const f32,
+        kp: usize,
+        out: *mut f32,
+        out_stride: usize,
+    ) {
+        let esize = if WF32 { 4 } else { 2 };
+        let mut acc = [[_mm512_setzero_ps(); MT]; R];
+        let mut wv = [_mm512_setzero_ps(); R];
+        let full = k / 16;
+        for c in 0..full {
+            let off = c * 16;
+            for r in 0..R {
+                let row = w.add(r * k * esize);
+                if c % (64 / (16 * esize)).max(1) == 0 {
+                    _mm_prefetch::<_MM_HINT_T0>(row.add(off * esize + PREFETCH).cast());
+                }
+                wv[r] = load16::<WF32>(row, off, 0xffff);
+            }
+            for j in 0..MT {
+                let xv = _mm512_loadu_ps(x.add(j * kp + off));
+                for r in 0..R {
+                    acc[r][j] = _mm512_fmadd_ps(wv[r], xv, acc[r][j]);
+                }
+            }
+        }
+        let rem = k % 16;
+        if rem != 0 {
+            let off = full * 16;
+            let mask: __mmask16 = ((1u32 << rem) - 1) as u16;
+            for r in 0..R {
+                wv[r] = load16::<WF32>(w.add(r * k * esize), off, mask);
+            }
+            for j in 0..MT {
+                let xv = _mm512_loadu_ps(x.add(j * kp + off));
+                for r in 0..R {
+                    acc[r][j] = _mm512_fmadd_ps(wv[r], xv, acc[r][j]);
+                }
+            }
+        }
+        for r in 0..R {
+            for j in 0..MT {
+                *out.add(j * out_stride + r) = _mm512_reduce_add_ps(acc[r][j]);
+            }
+        }
+    }
+
+    /// # Safety
+    /// Needs AVX2 and FMA; otherwise as [`block_avx512`].
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn block_avx2<const WF32: bool>(
+        w: *const u8,
+        rows: usize,
+        k: usize,
+        xs: &[f32],
+        kp: usize,
+        tile: &mut [f32],
+    ) {
+        let esize = if WF32 { 4 } else { 2 };
+        let prows = xs.len() / kp;
+        let mut r = 0;
+        while r < rows {
+            let rr = if rows - r >= 4 { 4 } else { 1 };
+            let mut p = 0;
+            while p < prows {
+                let mt = (prows - p).min(2);
+                let wp = w.add(r * k * esize);
+                let xp = xs.as_ptr().add(p * kp);
+                let tp = tile.as_mut_ptr().add(p * rows + r);
+                match (rr, mt) {
+                    (4, 2) => avx2_tile::<4, 2, WF32>(wp, k, xp, kp, tp, rows),
+                    (4, _) => avx2_tile::<4, 1, WF32>(wp, k, xp, kp, tp, rows),
+                    (_, 2) => avx2_tile::<1, 2, WF32>(wp, k, xp, kp, tp, rows),
+                    (_, _) => avx2_tile::<1, 1, WF32>(wp, k, xp, kp, tp, rows),
+                }
+                p += mt;
+            }
+            r += rr;
+        }
+    }
+
+    /// Loads 8 weights at element `off` of a row as f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn load8<const WF32: bool>(row: *const u8, off: usize) -> __m256 {
+        if WF32 {
+            _mm256_loadu_ps(row.cast::<f32>().add(off))
+        } else {
+            let h = _mm_loadu_si128(row.cast::<u16>().add(off).cast());
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum256(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps::<0b01>(s, s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// `R` weight rows × `MT` packed x rows, 8 weights per step; the tail of
+    /// a row goes through a zero-padded copy (AVX2 has no 16-bit masked load).
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn avx2_tile<const R: usize, const MT: usize, const WF32: bool>(
+        w: *const u8,
+        k: usize,
+        x: *const f32,
+        kp: usize,
+        out: *mut f32,
+        out_stride: usize,
+    ) {
+        let esize = if WF32 { 4 } else { 2 };
+        let mut acc = [[_mm256_setzero_ps(); MT]; R];
+        let mut wv = [_mm256_setzero_ps(); R];
+        let full = k / 8;
+        for c in 0..full {
+            let off = c * 8;
+            for r in 0..R {
+                let row = w.add(r * k * esize);
+                if c % (64 / (8 * esize)) == 0 {
+                    _mm_prefetch::<_MM_HINT_T0>(row.add(off * esize + PREFETCH).cast());
+                }
+                wv[r] = load8::<WF32>(row, off);
+            }
+            for j in 0..MT {
+                let xv = _mm256_loadu_ps(x.add(j * kp + off));
+                for r in 0..R {
+                    acc[r][j] = _mm256_fmadd_ps(wv[r], xv, acc[r][j]);
+                }
+            }
+        }
+        let rem = k % 8;
+        if rem != 0 {
+            let off = full * 8;
+            let mut buf = [0u8; 32];
+            for r in 0..R {
+                std::ptr::copy_nonoverlapping(
+                    w.add((r * k + off) * esize),
+                    buf.as_mut_ptr(),
+                    rem * esize,
+                );
+                wv[r] = load8::<WF32>(buf.as_ptr(), 0);
+            }
+            for j in 0..MT {
+                let xv = _mm256_loadu_ps(x.add(j * kp + off));
+                for r in 0..R {
+                    acc[r][j] = _mm256_fmadd_ps(wv[r], xv, acc[r][j]);
+                }
+            }
+        }
+        for r in 0..R {
+            for j in 0..MT {
+                *out.add(j * out_stride + r) = hsum256(acc[r][j]);
+            }
+        }
+    }
+}
+
+/// STREAM-triad bandwidth (`a = b + s * c`, f32 arrays of `bytes` each) on
+/// the private pool, in GB/s (10^9 bytes, counting 3 arrays per pass); best
+/// of `repeats` passes after one warm-up pass, as STREAM reports.
+pub fn stream_triad_gbs(bytes: usize, repeats: usize) -> CoreResult<f64> {
+    let len = bytes / 4;
+    if len == 0 {
+        return Err(CoreError::invalid("bytes: must be at least 4"));
+    }
+    let threads = crate::threads::num_threads();
+    let chunk = len.div_ceil(threads * 8).max(4096);
+    let mut a: Vec<f32> = Vec::new();
+    let mut b: Vec<f32> = Vec::new();
+    let mut c: Vec<f32> = Vec::new();
+    for v in [&mut a, &mut b, &mut c] {
+        v.try_reserve_exact(len).map_err(|_| {
+            CoreError::Exhausted(format!("stream triad: cannot allocate {bytes} bytes"))
+        })?;
+    }
+    let s = 3.0f32;
+    let mut best = f64::INFINITY;
+    crate::threads::install(|| {
+        // First touch on the pool's threads, chunk by chunk.
+        a.resize(len, 0.0);
+        b.resize(len, 1.0);
+        c.resize(len, 2.0);
+        for pass in 0..repeats.max(1) + 1 {
+            let t0 = std::time::Instant::now();
+            a.par_chunks_mut(chunk)
+                .zip(b.par_chunks(chunk))
+                .zip(c.par_chunks(chunk))
+                .for_each(|((a, b), c)| {
+                    for ((a, b), c) in a.iter_mut().zip(b).zip(c) {
+                        *a = b + s * c;
+                    }
+                });
+            let dt = t0.elapsed().as_secs_f64();
+            if pass > 0 {
+                best = best.min(dt);
+            }
+        }
+    });
+    std::hint::black_box(&a);
+    Ok(3.0 * (len * 4) as f64 / best / 1e9)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Tiny deterministic generator (xorshift) so tests need no extra crate.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+        fn f32(&mut self) -> f32 {
+            (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        }
+    }
+
+    /// f64 reference over the same (already rounded) inputs; also returns
+    /// sum |w * x| per output, the scale of the summation error.
+    fn reference(
+        x: &[f32],
+        w: &[f32],
+        b: Option<&[f32]>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> (Vec<f64>, Vec<f64>) {
+        let mut out = vec![0f64; m * n];
+        let mut mag = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = b.map_or(0.0, |b| b[j] as f64);
+                let mut a = s.abs();
+                for t in 0..k {
+                    let p = x[i * k + t] as f64 * w[j * k + t] as f64;
+                    s += p;
+                    a += p.abs();
+                }
+                out[i * n + j] = s;
+                mag[i * n + j] = a;
+            }
+        }
+        (out, mag)
+    }
+
+    fn check(got: f32, want: f64, mag: f64, out_bf16: bool, what: &str) {
+        // bf16 output: half an ulp is 2^-9 relative; f32 sums: a few eps per
+        // term scale; the hi+lo split of f32 x keeps ~2^-16 relative.
+        let round = if out_bf16 {
+            want.abs() * 2f64.powi(-8)
+        } else {
+            0.0
+        };
+        let tol = round + mag * 2e-5 + 1e-30;
+        assert!(
+            (got as f64 - want).abs() <= tol,
+            "{what}: got {got}, want {want} (tol {tol})"
+        );
+    }
+
+    fn run_case(rng: &mut Rng, path: Path, m: usize, n: usize, k: usize) {
+        let w32: Vec<f32> = (0..n * k).map(|_| rng.f32()).collect();
+        let wb: Vec<bf16> = w32.iter().map(|&v| bf16::from_f32(v)).collect();
+        let wr: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
+        let xf: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
+        let xb: Vec<bf16> = xf.iter().map(|&v| bf16::from_f32(v)).collect();
+        let xr: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
+        let bias: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
+        let biasb: Vec<bf16> = bias.iter().map(|&v| bf16::from_f32(v)).collect();
+        let biasr: Vec<f32> = biasb.iter().map(|v| v.to_f32()).collect();
+        let tag = format!("{path:?} m={m} n={n} k={k}");
+
+        // bf16 x, bf16 weights, bf16 bias, bf16 out.
+        let mut ob = vec![bf16::ZERO; m * n];
+        linear_with_path(
+            path,
+            Dst::Bf16(&mut ob),
+            Src::Bf16(&xb),
+            Src::Bf16(&wb),
+            Some(Src::Bf16(&biasb)),
+            m,
+            n,
+            k,
+        )
+        .unwrap();
+        let (want, mag) = reference(&xr, &wr, Some(&biasr), m, n, k);
+        for i in 0..m * n {
+            check(
+                ob[i].to_f32(),
+                want[i],
+                mag[i],
+                true,
+                &format!("{tag} bf16 [{i}]"),
+            );
+        }
+
+        // f32 x, bf16 weights, f32 bias, f32 out.
+        let mut of = vec![0f32; m * n];
+        linear_with_path(
+            path,
+            Dst::F32(&mut of),
+            Src::F32(&xf),
+            Src::Bf16(&wb),
+            Some(Src::F32(&bias)),
+            m,
+            n,
+            k,
+        )
+        .unwrap();
+        let (want, mag) = reference(&xf, &wr, Some(&bias), m, n, k);
+        for i in 0..m * n {
+            check(of[i], want[i], mag[i], false, &format!("{tag} f32x [{i}]"));
+        }
+
+        // all f32, no bias.
+        let mut of = vec![0f32; m * n];
+        linear_with_path(
+            path,
+            Dst::F32(&mut of),
+            Src::F32(&xf),
+            Src::F32(&w32),
+            None,
+            m,
+            n,
+            k,
+        )
+        .unwrap();
+        let (want, mag) = reference(&xf, &w32, None, m, n, k);
+        for i in 0..m * n {
+            check(of[i], want[i], mag[i], false, &format!("{tag} f32w [{i}]"));
+        }
+    }
+
+    #[test]
+    fn every_path_matches_reference_on_random_shapes() {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let paths = available_paths();
+        assert!(paths.contains(&Path::Scalar));
+        for case in 0..40 {
+            let m = 1 + case % 40;
+            let n = 1 + rng.below(70);
+            let k = 1 + rng.below(300);
+            for &p in &paths {
+                run_case(&mut rng, p, m, n, k);
+            }
+        }
+        // Edge shapes: exact SIMD multiples, tails of every length, big N.
+        for &(m, n, k) in &[
+            (1, 4, 32),
+            (3, 8, 64),
+            (5, 3, 31),
+            (2, 5, 33),
+            (1, 600, 96),
+            (17, 9, 17),
+        ] {
+            for &p in &paths {
+                run_case(&mut rng, p, m, n, k);
+            }
+        }
+    }
+
+    #[test]
+    fn k_zero_gives_bias_and_empty_shapes_are_fine() {
+        let bias = [1.5f32, -2.0];
+        let mut out = [9f32; 6];
+        linear(
+            Dst::F32(&mut out),
+            Src::F32(&[]),
+            Src::F32(&[]),
+            Some(Src::F32(&bias)),
+            3,
+            2,
+            0,
+        )
+        .unwrap();
+        assert_eq!(out, [1.5, -2.0, 1.5, -2.0, 1.5, -2.0]);
+        linear(
+            Dst::F32(&mut []),
+            Src::F32(&[]),
+            Src::F32(&[0.0; 4]),
+            None,
+            0,
+            2,
+            2,
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn bad_sizes_name_the_argument() {
+        let w = [bf16::ONE; 6];
+        let x = [bf16::ONE; 3];
+        let mut o = [bf16::ZERO; 2];
+        let err = |r: CoreResult<()>| r.unwrap_err().to_string();
+        let e = err(linear(
+            Dst::Bf16(&mut o),
+            Src::Bf16(&x[..2]),
+            Src::Bf16(&w),
+            None,
+            1,
+            2,
+            3,
+        ));
+        assert!(e.starts_with("x:"), "{e}");
+        let e = err(linear(
+            Dst::Bf16(&mut o),
+            Src::Bf16(&x),
+            Src::Bf16(&w[..5]),
+            None,
+            1,
+            2,
+            3,
+        ));
+        assert!(e.starts_with("weight:"), "{e}");
+        let e = err(linear(
+            Dst::Bf16(&mut o[..1]),
+            Src::Bf16(&x),
+            Src::Bf16(&w),
+            None,
+            1,
+            2,
+            3,
+        ));
+        assert!(e.starts_with("out:"), "{e}");
+        let b = [bf16::ONE; 3];
+        let e = err(linear(
+            Dst::Bf16(&mut o),
+            Src::Bf16(&x),
+            Src::Bf16(&w),
+            Some(Src::Bf16(&b)),
+            1,
+            2,
+            3,
+        ));
+        assert!(e.starts_with("bias:"), "{e}");
+    }
+
+    #[test]
+    fn path_names_round_trip_and_unknown_is_rejected() {
+        for p in Path::ALL {
+            assert_eq!(Path::parse(p.name()), Some(p));
+        }
+        assert_eq!(Path::parse(" AVX2 "), Some(Path::Avx2));
+        assert!(check_path("sse9").unwrap_err().contains("unknown"));
+        assert_eq!(check_path("scalar"), Ok(Path::Scalar));
+    }
+
+    #[test]
+    fn triad_measures_something_positive() {
+        let gbs = stream_triad_gbs(1 << 20, 2).unwrap();
+        assert!(gbs.is_finite() && gbs > 0.0);
+        assert!(stream_triad_gbs(0, 1).is_err());
+    }
+}
