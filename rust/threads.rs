@@ -29,12 +29,7 @@ pub fn num_threads() -> usize {
 /// Runs `f` inside the private pool (or on the global pool if the private one
 /// could not be built, which only happens when the OS refuses new threads).
 pub fn install<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    let pool = POOL.get_or_init(|| {
-        ThreadPoolBuilder::new()
-            .num_threads(num_threads())
-            .build()
-            .ok()
-    });
+    let pool = POOL.get_or_init(|| ThreadPoolBuilder::new().num_threads(num_threads()).build().ok());
     match pool {
         Some(p) => p.install(f),
         None => f(),
