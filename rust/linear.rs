@@ -49,8 +49,16 @@ pub enum Path {
 }
 
 impl Path {
-    /// Every path, slowest first.
+    /// Every path, in order of the instruction sets they need.
     pub const ALL: [Path; 4] = [Path::Scalar, Path::Avx2, Path::Avx512, Path::Avx512Bf16];
+
+    /// The order in which the default is picked. AVX-512F comes before
+    /// AVX512-BF16: on the Xeons measured (`benches/linear_vs_torch.py`)
+    /// `vdpbf16ps` retires one per two cycles while two FMAs retire per
+    /// cycle, so the FMA kernel (one shift or mask per 16 weights) is faster
+    /// once compute matters (M >= 4) and equal when memory-bound (M = 1);
+    /// it is also exact for f32 x, where `vdpbf16ps` needs a hi + lo split.
+    pub const PREFERENCE: [Path; 4] = [Path::Avx512, Path::Avx512Bf16, Path::Avx2, Path::Scalar];
 
     /// The name used by `FASTLLM_LINEAR_PATH` and the Python binding.
     pub fn name(self) -> &'static str {
@@ -90,14 +98,17 @@ impl Path {
     }
 }
 
-/// The paths this CPU can run, slowest first.
+/// The paths this CPU can run, in the order of `Path::ALL`.
 pub fn available_paths() -> Vec<Path> {
     Path::ALL.into_iter().filter(|p| p.is_available()).collect()
 }
 
-/// The fastest path this CPU can run.
+/// The fastest path this CPU can run (first available in `Path::PREFERENCE`).
 pub fn best_path() -> Path {
-    available_paths().pop().unwrap_or(Path::Scalar)
+    Path::PREFERENCE
+        .into_iter()
+        .find(|p| p.is_available())
+        .unwrap_or(Path::Scalar)
 }
 
 /// The path used when a call names none: `FASTLLM_LINEAR_PATH` if set (read
@@ -241,49 +252,107 @@ pub fn linear_with_path(
     if m == 0 || n == 0 {
         return Ok(());
     }
-    // f32 weights have no dpbf16 form.
-    let path = match (path, weight) {
-        (Path::Avx512Bf16, Src::F32(_)) => Path::Avx512,
-        (p, _) => p,
-    };
-    let pack = Packed::new(path, x, m, k);
+    let kernel = Kernel::choose(path, &weight);
+    let pack = Packed::new(kernel, x, m, k);
     match out {
-        Dst::Bf16(o) => run(path, o, &pack, weight, bias, m, n, k),
-        Dst::F32(o) => run(path, o, &pack, weight, bias, m, n, k),
+        Dst::Bf16(o) => run(o, &pack, weight, bias, m, n, k),
+        Dst::F32(o) => run(o, &pack, weight, bias, m, n, k),
     }
     Ok(())
 }
 
-/// `x` converted once per call into what a path consumes; rows padded with
-/// zeros to `kp` (a multiple of `X_ALIGN`).
-enum Packed {
-    /// bf16 bit patterns; `terms` rows per row of `x` (1, or 2 for `hi + lo`).
-    Bf16 {
-        data: Vec<u16>,
-        terms: usize,
-        kp: usize,
-    },
-    /// f32 values.
-    F32 { data: Vec<f32>, kp: usize },
+/// The inner kernel a call runs: a path and the weights' element type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    Scalar,
+    /// AVX2, bf16 weights (x packed even/odd per 16 elements).
+    Avx2Bf16,
+    /// AVX2, f32 weights.
+    Avx2F32,
+    /// AVX-512F, bf16 weights (x packed even/odd per 32 elements).
+    Avx512Bf16,
+    /// AVX-512F, f32 weights.
+    Avx512F32,
+    /// AVX512-BF16 `vdpbf16ps`, bf16 weights, x packed as bf16.
+    Dpbf16,
+}
+
+impl Kernel {
+    fn choose(path: Path, weight: &Src<'_>) -> Kernel {
+        let bf16_weights = matches!(weight, Src::Bf16(_));
+        match (path, bf16_weights) {
+            (Path::Scalar, _) => Kernel::Scalar,
+            (Path::Avx2, true) => Kernel::Avx2Bf16,
+            (Path::Avx2, false) => Kernel::Avx2F32,
+            (Path::Avx512, true) => Kernel::Avx512Bf16,
+            (Path::Avx512Bf16, true) => Kernel::Dpbf16,
+            // f32 weights have no dpbf16 form.
+            (Path::Avx512 | Path::Avx512Bf16, false) => Kernel::Avx512F32,
+        }
+    }
+
+    /// Width of the chunks in which x is stored even elements first, then
+    /// odd ones (0: natural order). The bf16-weight kernels widen a vector of
+    /// bf16 pairs to f32 with one shift (even elements) and one mask (odd
+    /// elements), so x must come in that order.
+    fn split(self) -> usize {
+        match self {
+            Kernel::Avx2Bf16 => 16,
+            Kernel::Avx512Bf16 => 32,
+            _ => 0,
+        }
+    }
+}
+
+/// `x` converted once per call into what a kernel consumes; rows padded
+/// with zeros to `kp` (a multiple of `X_ALIGN`).
+struct Packed {
+    kernel: Kernel,
+    /// bf16 bit patterns (`Kernel::Dpbf16` only).
+    bits: Vec<u16>,
+    /// f32 values (every other kernel).
+    vals: Vec<f32>,
+    kp: usize,
+    /// Packed rows per row of x: 2 when an f32 x is split into bf16 hi + lo.
+    terms: usize,
+    /// Packed rows in all.
+    rows: usize,
 }
 
 impl Packed {
-    fn new(path: Path, x: Src<'_>, m: usize, k: usize) -> Packed {
+    fn new(kernel: Kernel, x: Src<'_>, m: usize, k: usize) -> Packed {
         let kp = k.div_ceil(X_ALIGN).max(1) * X_ALIGN;
-        match (path, x) {
-            (Path::Avx512Bf16, Src::Bf16(xs)) => {
-                let mut data = vec![0u16; m * kp];
-                for (dst, src) in data.chunks_exact_mut(kp).zip(xs.chunks_exact(k.max(1))) {
+        let mut pack = Packed {
+            kernel,
+            bits: Vec::new(),
+            vals: Vec::new(),
+            kp,
+            terms: 1,
+            rows: m,
+        };
+        match (kernel, x) {
+            (Kernel::Dpbf16, Src::Bf16(xs)) => {
+                pack.bits = vec![0u16; m * kp];
+                for (dst, src) in pack
+                    .bits
+                    .chunks_exact_mut(kp)
+                    .zip(xs.chunks_exact(k.max(1)))
+                {
                     for (d, s) in dst.iter_mut().zip(src) {
                         *d = s.to_bits();
                     }
                 }
-                Packed::Bf16 { data, terms: 1, kp }
             }
-            (Path::Avx512Bf16, Src::F32(xs)) => {
+            (Kernel::Dpbf16, Src::F32(xs)) => {
                 // Two rows per row of x: hi = bf16(x), lo = bf16(x - hi).
-                let mut data = vec![0u16; 2 * m * kp];
-                for (dst, src) in data.chunks_exact_mut(2 * kp).zip(xs.chunks_exact(k.max(1))) {
+                pack.terms = 2;
+                pack.rows = 2 * m;
+                pack.bits = vec![0u16; 2 * m * kp];
+                let rows = pack
+                    .bits
+                    .chunks_exact_mut(2 * kp)
+                    .zip(xs.chunks_exact(k.max(1)));
+                for (dst, src) in rows {
                     let (hi, lo) = dst.split_at_mut(kp);
                     for ((h, l), &s) in hi.iter_mut().zip(lo.iter_mut()).zip(src) {
                         let top = bf16::from_f32(s);
@@ -296,33 +365,35 @@ impl Packed {
                         };
                     }
                 }
-                Packed::Bf16 { data, terms: 2, kp }
             }
             (_, x) => {
-                let mut data = vec![0f32; m * kp];
-                for (row, dst) in data.chunks_exact_mut(kp).enumerate() {
-                    for (j, d) in dst[..k].iter_mut().enumerate() {
-                        *d = x.get(row * k + j);
+                let split = kernel.split();
+                pack.vals = vec![0f32; m * kp];
+                let mut row = vec![0f32; k];
+                for (i, dst) in pack.vals.chunks_exact_mut(kp).enumerate() {
+                    match x {
+                        Src::Bf16(xs) => {
+                            for (d, s) in row.iter_mut().zip(&xs[i * k..(i + 1) * k]) {
+                                *d = s.to_f32();
+                            }
+                        }
+                        Src::F32(xs) => row.copy_from_slice(&xs[i * k..(i + 1) * k]),
+                    }
+                    if split == 0 {
+                        dst[..k].copy_from_slice(&row);
+                        continue;
+                    }
+                    // Within each chunk: even elements, then odd ones.
+                    let half = split / 2;
+                    for (dc, sc) in dst.chunks_exact_mut(split).zip(row.chunks(split)) {
+                        for (e, &v) in sc.iter().enumerate() {
+                            dc[(e % 2) * half + e / 2] = v;
+                        }
                     }
                 }
-                Packed::F32 { data, kp }
             }
         }
-    }
-
-    /// Number of packed rows (rows of `x` times terms).
-    fn rows(&self) -> usize {
-        match self {
-            Packed::Bf16 { data, kp, .. } => data.len() / kp,
-            Packed::F32 { data, kp } => data.len() / kp,
-        }
-    }
-
-    fn terms(&self) -> usize {
-        match self {
-            Packed::Bf16 { terms, .. } => *terms,
-            Packed::F32 { .. } => 1,
-        }
+        pack
     }
 }
 
@@ -366,9 +437,7 @@ fn rows_per_task(n: usize, k: usize, elem: usize, threads: usize) -> usize {
     rows.div_ceil(4) * 4
 }
 
-#[allow(clippy::too_many_arguments)]
 fn run<T: OutElem>(
-    path: Path,
     out: &mut [T],
     pack: &Packed,
     weight: Src<'_>,
@@ -385,16 +454,17 @@ fn run<T: OutElem>(
     let rows = rows_per_task(n, k, elem, threads);
     let tasks = n.div_ceil(rows);
     let shared = SharedOut(out.as_mut_ptr());
-    let prows = pack.rows();
+    let bias: Option<Vec<f32>> = bias.map(|b| (0..n).map(|j| b.get(j)).collect());
+    let bias = bias.as_deref();
     let task = |tile: &mut Vec<f32>, t: usize| {
         let n0 = t * rows;
         let n1 = (n0 + rows).min(n);
         tile.clear();
-        tile.resize(prows * (n1 - n0), 0.0);
-        compute_block(path, pack, weight, n0, n1, k, tile);
+        tile.resize(pack.rows * (n1 - n0), 0.0);
+        compute_block(pack, weight, n0, n1, k, tile);
         // SAFETY: columns n0..n1 of every row of out belong to this task only,
         // and out has m * n elements (checked by the caller).
-        unsafe { store_block(shared.ptr(), tile, pack.terms(), bias, m, n, n0, n1) };
+        unsafe { store_block(shared.ptr(), tile, pack.terms, bias, m, n, n0, n1) };
     };
     if tasks == 1 || threads == 1 {
         let mut tile = Vec::new();
@@ -421,79 +491,64 @@ unsafe fn store_block<T: OutElem>(
     out: *mut T,
     tile: &[f32],
     terms: usize,
-    bias: Option<Src<'_>>,
+    bias: Option<&[f32]>,
     m: usize,
     n: usize,
     n0: usize,
     n1: usize,
 ) {
     let w = n1 - n0;
+    let zeros = [0f32; 64];
     for i in 0..m {
         let dst = std::slice::from_raw_parts_mut(out.add(i * n + n0), w);
-        for (j, d) in dst.iter_mut().enumerate() {
-            let mut v = 0.0f32;
-            for t in 0..terms {
-                v += tile[(i * terms + t) * w + j];
+        let sums = &tile[i * terms * w..(i * terms + 1) * w];
+        for (c, (dc, sc)) in dst.chunks_mut(64).zip(sums.chunks(64)).enumerate() {
+            let j0 = n0 + c * 64;
+            let bc = bias.map_or(&zeros[..dc.len()], |b| &b[j0..j0 + dc.len()]);
+            if terms == 1 {
+                for ((d, &s), &b) in dc.iter_mut().zip(sc).zip(bc) {
+                    *d = T::from_f32(s + b);
+                }
+            } else {
+                for (jj, (d, &b)) in dc.iter_mut().zip(bc).enumerate() {
+                    let j = c * 64 + jj;
+                    let v: f32 = (0..terms).map(|t| tile[(i * terms + t) * w + j]).sum();
+                    *d = T::from_f32(v + b);
+                }
             }
-            if let Some(b) = &bias {
-                v += b.get(n0 + j);
-            }
-            *d = T::from_f32(v);
         }
     }
 }
 
 /// Dot products of weight rows `n0..n1` with every packed row of `x`, into
 /// `tile[p * (n1 - n0) + (row - n0)]`.
-fn compute_block(
-    path: Path,
-    pack: &Packed,
-    weight: Src<'_>,
-    n0: usize,
-    n1: usize,
-    k: usize,
-    tile: &mut [f32],
-) {
+fn compute_block(pack: &Packed, weight: Src<'_>, n0: usize, n1: usize, k: usize, tile: &mut [f32]) {
     let rows = n1 - n0;
-    match (path, pack, weight) {
+    let (kp, xs, bits) = (pack.kp, &pack.vals[..], &pack.bits[..]);
+    // The weights of this block as raw bytes for the SIMD kernels.
+    #[cfg(target_arch = "x86_64")]
+    let wb: *const u8 = match weight {
+        Src::Bf16(w) => w[n0 * k..n1 * k].as_ptr().cast(),
+        Src::F32(w) => w[n0 * k..n1 * k].as_ptr().cast(),
+    };
+    // SAFETY (every arm): `Kernel::choose` picked the kernel from a path
+    // checked available and from the weights' dtype; `wb` points to the
+    // `rows * k` weights of this block; the pack was built for this kernel
+    // (rows of `kp` values, zero past `k`) and `tile` holds `pack.rows * rows`.
+    match pack.kernel {
         #[cfg(target_arch = "x86_64")]
-        (Path::Avx512Bf16, Packed::Bf16 { data, kp, .. }, Src::Bf16(w)) => {
-            let w = &w[n0 * k..n1 * k];
-            // SAFETY: the path was checked available; the slices have the
-            // sizes the kernel reads (rows * k weights, rows of kp x values).
-            unsafe { x86::block_dpbf16(w.as_ptr().cast(), rows, k, data, *kp, tile) }
-        }
+        Kernel::Dpbf16 => unsafe { x86::block_dpbf16(wb.cast(), rows, k, bits, kp, tile) },
         #[cfg(target_arch = "x86_64")]
-        (Path::Avx512 | Path::Avx512Bf16, Packed::F32 { data, kp }, Src::Bf16(w)) => {
-            let w = &w[n0 * k..n1 * k];
-            // SAFETY: as above.
-            unsafe { x86::block_avx512::<false>(w.as_ptr().cast(), rows, k, data, *kp, tile) }
-        }
+        Kernel::Avx512Bf16 => unsafe { x86::block_avx512_bf16(wb, rows, k, xs, kp, tile) },
         #[cfg(target_arch = "x86_64")]
-        (Path::Avx512 | Path::Avx512Bf16, Packed::F32 { data, kp }, Src::F32(w)) => {
-            let w = &w[n0 * k..n1 * k];
-            // SAFETY: as above.
-            unsafe { x86::block_avx512::<true>(w.as_ptr().cast(), rows, k, data, *kp, tile) }
-        }
+        Kernel::Avx512F32 => unsafe { x86::block_avx512_f32(wb, rows, k, xs, kp, tile) },
         #[cfg(target_arch = "x86_64")]
-        (Path::Avx2, Packed::F32 { data, kp }, Src::Bf16(w)) => {
-            let w = &w[n0 * k..n1 * k];
-            // SAFETY: as above.
-            unsafe { x86::block_avx2::<false>(w.as_ptr().cast(), rows, k, data, *kp, tile) }
-        }
+        Kernel::Avx2Bf16 => unsafe { x86::block_avx2_bf16(wb, rows, k, xs, kp, tile) },
         #[cfg(target_arch = "x86_64")]
-        (Path::Avx2, Packed::F32 { data, kp }, Src::F32(w)) => {
-            let w = &w[n0 * k..n1 * k];
-            // SAFETY: as above.
-            unsafe { x86::block_avx2::<true>(w.as_ptr().cast(), rows, k, data, *kp, tile) }
-        }
-        (_, Packed::F32 { data, kp }, w) => block_scalar(w, n0, n1, k, data, *kp, tile),
-        // A bf16 pack is only built for Avx512Bf16 with bf16 weights, handled
-        // above; reaching here would be a bug in Packed::new, so fall back to
-        // exact scalar sums over the unpacked bf16 bits.
-        (_, Packed::Bf16 { data, kp, .. }, w) => {
-            let xs: Vec<f32> = data.iter().map(|&b| bf16::from_bits(b).to_f32()).collect();
-            block_scalar(w, n0, n1, k, &xs, *kp, tile)
+        Kernel::Avx2F32 => unsafe { x86::block_avx2_f32(wb, rows, k, xs, kp, tile) },
+        _ => {
+            let _ = bits;
+            block_scalar(weight, n0, n1, k, xs, kp, tile)
         }
     }
 }
@@ -540,15 +595,22 @@ fn block_scalar(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    //! The SIMD kernels. Each `block_*` walks groups of `R` weight rows and,
-    //! for each group, every tile of `MT` packed rows of `x`, so the group's
-    //! weights come from DRAM once and from L1 for the other tiles.
+    //! The SIMD kernels. Each `block_*` walks register tiles of `R` weight
+    //! rows × `MT` packed rows of x (see `walk`), so a tile's weights come
+    //! from DRAM once and from L1/L2 for the other tiles of x. Every tile
+    //! kernel prefetches the weights of the next tile while it streams its
+    //! own, which keeps more DRAM requests in flight than the hardware
+    //! prefetcher alone (it stops at 4 KiB page boundaries).
 
     // Register tiles are indexed `acc[r][j]` on purpose: fixed-size loops
     // that the compiler unrolls into registers.
     #![allow(clippy::needless_range_loop)]
 
     use std::arch::x86_64::*;
+
+    /// Weight rows per sub-block: the tiles of x are walked inside a
+    /// sub-block, so its weights are re-read from L1/L2, not DRAM.
+    const SUB: usize = 8;
 
     /// Reinterprets 32 bf16 bit patterns as the `vdpbf16ps` operand type.
     #[inline(always)]
@@ -557,8 +619,75 @@ mod x86 {
         unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
     }
 
-    /// How far ahead (bytes) of the current position weights are prefetched.
-    const PREFETCH: usize = 1024;
+    /// Calls `f(r, rr, p, mt)` for every register tile of a block of `rows`
+    /// weight rows and `prows` packed rows of x: `rr` weight rows from `r`
+    /// (`group(mt)`, or 1 at the tail), `mt <= mt_max` packed rows from `p`.
+    #[inline(always)]
+    fn walk(
+        rows: usize,
+        prows: usize,
+        mt_max: usize,
+        group: impl Fn(usize) -> usize,
+        mut f: impl FnMut(usize, usize, usize, usize),
+    ) {
+        let mut s = 0;
+        while s < rows {
+            let s1 = (s + SUB).min(rows);
+            let mut p = 0;
+            while p < prows {
+                let mt = (prows - p).min(mt_max);
+                let g = group(mt);
+                let mut r = s;
+                while r < s1 {
+                    let rr = if s1 - r >= g { g } else { 1 };
+                    f(r, rr, p, mt);
+                    r += rr;
+                }
+                p += mt;
+            }
+            s = s1;
+        }
+    }
+
+    /// Prefetches (into L2) piece `i` of `step` bytes from `next`, the
+    /// weights of the following tile; `next` is null when this tile's
+    /// weights were already streamed for an earlier tile of x.
+    #[inline(always)]
+    unsafe fn prefetch_next(next: *const u8, i: usize, step: usize) {
+        if !next.is_null() {
+            _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(i * step).cast());
+        }
+    }
+
+    /// The weights after a tile of `rr` rows, to prefetch, or null when the
+    /// tile is not the first of x (`p > 0`). Prefetching past the end of the
+    /// weights is harmless: prefetches never fault.
+    #[inline(always)]
+    fn next_tile(wp: *const u8, rr: usize, row_bytes: usize, p: usize) -> *const u8 {
+        if p == 0 {
+            wp.wrapping_add(rr * row_bytes)
+        } else {
+            std::ptr::null()
+        }
+    }
+
+    /// Expands the (rr, mt) tile shape into calls of a const-generic kernel.
+    macro_rules! dispatch {
+        ($kern:ident, $rr:expr, $mt:expr, $args:tt, [$(($r:literal, $m:literal)),*]) => {
+            match ($rr, $mt) {
+                $(($r, $m) => $kern::<$r, $m> $args,)*
+                _ => unreachable_tile(),
+            }
+        };
+    }
+
+    /// `walk` only produces the shapes each `dispatch!` lists.
+    #[cold]
+    fn unreachable_tile() {
+        debug_assert!(false, "tile shape not instantiated");
+    }
+
+    // ---- AVX512-BF16: vdpbf16ps on bf16 pairs ----
 
     /// # Safety
     /// Needs AVX-512F/BW/VL and AVX512-BF16. `w` points to `rows * k` bf16
@@ -574,35 +703,41 @@ mod x86 {
         tile: &mut [f32],
     ) {
         let prows = xs.len() / kp;
-        let mut r = 0;
-        while r < rows {
-            let rr = if rows - r >= 4 { 4 } else { 1 };
-            let mut p = 0;
-            while p < prows {
-                let mt = (prows - p).min(4);
+        walk(
+            rows,
+            prows,
+            4,
+            |_| 4,
+            |r, rr, p, mt| {
                 let wp = w.add(r * k);
+                let next = next_tile(wp.cast(), rr, 2 * k, p);
                 let xp = xs.as_ptr().add(p * kp);
                 let tp = tile.as_mut_ptr().add(p * rows + r);
-                match (rr, mt) {
-                    (4, 4) => dpbf16_tile::<4, 4>(wp, k, xp, kp, tp, rows),
-                    (4, 3) => dpbf16_tile::<4, 3>(wp, k, xp, kp, tp, rows),
-                    (4, 2) => dpbf16_tile::<4, 2>(wp, k, xp, kp, tp, rows),
-                    (4, _) => dpbf16_tile::<4, 1>(wp, k, xp, kp, tp, rows),
-                    (_, 4) => dpbf16_tile::<1, 4>(wp, k, xp, kp, tp, rows),
-                    (_, 3) => dpbf16_tile::<1, 3>(wp, k, xp, kp, tp, rows),
-                    (_, 2) => dpbf16_tile::<1, 2>(wp, k, xp, kp, tp, rows),
-                    (_, _) => dpbf16_tile::<1, 1>(wp, k, xp, kp, tp, rows),
-                }
-                p += mt;
-            }
-            r += rr;
-        }
+                dispatch!(
+                    dpbf16_tile,
+                    rr,
+                    mt,
+                    (wp, next, k, xp, kp, tp, rows),
+                    [
+                        (4, 4),
+                        (4, 3),
+                        (4, 2),
+                        (4, 1),
+                        (1, 4),
+                        (1, 3),
+                        (1, 2),
+                        (1, 1)
+                    ]
+                )
+            },
+        );
     }
 
     /// `R` weight rows × `MT` packed x rows, 32 bf16 per step.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
     unsafe fn dpbf16_tile<const R: usize, const MT: usize>(
         w: *const u16,
+        next: *const u8,
         k: usize,
         x: *const u16,
         kp: usize,
@@ -612,26 +747,20 @@ mod x86 {
         let mut acc = [[_mm512_setzero_ps(); MT]; R];
         let mut wv = [_mm512_setzero_si512(); R];
         let full = k / 32;
-        for c in 0..full {
+        for c in 0..=full {
             let off = c * 32;
-            for r in 0..R {
-                let p = w.add(r * k + off);
-                _mm_prefetch::<_MM_HINT_T0>(p.cast::<i8>().add(PREFETCH));
-                wv[r] = _mm512_loadu_si512(p.cast());
-            }
-            for j in 0..MT {
-                let xv = as_bh(_mm512_loadu_si512(x.add(j * kp + off).cast()));
+            if c < full {
                 for r in 0..R {
-                    acc[r][j] = _mm512_dpbf16_ps(acc[r][j], as_bh(wv[r]), xv);
+                    prefetch_next(next, c * R + r, 64);
+                    wv[r] = _mm512_loadu_si512(w.add(r * k + off).cast());
                 }
-            }
-        }
-        let rem = k % 32;
-        if rem != 0 {
-            let off = full * 32;
-            let mask: __mmask32 = (1u32 << rem) - 1;
-            for r in 0..R {
-                wv[r] = _mm512_maskz_loadu_epi16(mask, w.add(r * k + off).cast());
+            } else if !k.is_multiple_of(32) {
+                let mask: __mmask32 = (1u32 << (k % 32)) - 1;
+                for r in 0..R {
+                    wv[r] = _mm512_maskz_loadu_epi16(mask, w.add(r * k + off).cast());
+                }
+            } else {
+                break;
             }
             for j in 0..MT {
                 let xv = as_bh(_mm512_loadu_si512(x.add(j * kp + off).cast()));
@@ -647,12 +776,15 @@ mod x86 {
         }
     }
 
+    // ---- AVX-512F: bf16 widened to f32 by shift / mask, FMA ----
+
     /// # Safety
-    /// Needs AVX-512F/BW/VL. `w` points to `rows * k` weights (f32 when `WF32`,
-    /// else bf16); `xs` holds packed f32 rows of `kp >= k` values (a multiple
-    /// of 32), zero past `k`; `tile` has `xs.len() / kp * rows` elements.
+    /// Needs AVX-512F/BW/VL. `w` points to `rows * k` bf16 values; `xs` holds
+    /// packed f32 rows of `kp >= k` values (a multiple of 32), zero past `k`,
+    /// even elements before odd ones in every chunk of 32; `tile` has
+    /// `xs.len() / kp * rows` elements.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub unsafe fn block_avx512<const WF32: bool>(
+    pub unsafe fn block_avx512_bf16(
         w: *const u8,
         rows: usize,
         k: usize,
@@ -660,81 +792,159 @@ mod x86 {
         kp: usize,
         tile: &mut [f32],
     ) {
-        let esize = if WF32 { 4 } else { 2 };
         let prows = xs.len() / kp;
-        let mut r = 0;
-        while r < rows {
-            let rr = if rows - r >= 4 { 4 } else { 1 };
-            let mut p = 0;
-            while p < prows {
-                let mt = (prows - p).min(4);
-                let wp = w.add(r * k * esize);
+        walk(
+            rows,
+            prows,
+            4,
+            |_| 4,
+            |r, rr, p, mt| {
+                let wp = w.add(r * k * 2);
+                let next = next_tile(wp, rr, 2 * k, p);
                 let xp = xs.as_ptr().add(p * kp);
                 let tp = tile.as_mut_ptr().add(p * rows + r);
-                match (rr, mt) {
-                    (4, 4) => avx512_tile::<4, 4, WF32>(wp, k, xp, kp, tp, rows),
-                    (4, 3) => avx512_tile::<4, 3, WF32>(wp, k, xp, kp, tp, rows),
-                    (4, 2) => avx512_tile::<4, 2, WF32>(wp, k, xp, kp, tp, rows),
-                    (4, _) => avx512_tile::<4, 1, WF32>(wp, k, xp, kp, tp, rows),
-                    (_, 4) => avx512_tile::<1, 4, WF32>(wp, k, xp, kp, tp, rows),
-                    (_, 3) => avx512_tile::<1, 3, WF32>(wp, k, xp, kp, tp, rows),
-                    (_, 2) => avx512_tile::<1, 2, WF32>(wp, k, xp, kp, tp, rows),
-                    (_, _) => avx512_tile::<1, 1, WF32>(wp, k, xp, kp, tp, rows),
-                }
-                p += mt;
-            }
-            r += rr;
-        }
+                dispatch!(
+                    avx512_bf16_tile,
+                    rr,
+                    mt,
+                    (wp.cast(), next, k, xp, kp, tp, rows),
+                    [
+                        (4, 4),
+                        (4, 3),
+                        (4, 2),
+                        (4, 1),
+                        (1, 4),
+                        (1, 3),
+                        (1, 2),
+                        (1, 1)
+                    ]
+                )
+            },
+        );
     }
 
-    /// Loads 16 weights at element `off` of a row as f32 (masked by `mask`).
-    #[inline]
+    /// `R` weight rows × `MT` packed x rows, 32 bf16 per step: a 32-bit lane
+    /// holds elements 2i (low half) and 2i+1 (high half); `lane << 16` is
+    /// element 2i as f32 and `lane & 0xffff0000` is element 2i+1.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn load16<const WF32: bool>(row: *const u8, off: usize, mask: __mmask16) -> __m512 {
-        if WF32 {
-            _mm512_maskz_loadu_ps(mask, row.cast::<f32>().add(off))
-        } else {
-            let h = _mm256_maskz_loadu_epi16(mask, row.cast::<i16>().add(off));
-            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
-        }
-    }
-
-    /// `R` weight rows × `MT` packed x rows, 16 weights per step.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn avx512_tile<const R: usize, const MT: usize, const WF32: bool>(
-        w: *const u8,
+    unsafe fn avx512_bf16_tile<const R: usize, const MT: usize>(
+        w: *const u16,
+        next: *const u8,
         k: usize,
         x: *const f32,
         kp: usize,
         out: *mut f32,
         out_stride: usize,
     ) {
-        let esize = if WF32 { 4 } else { 2 };
+        let high = _mm512_set1_epi32(0xffff_0000u32 as i32);
         let mut acc = [[_mm512_setzero_ps(); MT]; R];
-        let mut wv = [_mm512_setzero_ps(); R];
-        let full = k / 16;
-        for c in 0..full {
-            let off = c * 16;
+        let mut even = [_mm512_setzero_ps(); R];
+        let mut odd = [_mm512_setzero_ps(); R];
+        let full = k / 32;
+        for c in 0..=full {
+            let off = c * 32;
+            if c == full && k.is_multiple_of(32) {
+                break;
+            }
             for r in 0..R {
-                let row = w.add(r * k * esize);
-                if c % (64 / (16 * esize)).max(1) == 0 {
-                    _mm_prefetch::<_MM_HINT_T0>(row.add(off * esize + PREFETCH).cast());
-                }
-                wv[r] = load16::<WF32>(row, off, 0xffff);
+                let v = if c < full {
+                    prefetch_next(next, c * R + r, 64);
+                    _mm512_loadu_si512(w.add(r * k + off).cast())
+                } else {
+                    let mask: __mmask32 = (1u32 << (k % 32)) - 1;
+                    _mm512_maskz_loadu_epi16(mask, w.add(r * k + off).cast())
+                };
+                even[r] = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v));
+                odd[r] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
             }
             for j in 0..MT {
-                let xv = _mm512_loadu_ps(x.add(j * kp + off));
+                let xe = _mm512_loadu_ps(x.add(j * kp + off));
+                let xo = _mm512_loadu_ps(x.add(j * kp + off + 16));
                 for r in 0..R {
-                    acc[r][j] = _mm512_fmadd_ps(wv[r], xv, acc[r][j]);
+                    acc[r][j] = _mm512_fmadd_ps(even[r], xe, acc[r][j]);
+                    acc[r][j] = _mm512_fmadd_ps(odd[r], xo, acc[r][j]);
                 }
             }
         }
-        let rem = k % 16;
-        if rem != 0 {
-            let off = full * 16;
-            let mask: __mmask16 = ((1u32 << rem) - 1) as u16;
-            for r in 0..R {
-                wv[r] = load16::<WF32>(w.add(r * k * esize), off, mask);
+        for r in 0..R {
+            for j in 0..MT {
+                *out.add(j * out_stride + r) = _mm512_reduce_add_ps(acc[r][j]);
+            }
+        }
+    }
+
+    /// # Safety
+    /// Needs AVX-512F/BW/VL. `w` points to `rows * k` f32 values; `xs` holds
+    /// packed f32 rows of `kp >= k` values in natural order, zero past `k`;
+    /// `tile` has `xs.len() / kp * rows` elements.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub unsafe fn block_avx512_f32(
+        w: *const u8,
+        rows: usize,
+        k: usize,
+        xs: &[f32],
+        kp: usize,
+        tile: &mut [f32],
+    ) {
+        let prows = xs.len() / kp;
+        walk(
+            rows,
+            prows,
+            4,
+            |_| 4,
+            |r, rr, p, mt| {
+                let wp = w.add(r * k * 4);
+                let next = next_tile(wp, rr, 4 * k, p);
+                let xp = xs.as_ptr().add(p * kp);
+                let tp = tile.as_mut_ptr().add(p * rows + r);
+                dispatch!(
+                    avx512_f32_tile,
+                    rr,
+                    mt,
+                    (wp.cast(), next, k, xp, kp, tp, rows),
+                    [
+                        (4, 4),
+                        (4, 3),
+                        (4, 2),
+                        (4, 1),
+                        (1, 4),
+                        (1, 3),
+                        (1, 2),
+                        (1, 1)
+                    ]
+                )
+            },
+        );
+    }
+
+    /// `R` weight rows × `MT` packed x rows, 16 f32 weights per step.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn avx512_f32_tile<const R: usize, const MT: usize>(
+        w: *const f32,
+        next: *const u8,
+        k: usize,
+        x: *const f32,
+        kp: usize,
+        out: *mut f32,
+        out_stride: usize,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); MT]; R];
+        let mut wv = [_mm512_setzero_ps(); R];
+        let full = k / 16;
+        for c in 0..=full {
+            let off = c * 16;
+            if c < full {
+                for r in 0..R {
+                    prefetch_next(next, c * R + r, 64);
+                    wv[r] = _mm512_loadu_ps(w.add(r * k + off));
+                }
+            } else if !k.is_multiple_of(16) {
+                let mask: __mmask16 = ((1u32 << (k % 16)) - 1) as u16;
+                for r in 0..R {
+                    wv[r] = _mm512_maskz_loadu_ps(mask, w.add(r * k + off));
+                }
+            } else {
+                break;
             }
             for j in 0..MT {
                 let xv = _mm512_loadu_ps(x.add(j * kp + off));
@@ -750,51 +960,7 @@ mod x86 {
         }
     }
 
-    /// # Safety
-    /// Needs AVX2 and FMA; otherwise as [`block_avx512`].
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn block_avx2<const WF32: bool>(
-        w: *const u8,
-        rows: usize,
-        k: usize,
-        xs: &[f32],
-        kp: usize,
-        tile: &mut [f32],
-    ) {
-        let esize = if WF32 { 4 } else { 2 };
-        let prows = xs.len() / kp;
-        let mut r = 0;
-        while r < rows {
-            let rr = if rows - r >= 4 { 4 } else { 1 };
-            let mut p = 0;
-            while p < prows {
-                let mt = (prows - p).min(2);
-                let wp = w.add(r * k * esize);
-                let xp = xs.as_ptr().add(p * kp);
-                let tp = tile.as_mut_ptr().add(p * rows + r);
-                match (rr, mt) {
-                    (4, 2) => avx2_tile::<4, 2, WF32>(wp, k, xp, kp, tp, rows),
-                    (4, _) => avx2_tile::<4, 1, WF32>(wp, k, xp, kp, tp, rows),
-                    (_, 2) => avx2_tile::<1, 2, WF32>(wp, k, xp, kp, tp, rows),
-                    (_, _) => avx2_tile::<1, 1, WF32>(wp, k, xp, kp, tp, rows),
-                }
-                p += mt;
-            }
-            r += rr;
-        }
-    }
-
-    /// Loads 8 weights at element `off` of a row as f32.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn load8<const WF32: bool>(row: *const u8, off: usize) -> __m256 {
-        if WF32 {
-            _mm256_loadu_ps(row.cast::<f32>().add(off))
-        } else {
-            let h = _mm_loadu_si128(row.cast::<u16>().add(off).cast());
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
-        }
-    }
+    // ---- AVX2 + FMA ----
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
@@ -805,48 +971,167 @@ mod x86 {
         _mm_cvtss_f32(s)
     }
 
-    /// `R` weight rows × `MT` packed x rows, 8 weights per step; the tail of
-    /// a row goes through a zero-padded copy (AVX2 has no 16-bit masked load).
+    /// Loads the `len` elements of `elem` bytes at `p` into a zeroed
+    /// 32-byte buffer (AVX2 has no masked 16-bit load for the row tail).
+    #[inline(always)]
+    unsafe fn tail32(p: *const u8, len: usize, elem: usize) -> [u8; 32] {
+        let mut buf = [0u8; 32];
+        std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr(), len * elem);
+        buf
+    }
+
+    /// # Safety
+    /// Needs AVX2 and FMA. `w` points to `rows * k` bf16 values; `xs` holds
+    /// packed f32 rows of `kp >= k` values (a multiple of 32), zero past `k`,
+    /// even elements before odd ones in every chunk of 16; `tile` has
+    /// `xs.len() / kp * rows` elements.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn avx2_tile<const R: usize, const MT: usize, const WF32: bool>(
+    pub unsafe fn block_avx2_bf16(
         w: *const u8,
+        rows: usize,
+        k: usize,
+        xs: &[f32],
+        kp: usize,
+        tile: &mut [f32],
+    ) {
+        let prows = xs.len() / kp;
+        // 16 ymm registers: 4 rows for one row of x, else 2 rows × up to 4.
+        let group = |mt: usize| if mt == 1 { 4 } else { 2 };
+        walk(rows, prows, 4, group, |r, rr, p, mt| {
+            let wp = w.add(r * k * 2);
+            let next = next_tile(wp, rr, 2 * k, p);
+            let xp = xs.as_ptr().add(p * kp);
+            let tp = tile.as_mut_ptr().add(p * rows + r);
+            dispatch!(
+                avx2_bf16_tile,
+                rr,
+                mt,
+                (wp.cast(), next, k, xp, kp, tp, rows),
+                [
+                    (4, 1),
+                    (2, 4),
+                    (2, 3),
+                    (2, 2),
+                    (1, 4),
+                    (1, 3),
+                    (1, 2),
+                    (1, 1)
+                ]
+            )
+        });
+    }
+
+    /// `R` weight rows × `MT` packed x rows, 16 bf16 per step (shift / mask
+    /// widening as in `avx512_bf16_tile`).
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn avx2_bf16_tile<const R: usize, const MT: usize>(
+        w: *const u16,
+        next: *const u8,
         k: usize,
         x: *const f32,
         kp: usize,
         out: *mut f32,
         out_stride: usize,
     ) {
-        let esize = if WF32 { 4 } else { 2 };
+        let high = _mm256_set1_epi32(0xffff_0000u32 as i32);
         let mut acc = [[_mm256_setzero_ps(); MT]; R];
-        let mut wv = [_mm256_setzero_ps(); R];
-        let full = k / 8;
-        for c in 0..full {
-            let off = c * 8;
+        let mut even = [_mm256_setzero_ps(); R];
+        let mut odd = [_mm256_setzero_ps(); R];
+        let full = k / 16;
+        for c in 0..=full {
+            let off = c * 16;
+            if c == full && k.is_multiple_of(16) {
+                break;
+            }
             for r in 0..R {
-                let row = w.add(r * k * esize);
-                if c % (64 / (8 * esize)) == 0 {
-                    _mm_prefetch::<_MM_HINT_T0>(row.add(off * esize + PREFETCH).cast());
-                }
-                wv[r] = load8::<WF32>(row, off);
+                let v = if c < full {
+                    prefetch_next(next, c * R + r, 32);
+                    _mm256_loadu_si256(w.add(r * k + off).cast())
+                } else {
+                    let buf = tail32(w.add(r * k + off).cast(), k % 16, 2);
+                    _mm256_loadu_si256(buf.as_ptr().cast())
+                };
+                even[r] = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v));
+                odd[r] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
             }
             for j in 0..MT {
-                let xv = _mm256_loadu_ps(x.add(j * kp + off));
+                let xe = _mm256_loadu_ps(x.add(j * kp + off));
+                let xo = _mm256_loadu_ps(x.add(j * kp + off + 8));
                 for r in 0..R {
-                    acc[r][j] = _mm256_fmadd_ps(wv[r], xv, acc[r][j]);
+                    acc[r][j] = _mm256_fmadd_ps(even[r], xe, acc[r][j]);
+                    acc[r][j] = _mm256_fmadd_ps(odd[r], xo, acc[r][j]);
                 }
             }
         }
-        let rem = k % 8;
-        if rem != 0 {
-            let off = full * 8;
-            let mut buf = [0u8; 32];
-            for r in 0..R {
-                std::ptr::copy_nonoverlapping(
-                    w.add((r * k + off) * esize),
-                    buf.as_mut_ptr(),
-                    rem * esize,
-                );
-                wv[r] = load8::<WF32>(buf.as_ptr(), 0);
+        for r in 0..R {
+            for j in 0..MT {
+                *out.add(j * out_stride + r) = hsum256(acc[r][j]);
+            }
+        }
+    }
+
+    /// # Safety
+    /// Needs AVX2 and FMA. `w` points to `rows * k` f32 values; otherwise as
+    /// [`block_avx512_f32`].
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn block_avx2_f32(
+        w: *const u8,
+        rows: usize,
+        k: usize,
+        xs: &[f32],
+        kp: usize,
+        tile: &mut [f32],
+    ) {
+        let prows = xs.len() / kp;
+        walk(
+            rows,
+            prows,
+            2,
+            |_| 4,
+            |r, rr, p, mt| {
+                let wp = w.add(r * k * 4);
+                let next = next_tile(wp, rr, 4 * k, p);
+                let xp = xs.as_ptr().add(p * kp);
+                let tp = tile.as_mut_ptr().add(p * rows + r);
+                dispatch!(
+                    avx2_f32_tile,
+                    rr,
+                    mt,
+                    (wp.cast(), next, k, xp, kp, tp, rows),
+                    [(4, 2), (4, 1), (1, 2), (1, 1)]
+                )
+            },
+        );
+    }
+
+    /// `R` weight rows × `MT` packed x rows, 8 f32 weights per step.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn avx2_f32_tile<const R: usize, const MT: usize>(
+        w: *const f32,
+        next: *const u8,
+        k: usize,
+        x: *const f32,
+        kp: usize,
+        out: *mut f32,
+        out_stride: usize,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); MT]; R];
+        let mut wv = [_mm256_setzero_ps(); R];
+        let full = k / 8;
+        for c in 0..=full {
+            let off = c * 8;
+            if c < full {
+                for r in 0..R {
+                    prefetch_next(next, c * R + r, 32);
+                    wv[r] = _mm256_loadu_ps(w.add(r * k + off));
+                }
+            } else if !k.is_multiple_of(8) {
+                for r in 0..R {
+                    let buf = tail32(w.add(r * k + off).cast(), k % 8, 4);
+                    wv[r] = _mm256_loadu_ps(buf.as_ptr().cast());
+                }
+            } else {
+                break;
             }
             for j in 0..MT {
                 let xv = _mm256_loadu_ps(x.add(j * kp + off));

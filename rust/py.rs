@@ -267,13 +267,19 @@ fn linear(
     Ok(())
 }
 
-/// Names of the linear kernel paths this CPU runs, slowest first.
+/// Names of the linear kernel paths this CPU runs.
 #[pyfunction]
 fn linear_paths() -> Vec<&'static str> {
     crate::linear::available_paths()
         .iter()
         .map(|p| p.name())
         .collect()
+}
+
+/// The path `linear` uses when none is named (`FASTLLM_LINEAR_PATH` or the fastest).
+#[pyfunction]
+fn linear_default_path() -> PyResult<&'static str> {
+    Ok(crate::linear::default_path()?.name())
 }
 
 /// STREAM-triad memory bandwidth in GB/s over f32 arrays of `bytes` each.
@@ -292,6 +298,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Each part of the core registers its functions and classes below.
     m.add_function(wrap_pyfunction!(linear, m)?)?;
     m.add_function(wrap_pyfunction!(linear_paths, m)?)?;
+    m.add_function(wrap_pyfunction!(linear_default_path, m)?)?;
     m.add_function(wrap_pyfunction!(stream_triad_gbs, m)?)?;
     Ok(())
 }

@@ -93,6 +93,7 @@ def test_default_path_and_many_rows():
 def test_paths_listed():
     assert PATHS[0] == "scalar"
     assert set(PATHS) <= {"scalar", "avx2", "avx512", "avx512bf16"}
+    assert _core.linear_default_path() in PATHS
 
 
 def test_errors_name_the_argument():
@@ -130,10 +131,11 @@ def test_env_var_forces_a_path_and_rejects_unknown_names():
         "out = torch.empty(1, 3, dtype=torch.bfloat16); _core.linear(out, x, w)\n"
         "print(out.float().tolist())\n"
     )
+    code_path = code + "print(_core.linear_default_path())\n"
     env = dict(os.environ, FASTLLM_LINEAR_PATH="scalar")
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-c", code_path], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == "[[4.0, 4.0, 4.0]]"
+    assert run.stdout.split() == ["[[4.0,", "4.0,", "4.0]]", "scalar"]
     env["FASTLLM_LINEAR_PATH"] = "sse9"
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert run.returncode != 0

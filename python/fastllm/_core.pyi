@@ -22,7 +22,10 @@ def linear(
     """
 
 def linear_paths() -> list[str]:
-    """Names of the linear kernel paths this CPU runs, slowest first."""
+    """Names of the linear kernel paths this CPU runs (subset of scalar, avx2, avx512, avx512bf16)."""
+
+def linear_default_path() -> str:
+    """The path ``linear`` uses when none is named (``FASTLLM_LINEAR_PATH`` or the fastest)."""
 
 def stream_triad_gbs(bytes: int = 200_000_000, repeats: int = 5) -> float:
     """STREAM-triad bandwidth in GB/s (best pass) over f32 arrays of ``bytes`` each, on the Rust pool."""
