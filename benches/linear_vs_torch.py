@@ -53,10 +53,10 @@ def main() -> None:
     threads = _core.num_threads()
     torch.set_num_threads(threads)
     paths = [p for p in args.paths.split(",") if p in _core.linear_paths()]
-    paths = paths or [_core.linear_default_path()]
+    paths = paths or [_core.linear_default_path(1)]
     print(
-        f"threads={threads}  rust paths={paths} (default {_core.linear_default_path()})  "
-        f"torch {torch.__version__}"
+        f"threads={threads}  rust paths={paths}  torch {torch.__version__}  default path: "
+        + ", ".join(f"M={m}: {_core.linear_default_path(m)}" for m in ms)
     )
     triads = [_core.stream_triad_gbs(200_000_000, 3) for _ in range(3)]
     triad = statistics.median(triads)

@@ -276,10 +276,11 @@ fn linear_paths() -> Vec<&'static str> {
         .collect()
 }
 
-/// The path `linear` uses when none is named (`FASTLLM_LINEAR_PATH` or the fastest).
+/// The path `linear` uses when none is named, for `m` rows of bf16 (or f32) x.
 #[pyfunction]
-fn linear_default_path() -> PyResult<&'static str> {
-    Ok(crate::linear::default_path()?.name())
+#[pyo3(signature = (m=1, x_bf16=true))]
+fn linear_default_path(m: usize, x_bf16: bool) -> PyResult<&'static str> {
+    Ok(crate::linear::default_path(m, x_bf16)?.name())
 }
 
 /// STREAM-triad memory bandwidth in GB/s over f32 arrays of `bytes` each.

@@ -93,7 +93,13 @@ def test_default_path_and_many_rows():
 def test_paths_listed():
     assert PATHS[0] == "scalar"
     assert set(PATHS) <= {"scalar", "avx2", "avx512", "avx512bf16"}
-    assert _core.linear_default_path() in PATHS
+    for m in (1, 4, 5, 64):
+        for x_bf16 in (True, False):
+            assert _core.linear_default_path(m, x_bf16) in PATHS
+    if {"avx512", "avx512bf16"} <= set(PATHS):
+        assert _core.linear_default_path(1) == "avx512bf16"
+        assert _core.linear_default_path(5) == "avx512"
+        assert _core.linear_default_path(1, x_bf16=False) == "avx512"
 
 
 def test_errors_name_the_argument():

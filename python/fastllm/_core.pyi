@@ -24,8 +24,12 @@ def linear(
 def linear_paths() -> list[str]:
     """Names of the linear kernel paths this CPU runs (subset of scalar, avx2, avx512, avx512bf16)."""
 
-def linear_default_path() -> str:
-    """The path ``linear`` uses when none is named (``FASTLLM_LINEAR_PATH`` or the fastest)."""
+def linear_default_path(m: int = 1, x_bf16: bool = True) -> str:
+    """The path ``linear`` uses when none is named, for ``m`` rows of bf16 (or f32) x.
+
+    ``FASTLLM_LINEAR_PATH`` if set; else avx512bf16 for up to 4 rows of bf16 x
+    (memory-bound), avx512 beyond, or the best path this CPU has.
+    """
 
 def stream_triad_gbs(bytes: int = 200_000_000, repeats: int = 5) -> float:
     """STREAM-triad bandwidth in GB/s (best pass) over f32 arrays of ``bytes`` each, on the Rust pool."""
