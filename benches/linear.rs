@@ -3,6 +3,10 @@
 //! every path this CPU runs. Throughput is the bytes of bf16 weights streamed.
 //!
 //! `cargo bench --bench linear -- --warm-up-time 1 --measurement-time 2`
+//! (`FASTLLM_BENCH_PATHS=avx512,avx512bf16` limits the paths). The smaller
+//! matrices stay in the last-level cache between iterations here, so their
+//! figures exceed DRAM bandwidth; `benches/linear_vs_torch.py` streams
+//! from DRAM.
 
 use std::hint::black_box;
 
