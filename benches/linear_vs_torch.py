@@ -9,13 +9,14 @@ the last-level cache, as in a real decode step. Rust and torch alternate
 within every repeat and the medians are reported, so that load from other
 processes hits both alike.
 
-    PYTHONPATH=python python benches/linear_vs_torch.py [--ms 1,4,16,64] [--repeats 5]
+    PYTHONPATH=python python benches/linear_vs_torch.py [--ms 1,4,16,64] [--repeats 5] [--threads N]
         [--paths avx512,avx512bf16] [--shapes qkv,o_proj,gate_up,down,lm_head]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -48,7 +49,13 @@ def main() -> None:
         "--paths", default="avx512,avx512bf16", help="Rust paths to time (those this CPU runs)"
     )
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument(
+        "--threads", type=int, default=None, help="threads for both (default: FASTLLM_NUM_THREADS)"
+    )
     args = ap.parse_args()
+    if args.threads:
+        # Read by the Rust pool when it first runs a kernel: set before any call.
+        os.environ["FASTLLM_NUM_THREADS"] = str(args.threads)
     ms = [int(v) for v in args.ms.split(",")]
     threads = _core.num_threads()
     torch.set_num_threads(threads)
