@@ -1,5 +1,6 @@
 //! fastllm's Rust core: the CUDA probe and driver loading, the paged KV-cache
-//! block pool, CPU paged attention and the batched sampler.
+//! block pool, CPU paged attention, the batched sampler and the decode-time
+//! linear kernels.
 //!
 //! Nothing here knows Python except `py.rs`, which is compiled only with the
 //! `python` feature (maturin turns it on). Kernels take plain slices and
@@ -10,6 +11,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod error;
 pub mod kv;
+pub mod linear;
 pub mod sampling;
 pub mod threads;
 

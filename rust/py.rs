@@ -1390,6 +1390,123 @@ fn cuda_sample(
 
 // ---- end cuda kernels ----
 
+// ---- linear ----
+
+/// Borrows a checked bf16 / f32 tensor as a kernel source.
+///
+/// # Safety
+/// As `TensorArg::slice`: `expect` has checked the dtype and contiguity.
+unsafe fn linear_src(t: &TensorArg) -> crate::linear::Src<'_> {
+    match t.dtype {
+        DType::BF16 => crate::linear::Src::Bf16(t.slice::<half::bf16>()),
+        _ => crate::linear::Src::F32(t.slice::<f32>()),
+    }
+}
+
+/// Byte range of a tensor's elements.
+fn byte_range(t: &TensorArg) -> (usize, usize) {
+    (t.ptr, t.ptr + t.numel() * t.dtype.size())
+}
+
+/// Rejects `out` sharing memory with an input (the kernel reads weights and
+/// bias while other threads write `out`).
+fn check_no_overlap(out: &TensorArg, other: &TensorArg) -> PyResult<()> {
+    let (a0, a1) = byte_range(out);
+    let (b0, b1) = byte_range(other);
+    if a0 < b1 && b0 < a1 {
+        return Err(PyValueError::new_err(format!(
+            "{}: must not share memory with {}",
+            out.name, other.name
+        )));
+    }
+    Ok(())
+}
+
+/// out = x @ weight^T (+ bias): x [M, K], weight [N, K], bias [N], out [M, N].
+#[pyfunction]
+#[pyo3(signature = (out, x, weight, bias=None, path=None))]
+fn linear(
+    py: Python<'_>,
+    out: &Bound<'_, PyAny>,
+    x: &Bound<'_, PyAny>,
+    weight: &Bound<'_, PyAny>,
+    bias: Option<&Bound<'_, PyAny>>,
+    path: Option<&str>,
+) -> PyResult<()> {
+    let floats = [DType::BF16, DType::F32];
+    let weight = TensorArg::extract("weight", weight)?;
+    weight.expect(&floats, 2)?;
+    let (n, k) = (weight.shape[0], weight.shape[1]);
+    let x = TensorArg::extract("x", x)?;
+    x.expect(&floats, 2)?;
+    x.expect_dim(1, k, "in_features of weight")?;
+    let m = x.shape[0];
+    let out = TensorArg::extract("out", out)?;
+    out.expect(&[x.dtype], 2)?;
+    out.expect_dim(0, m, "rows of x")?;
+    out.expect_dim(1, n, "out_features of weight")?;
+    let bias = match bias {
+        Some(b) if !b.is_none() => {
+            let b = TensorArg::extract("bias", b)?;
+            b.expect(&floats, 1)?;
+            b.expect_dim(0, n, "out_features of weight")?;
+            check_no_overlap(&out, &b)?;
+            Some(b)
+        }
+        _ => None,
+    };
+    check_no_overlap(&out, &x)?;
+    check_no_overlap(&out, &weight)?;
+    let path = match path {
+        Some(name) => Some(crate::linear::check_path(name).map_err(PyValueError::new_err)?),
+        None => None,
+    };
+    // SAFETY: every tensor was checked (dtype, CPU, contiguity, shape); out
+    // shares no memory with the inputs; the caller keeps them alive.
+    let (dst, xs, ws, bs) = unsafe {
+        let dst = match out.dtype {
+            DType::BF16 => crate::linear::Dst::Bf16(out.slice_mut::<half::bf16>()),
+            _ => crate::linear::Dst::F32(out.slice_mut::<f32>()),
+        };
+        (
+            dst,
+            linear_src(&x),
+            linear_src(&weight),
+            bias.as_ref().map(|b| linear_src(b)),
+        )
+    };
+    py.detach(move || match path {
+        Some(p) => crate::linear::linear_with_path(p, dst, xs, ws, bs, m, n, k),
+        None => crate::linear::linear(dst, xs, ws, bs, m, n, k),
+    })?;
+    Ok(())
+}
+
+/// Names of the linear kernel paths this CPU runs.
+#[pyfunction]
+fn linear_paths() -> Vec<&'static str> {
+    crate::linear::available_paths()
+        .iter()
+        .map(|p| p.name())
+        .collect()
+}
+
+/// The path `linear` uses when none is named, for `m` rows of bf16 (or f32) x.
+#[pyfunction]
+#[pyo3(signature = (m=1, x_bf16=true))]
+fn linear_default_path(m: usize, x_bf16: bool) -> PyResult<&'static str> {
+    Ok(crate::linear::default_path(m, x_bf16)?.name())
+}
+
+/// STREAM-triad memory bandwidth in GB/s over f32 arrays of `bytes` each.
+#[pyfunction]
+#[pyo3(signature = (bytes=200_000_000, repeats=5))]
+fn stream_triad_gbs(py: Python<'_>, bytes: usize, repeats: usize) -> PyResult<f64> {
+    Ok(py.detach(|| crate::linear::stream_triad_gbs(bytes, repeats))?)
+}
+
+// ---- end linear ----
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -1423,5 +1540,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sample, m)?)?;
     m.add_function(wrap_pyfunction!(sampling_support, m)?)?;
     m.add_function(wrap_pyfunction!(sampling_uniform, m)?)?;
+    // linear
+    m.add_function(wrap_pyfunction!(linear, m)?)?;
+    m.add_function(wrap_pyfunction!(linear_paths, m)?)?;
+    m.add_function(wrap_pyfunction!(linear_default_path, m)?)?;
+    m.add_function(wrap_pyfunction!(stream_triad_gbs, m)?)?;
     Ok(())
 }
