@@ -6,9 +6,47 @@ cost time (seconds for a 7B model) and memory.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+_RUST_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _rust_max_rows() -> int:
+    """Rows up to which the Rust kernel beats torch (``FASTLLM_RUST_LINEAR_MAX_ROWS``)."""
+    try:
+        return int(os.environ.get("FASTLLM_RUST_LINEAR_MAX_ROWS", "64"))
+    except ValueError:
+        return 64
+
+
+_MAX_ROWS = _rust_max_rows()
+_core = None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``: the Rust weight-streaming kernel for few rows on the
+    CPU (decode), torch otherwise (prefill, other devices)."""
+    global _core
+    if (
+        x.device.type == "cpu"
+        and x.dim() == 2
+        and 0 < x.shape[0] <= _MAX_ROWS
+        and x.dtype in _RUST_DTYPES
+        and weight.dtype == x.dtype
+        and (bias is None or bias.dtype == x.dtype)
+    ):
+        if _core is None:
+            from fastllm import _core as core
+
+            _core = core
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+        _core.linear(out, x.contiguous(), weight, bias)
+        return out
+    return F.linear(x, weight, bias)
 
 
 class Linear(nn.Module):
@@ -23,7 +61,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Applies the affine map to the last dimension of ``x``."""
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):

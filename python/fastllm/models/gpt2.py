@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fastllm.config import ModelConfig
 from fastllm.layers.activation import get_activation
 from fastllm.layers.attention import PagedAttention
-from fastllm.layers.linear import Embedding, Linear
+from fastllm.layers.linear import Embedding, Linear, linear
 from fastllm.layers.norm import LayerNorm
 from fastllm.models.weights import WeightSpec
 
@@ -102,7 +101,7 @@ class GPT2LMHeadModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [n, vocab] for the given rows of hidden states."""
         weight = self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     def attention_layers(self) -> list[PagedAttention]:
         """The paged-attention layers, in order, for the runner to give caches."""

@@ -9,13 +9,12 @@ loader concatenates the checkpoint's separate tensors.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fastllm.config import ModelConfig
 from fastllm.layers.activation import ActAndMul
 from fastllm.layers.attention import PagedAttention
-from fastllm.layers.linear import Embedding, Linear
+from fastllm.layers.linear import Embedding, Linear, linear
 from fastllm.layers.norm import RMSNorm
 from fastllm.layers.rotary import RotaryEmbedding, apply_rotary
 from fastllm.models.weights import WeightSpec
@@ -155,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [n, vocab] for the given rows of hidden states."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     def attention_layers(self) -> list[PagedAttention]:
         """The paged-attention layers, in order, for the runner to give caches."""

@@ -8,7 +8,7 @@ from torch import nn
 from fastllm.config import ModelConfig
 from fastllm.layers.activation import get_activation
 from fastllm.layers.attention import PagedAttention
-from fastllm.layers.linear import Embedding, Linear
+from fastllm.layers.linear import Embedding, Linear, linear
 from fastllm.layers.norm import LayerNorm
 from fastllm.layers.rotary import RotaryEmbedding, apply_rotary
 from fastllm.models.weights import WeightSpec
@@ -122,7 +122,7 @@ class PhiForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [n, vocab] for the given rows of hidden states."""
         weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight, self.lm_head.bias).float()
+        return linear(hidden, weight, self.lm_head.bias).float()
 
     def attention_layers(self) -> list[PagedAttention]:
         """The paged-attention layers, in order, for the runner to give caches."""
