@@ -6,7 +6,7 @@ CPU in well under an hour; writes a Hugging Face folder (config.json,
 model.safetensors in bfloat16, tokenizer.json, tokenizer_config.json,
 generation_config.json) into python/fastllm/demo_model/ by default.
 
-    python scripts/train_demo_model.py [--out DIR] [--minutes 25] [--threads 2]
+    python scripts/train_demo_model.py [--out DIR] [--steps 1000] [--threads 2]
 
 Needs torch, tokenizers and transformers (a training-time tool only; the
 runtime never imports transformers).
@@ -73,7 +73,8 @@ def main() -> None:
     parser.add_argument(
         "--out", default=os.path.join(here, "..", "python", "fastllm", "demo_model")
     )
-    parser.add_argument("--minutes", type=float, default=25.0, help="training time budget")
+    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps (cosine schedule)")
+    parser.add_argument("--minutes", type=float, default=55.0, help="stop early after this long")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--seq-len", type=int, default=256)
@@ -147,14 +148,12 @@ def main() -> None:
     step = 0
     history = []
     model.train()
-    est_steps = None
-    while True:
+    total = args.steps
+    while step < total:
         elapsed = time.time() - start
         if elapsed > budget:
+            print(f"time budget reached at step {step}", flush=True)
             break
-        if step == 20:
-            est_steps = int(budget / (elapsed / 20))
-        total = est_steps or 10_000
         lr = args.lr * min(1.0, (step + 1) / warmup)
         lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / total)))
         for g in opt.param_groups:
