@@ -14,5 +14,7 @@ fi
 .venv/bin/python -m pip install -q -e ".[test]"
 ./scripts/build_ext.sh >/dev/null 2>&1 || ./scripts/build_ext.sh
 if [ "${1:-}" != "--no-run" ]; then
-  exec .venv/bin/fastllm env
+  # The main job: what fastllm sees here, then text from the embedded demo model.
+  .venv/bin/fastllm env
+  exec .venv/bin/fastllm generate --prompt "def fibonacci(n):" --max-tokens 64 --temperature 0
 fi

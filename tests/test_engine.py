@@ -244,3 +244,37 @@ def test_finish_reason_length_at_max_model_len(make_model):
     (o,) = llm.generate([{"prompt_token_ids": list(range(3, 18))}], greedy(50), use_tqdm=False)
     assert o.outputs[0].finish_reason == "length"
     assert len(o.outputs[0].token_ids) == 5
+
+
+def test_device_errors_come_before_weights(make_model, monkeypatch, tmp_path):
+    folder = make_model("llama")
+    monkeypatch.setenv("FASTLLM_DEVICE", "cpu")
+    with pytest.raises(ValueError, match="CUDA device requested but no GPU available: "):
+        LLM(folder, device="cuda")
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1 when device is 'cpu'"):
+        LLM(folder, device="cpu", tensor_parallel_size=2)
+    # an unreadable weights file proves no weights were read before the device error
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (broken / name).write_bytes((__import__("pathlib").Path(folder) / name).read_bytes())
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="CUDA device requested"):
+        LLM(str(broken), device="cuda")
+    with pytest.raises(ValueError, match="safetensors"):
+        LLM(str(broken), device="cpu")
+
+
+def test_bad_model_folders(tmp_path):
+    with pytest.raises(ValueError, match="model folder not found"):
+        LLM(str(tmp_path / "nope"), device="cpu")
+    (tmp_path / "config.json").write_text('{"architectures": ["MambaForCausalLM"]}')
+    with pytest.raises((ValueError, FileNotFoundError)):
+        LLM(str(tmp_path), device="cpu")
+
+
+def test_request_output_repr_and_html(llama):
+    _, llm = llama
+    (o,) = llm.generate([PROMPTS[0]], greedy(3), use_tqdm=False)
+    assert repr(o).startswith("RequestOutput(request_id=") and "CompletionOutput(" in repr(o)
+    assert "<table>" in o._repr_html_()

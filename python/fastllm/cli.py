@@ -250,7 +250,7 @@ def add_generate_parser(sub: Any) -> None:
         description="Generate a completion of each --prompt and print it.",
         formatter_class=fmt,
     )
-    _add_engine_args(p, seed_help="sampling seed (also the engine seed)")
+    _add_engine_args(p, seed_help="sampling seed (also the engine seed)", model_optional=True)
     p.add_argument(
         "--prompt", action="append", required=True, help="prompt text (repeat for several)"
     )
@@ -273,7 +273,7 @@ def add_chat_parser(sub: Any) -> None:
         "they are generated. Type /exit (or send EOF, Ctrl-D) to leave.",
         formatter_class=fmt,
     )
-    _add_engine_args(p, seed_help="sampling seed (also the engine seed)")
+    _add_engine_args(p, seed_help="sampling seed (also the engine seed)", model_optional=True)
     _add_sampling_args(p, max_tokens=256)
     p.add_argument("--system", default=None, help="system message that starts the conversation")
     p.set_defaults(func=cmd_chat)
@@ -306,8 +306,19 @@ def _size(text: str) -> int:
     return value
 
 
-def _add_engine_args(p: argparse.ArgumentParser, seed_help: str = "engine seed") -> None:
-    p.add_argument("model", help="model folder (or a Hugging Face id in the local cache)")
+def _add_engine_args(
+    p: argparse.ArgumentParser, seed_help: str = "engine seed", model_optional: bool = False
+) -> None:
+    if model_optional:
+        p.add_argument(
+            "model",
+            nargs="?",
+            default=None,
+            help="model folder (or a Hugging Face id in the local cache); "
+            "default: the embedded demo model",
+        )
+    else:
+        p.add_argument("model", help="model folder (or a Hugging Face id in the local cache)")
     g = p.add_argument_group("engine")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: MODEL)")
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
@@ -354,8 +365,13 @@ def _engine_config(args: argparse.Namespace):
     """The EngineConfig that the engine options describe."""
     from fastllm.config import EngineConfig
 
+    model = args.model
+    if model is None:
+        from fastllm.demo import demo_model_path
+
+        model = demo_model_path()
     return EngineConfig(
-        model=args.model,
+        model=model,
         tokenizer=args.tokenizer,
         dtype=args.dtype,
         device=args.device,

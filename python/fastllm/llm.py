@@ -17,6 +17,8 @@ PromptType = str | dict[str, Any] | list[int]
 class LLM:
     """A model loaded from a local Hugging Face folder, ready to generate.
 
+    Without ``model`` it loads the small demo model that ships in the package.
+
     Example::
 
         llm = LLM("path/to/model")
@@ -25,7 +27,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str,
+        model: str | None = None,
         tokenizer: str | None = None,
         dtype: Any = "auto",
         device: str = "auto",
@@ -39,6 +41,10 @@ class LLM:
         kv_cache_memory_bytes: int | None = None,
         load_format: str = "auto",
     ) -> None:
+        if model is None:
+            from fastllm.demo import demo_model_path
+
+            model = demo_model_path()
         self.config = EngineConfig(
             model=model,
             tokenizer=tokenizer,
