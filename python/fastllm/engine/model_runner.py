@@ -159,31 +159,7 @@ class ModelRunner:
             output_off.append(output_off[-1] + len(output_chunks[-1]))
         prompt_tokens = _flat_int32(prompt_chunks, prompt_off[-1])
         output_tokens = _flat_int32(output_chunks, output_off[-1])
-        if logits.is_cuda:
-            from fastllm.layers import cuda_ops
-
-            drawn = cuda_ops.sample(
-                logits,
-                [p.temperature for p in params],
-                [p.top_k for p in params],
-                [p.top_p for p in params],
-                [p.min_p for p in params],
-                [p.repetition_penalty for p in params],
-                [p.frequency_penalty for p in params],
-                [p.presence_penalty for p in params],
-                [s.seed for s in seqs],
-                [s.num_tokens for s in seqs],
-                prompt_tokens,
-                prompt_off,
-                output_tokens,
-                output_off,
-            )
-            if drawn is not None:
-                tokens, lps, ranks = drawn
-                return tokens, lps, ranks, _top_logprobs(logits, [p.logprobs or 0 for p in params])
-            logits = logits.cpu()
-        return _core.sample(
-            logits,
+        rows = (
             [p.temperature for p in params],
             [p.top_k for p in params],
             [p.top_p for p in params],
@@ -197,8 +173,16 @@ class ModelRunner:
             prompt_off,
             output_tokens,
             output_off,
-            [p.logprobs or 0 for p in params],
         )
+        if logits.is_cuda:
+            from fastllm.layers import cuda_ops
+
+            drawn = cuda_ops.sample(logits, *rows)
+            if drawn is not None:
+                tokens, lps, ranks = drawn
+                return tokens, lps, ranks, _top_logprobs(logits, [p.logprobs or 0 for p in params])
+            logits = logits.cpu()
+        return _core.sample(logits, *rows, [p.logprobs or 0 for p in params])
 
 
 def _cuda_kernels_enabled() -> bool:
