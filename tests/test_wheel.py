@@ -60,6 +60,9 @@ def test_wheel_is_abi3_links_no_cuda_and_installs(tmp_path):
         names = z.namelist()
         so_name = next(n for n in names if n.startswith("fastllm/_core") and n.endswith(".so"))
         assert "fastllm/py.typed" in names and "fastllm/_core.pyi" in names
+        # the embedded demo model ships inside the wheel
+        for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+            assert f"fastllm/demo_model/{f}" in names, f
         so = Path(z.extract(so_name, tmp_path / "unpacked"))
     needed = needed_libraries(so)
     assert needed, "readelf found no NEEDED entries at all"
