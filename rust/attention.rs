@@ -301,6 +301,10 @@ struct OutPtr<T>(*mut T);
 unsafe impl<T: Send> Send for OutPtr<T> {}
 unsafe impl<T: Send> Sync for OutPtr<T> {}
 
+/// Multiply-adds (query rows x keys x head size) below which a call runs
+/// single-threaded.
+const SERIAL_WORK: usize = 1 << 20;
+
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn paged_attention_with<T: CacheElement>(
     out: &mut [T],
@@ -342,30 +346,43 @@ pub(crate) fn paged_attention_with<T: CacheElement>(
     };
     let out_ptr = OutPtr(out.as_mut_ptr());
     let problem = &problem;
-    crate::threads::install(|| {
-        items.par_iter().for_each(|item| {
-            if item.parts <= 1 {
+    let run_item = |item: &Item, parallel: bool| {
+        if item.parts <= 1 {
+            let mut state = PartialState::new(item.rows(group), d);
+            attend(problem, item, item.key_lo, item.key_hi, &mut state);
+            state.finish();
+            // SAFETY: this item owns its rows of `out` (validated shape).
+            unsafe { write_rows(problem, item, &state, out_ptr) };
+        } else {
+            let bounds = partition_bounds(item, shape.block_size);
+            let part = |&(lo, hi): &(usize, usize)| {
                 let mut state = PartialState::new(item.rows(group), d);
-                attend(problem, item, item.key_lo, item.key_hi, &mut state);
-                state.finish();
-                // SAFETY: this item owns its rows of `out` (validated shape).
-                unsafe { write_rows(problem, item, &state, out_ptr) };
+                attend(problem, item, lo, hi, &mut state);
+                state
+            };
+            let states: Vec<PartialState> = if parallel {
+                bounds.par_iter().map(part).collect()
             } else {
-                let bounds = partition_bounds(item, shape.block_size);
-                let states: Vec<PartialState> = bounds
-                    .par_iter()
-                    .map(|&(lo, hi)| {
-                        let mut state = PartialState::new(item.rows(group), d);
-                        attend(problem, item, lo, hi, &mut state);
-                        state
-                    })
-                    .collect();
-                let merged = PartialState::merge(states, item.rows(group), d);
-                // SAFETY: as above.
-                unsafe { write_rows(problem, item, &merged, out_ptr) };
-            }
+                bounds.iter().map(part).collect()
+            };
+            let merged = PartialState::merge(states, item.rows(group), d);
+            // SAFETY: as above.
+            unsafe { write_rows(problem, item, &merged, out_ptr) };
+        }
+    };
+    // Small steps (a decode of one short sequence) run on the calling thread:
+    // waking the pool costs more than the work.
+    let work: usize = items
+        .iter()
+        .map(|it| it.rows(group) * (it.key_hi - it.key_lo) * d)
+        .sum();
+    if work < SERIAL_WORK || plan.threads <= 1 {
+        items.iter().for_each(|item| run_item(item, false));
+    } else {
+        crate::threads::install(|| {
+            items.par_iter().for_each(|item| run_item(item, true));
         });
-    });
+    }
     Ok(())
 }
 

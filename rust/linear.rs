@@ -447,6 +447,9 @@ impl<T> SharedOut<T> {
 
 /// Rows of `weight` per parallel task: about `TASK_BYTES` of weights, at
 /// least 4 tasks per thread where the matrix allows, a multiple of 4 rows.
+/// Weight bytes below which a call runs single-threaded.
+const SERIAL_BYTES: usize = 3 << 20;
+
 fn rows_per_task(n: usize, k: usize, elem: usize, threads: usize) -> usize {
     let by_bytes = (TASK_BYTES / (k * elem).max(1)).max(1);
     let by_balance = n.div_ceil(4 * threads).max(1);
@@ -483,7 +486,9 @@ fn run<T: OutElem>(
         // and out has m * n elements (checked by the caller).
         unsafe { store_block(shared.ptr(), tile, pack.terms, bias, m, n, n0, n1) };
     };
-    if tasks == 1 || threads == 1 {
+    // Small matrices run on the calling thread: waking the pool costs more
+    // than streaming a couple of megabytes.
+    if tasks == 1 || threads == 1 || n * k * elem < SERIAL_BYTES {
         let mut tile = Vec::new();
         for t in 0..tasks {
             task(&mut tile, t);

@@ -17,8 +17,15 @@ pub fn parse_num_threads(value: Option<&str>) -> Option<usize> {
         .filter(|&n| n > 0)
 }
 
-/// The number of threads the kernels use.
+static NUM_THREADS: OnceLock<usize> = OnceLock::new();
+
+/// The number of threads the kernels use, decided once per process (finding
+/// the available cores reads cgroup files: far too slow for every kernel call).
 pub fn num_threads() -> usize {
+    *NUM_THREADS.get_or_init(configured_threads)
+}
+
+fn configured_threads() -> usize {
     parse_num_threads(std::env::var("FASTLLM_NUM_THREADS").ok().as_deref()).unwrap_or_else(|| {
         std::thread::available_parallelism()
             .map(|n| n.get())

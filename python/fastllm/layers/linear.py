@@ -16,11 +16,16 @@ _RUST_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _rust_max_rows() -> int:
-    """Rows up to which the Rust kernel beats torch (``FASTLLM_RUST_LINEAR_MAX_ROWS``)."""
+    """Rows up to which linears use the Rust kernel (``FASTLLM_RUST_LINEAR_MAX_ROWS``).
+
+    Off (0) by default: in the whole model, alternating torch's OpenMP threads
+    and the Rust pool between layers cost more than the kernel gains on its
+    own (docs/performance.md has the measurements).
+    """
     try:
-        return int(os.environ.get("FASTLLM_RUST_LINEAR_MAX_ROWS", "64"))
+        return max(0, int(os.environ.get("FASTLLM_RUST_LINEAR_MAX_ROWS", "0")))
     except ValueError:
-        return 64
+        return 0
 
 
 _MAX_ROWS = _rust_max_rows()
