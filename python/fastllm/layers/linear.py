@@ -15,20 +15,21 @@ from torch import nn
 _RUST_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _rust_max_rows() -> int:
-    """Rows up to which linears use the Rust kernel (``FASTLLM_RUST_LINEAR_MAX_ROWS``).
-
-    Off (0) by default: in the whole model, alternating torch's OpenMP threads
-    and the Rust pool between layers cost more than the kernel gains on its
-    own (docs/performance.md has the measurements).
-    """
+def _env_rows(name: str, default: int) -> int:
     try:
-        return max(0, int(os.environ.get("FASTLLM_RUST_LINEAR_MAX_ROWS", "0")))
+        return max(0, int(os.environ.get(name, str(default))))
     except ValueError:
-        return 0
+        return default
 
 
-_MAX_ROWS = _rust_max_rows()
+# Row counts for which linears use the Rust weight-streaming kernel instead of
+# torch (FASTLLM_RUST_LINEAR_MIN_ROWS..FASTLLM_RUST_LINEAR_MAX_ROWS). Off by
+# default: measured in the whole model on a 2-core AVX512-BF16 machine,
+# alternating torch's OpenMP threads with the Rust pool between operations
+# cost more than the kernel gains on its own, at batch 1 as at batch 64
+# (docs/performance.md has the figures).
+_MIN_ROWS = _env_rows("FASTLLM_RUST_LINEAR_MIN_ROWS", 1)
+_MAX_ROWS = _env_rows("FASTLLM_RUST_LINEAR_MAX_ROWS", 0)
 _core = None
 
 
@@ -39,7 +40,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (
         x.device.type == "cpu"
         and x.dim() == 2
-        and 0 < x.shape[0] <= _MAX_ROWS
+        and max(1, _MIN_ROWS) <= x.shape[0] <= _MAX_ROWS
         and x.dtype in _RUST_DTYPES
         and weight.dtype == x.dtype
         and (bias is None or bias.dtype == x.dtype)
