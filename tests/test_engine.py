@@ -278,3 +278,20 @@ def test_request_output_repr_and_html(llama):
     (o,) = llm.generate([PROMPTS[0]], greedy(3), use_tqdm=False)
     assert repr(o).startswith("RequestOutput(request_id=") and "CompletionOutput(" in repr(o)
     assert "<table>" in o._repr_html_()
+
+
+def test_rust_linear_path_matches_transformers(make_model, monkeypatch):
+    """The opt-in Rust weight-streaming linear gives transformers' greedy tokens."""
+    import fastllm.layers.linear as lin
+
+    monkeypatch.setattr(lin, "_MIN_ROWS", 1)
+    monkeypatch.setattr(lin, "_MAX_ROWS", 64)
+    folder = make_model("qwen2")
+    llm = LLM(folder, dtype="float32", device="cpu")
+    ids = llm.get_tokenizer().encode(PROMPTS[1])
+    ref, ref_lps = hf_greedy(folder, ids, 10)
+    (out,) = llm.generate([{"prompt_token_ids": ids}], greedy(10, logprobs=0), use_tqdm=False)
+    c = out.outputs[0]
+    assert c.token_ids == ref
+    got = [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]
+    assert got == pytest.approx(ref_lps, abs=1e-4)
