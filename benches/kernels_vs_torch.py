@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
 from fastllm import _core
 
 

@@ -21,6 +21,7 @@ import statistics
 import time
 
 import torch
+
 from fastllm import _core
 
 SHAPES = [  # name, N (out_features), K (in_features), has bias

@@ -12,6 +12,7 @@ import statistics
 import time
 
 import torch
+
 from fastllm import _core
 
 VOCAB = 151936

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 import torch
+
 from fastllm.engine.context import AttentionMetadata, set_context
 
 

@@ -22,9 +22,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from fastllm import _core
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from fastllm import _core
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-4, rtol=2**-8)}
 

@@ -8,7 +8,6 @@ chained-hash cache: every lookup must return exactly what the model returns.
 from collections import Counter
 
 import pytest
-from fastllm._core import BlockPool
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -18,6 +17,8 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+
+from fastllm._core import BlockPool
 
 TOKENS = st.integers(0, 1)  # a tiny alphabet, so prefixes are shared often
 

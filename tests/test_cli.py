@@ -8,6 +8,7 @@ import os
 import sys
 
 import pytest
+
 from fastllm.cli import main
 
 ENGINE = ["--dtype", "float32", "--device", "cpu", "--max-model-len", "256"]
@@ -121,6 +122,7 @@ def _reply(child) -> str:
 
 def test_chat_in_a_terminal(model_dir, llm):
     import pexpect
+
     from fastllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=8)

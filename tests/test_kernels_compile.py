@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from fastllm import _core
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -200,6 +201,7 @@ def test_launch_without_gpu_is_refused_before_the_driver(tmp_path):
 
 def test_kernel_fallback_warns_once(caplog, monkeypatch):
     import torch  # noqa: F401  (cuda_ops needs torch)
+
     from fastllm.layers import cuda_ops
 
     monkeypatch.setattr(cuda_ops, "_disabled", None)

@@ -16,9 +16,10 @@ import sys
 import pytest
 
 torch = pytest.importorskip("torch")
-from fastllm import _core  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+
+from fastllm import _core  # noqa: E402
 
 PATHS = _core.linear_paths()
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}

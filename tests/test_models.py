@@ -25,11 +25,12 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
 from fastllm.config import ModelConfig  # noqa: E402
 from fastllm.models import ARCHITECTURES, get_model_class  # noqa: E402
 from fastllm.models.loader import load_model  # noqa: E402
 from paged_helpers import PagedRunner  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 

@@ -8,9 +8,10 @@ import sys
 
 import pytest
 import torch
-from fastllm import _core
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+
+from fastllm import _core
 
 F32_MAX = torch.finfo(torch.float32).max
 NEG_INF = float("-inf")

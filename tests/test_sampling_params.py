@@ -1,4 +1,5 @@
 import pytest
+
 from fastllm import SamplingParams
 
 

@@ -8,8 +8,9 @@ the gaps a draw could be sensitive to on this small vocabulary).
 
 from __future__ import annotations
 
-import fastllm
 import pytest
+
+import fastllm
 
 pytestmark = pytest.mark.skipif(
     not fastllm.cuda_available(), reason="no usable CUDA GPU (fastllm.cuda_available() is false)"

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import random
 
-import fastllm
 import pytest
+
+import fastllm
 
 pytestmark = pytest.mark.skipif(
     not fastllm.cuda_available(), reason="no usable CUDA GPU (fastllm.cuda_available() is false)"
