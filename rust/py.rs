@@ -103,7 +103,7 @@ impl TensorArg {
     }
 
     /// Checks device, dtype, rank and C-contiguity in one call.
-    pub fn expect(&self, dtypes: &[DType], ndim: usize) -> PyResult<&Self> {
+    pub fn check(&self, dtypes: &[DType], ndim: usize) -> PyResult<&Self> {
         if self.device != "cpu" {
             return Err(PyValueError::new_err(format!(
                 "{}: expected a CPU tensor, got device '{}'",
@@ -113,7 +113,7 @@ impl TensorArg {
         self.expect_layout(dtypes, ndim, 0)
     }
 
-    /// As `expect`, for a tensor on a CUDA device.
+    /// As `check`, for a tensor on a CUDA device.
     pub fn expect_cuda(&self, dtypes: &[DType], ndim: usize) -> PyResult<&Self> {
         self.expect_cuda_device()?;
         self.expect_layout(dtypes, ndim, 0)
@@ -213,7 +213,7 @@ impl TensorArg {
     /// A read-only slice over the tensor's elements.
     ///
     /// # Safety
-    /// `expect` must have checked dtype (matching `T`) and contiguity, and the
+    /// `check` must have checked dtype (matching `T`) and contiguity, and the
     /// tensor must stay alive and unaliased by writers while the slice is used.
     pub unsafe fn slice<T>(&self) -> &[T] {
         debug_assert_eq!(std::mem::size_of::<T>(), self.dtype.size());
@@ -545,8 +545,8 @@ fn expect_same_dtype(t: &TensorArg, like: &TensorArg) -> PyResult<()> {
 
 /// Checks the two cache tensors and returns their shape.
 fn cache_shape(kc: &TensorArg, vc: &TensorArg) -> PyResult<CacheShape> {
-    kc.expect(&[DType::F32, DType::BF16], 4)?;
-    vc.expect(&[DType::F32, DType::BF16], 4)?;
+    kc.check(&[DType::F32, DType::BF16], 4)?;
+    vc.check(&[DType::F32, DType::BF16], 4)?;
     expect_same_dtype(vc, kc)?;
     if kc.shape != vc.shape {
         return Err(PyValueError::new_err(format!(
@@ -580,7 +580,7 @@ fn reshape_and_cache(
     let slots = TensorArg::extract("slot_mapping", slot_mapping)?;
     let shape = cache_shape(&kc, &vc)?;
     for t in [&k, &v] {
-        t.expect(&[DType::F32, DType::BF16], 3)?;
+        t.check(&[DType::F32, DType::BF16], 3)?;
         expect_same_dtype(t, &kc)?;
         t.expect_dim(1, shape.num_kv_heads, "num_kv_heads of the cache")?;
         t.expect_dim(2, shape.head_size, "head_size of the cache")?;
@@ -588,7 +588,7 @@ fn reshape_and_cache(
         expect_disjoint(t, &vc)?;
     }
     v.expect_dim(0, k.shape[0], "num_tokens of key")?;
-    slots.expect(&[DType::I64], 1)?;
+    slots.check(&[DType::I64], 1)?;
     slots.expect_dim(0, k.shape[0], "num_tokens of key")?;
     // SAFETY: dtypes, shapes and contiguity are checked above; the caches are
     // disjoint from each other and from the inputs; the tensors outlive the call.
@@ -634,7 +634,7 @@ fn paged_attention(
     let sl = TensorArg::extract("seq_lens", seq_lens)?;
     let qsl = TensorArg::extract("query_start_loc", query_start_loc)?;
     let shape = cache_shape(&kc, &vc)?;
-    q.expect(&[DType::F32, DType::BF16], 3)?;
+    q.check(&[DType::F32, DType::BF16], 3)?;
     expect_same_dtype(&q, &kc)?;
     q.expect_dim(2, shape.head_size, "head_size of the cache")?;
     let num_heads = q.shape[1];
@@ -644,7 +644,7 @@ fn paged_attention(
             shape.num_kv_heads
         )));
     }
-    o.expect(&[DType::F32, DType::BF16], 3)?;
+    o.check(&[DType::F32, DType::BF16], 3)?;
     expect_same_dtype(&o, &kc)?;
     if o.shape != q.shape {
         return Err(PyValueError::new_err(format!(
@@ -655,10 +655,10 @@ fn paged_attention(
     for t in [&q, &kc, &vc] {
         expect_disjoint(&o, t)?;
     }
-    bt.expect(&[DType::I32], 2)?;
-    sl.expect(&[DType::I32], 1)?;
+    bt.check(&[DType::I32], 2)?;
+    sl.check(&[DType::I32], 1)?;
     sl.expect_dim(0, bt.shape[0], "num_seqs of block_tables")?;
-    qsl.expect(&[DType::I32], 1)?;
+    qsl.check(&[DType::I32], 1)?;
     qsl.expect_dim(0, bt.shape[0] + 1, "num_seqs + 1")?;
     if !scale.is_finite() {
         return Err(PyValueError::new_err(format!(
@@ -789,11 +789,11 @@ impl SamplerTensors {
         output_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<SamplerTensors> {
         let logits = TensorArg::extract("logits", logits)?;
-        logits.expect(&[DType::F32], 2)?;
+        logits.check(&[DType::F32], 2)?;
         let prompt_tokens = TensorArg::extract("prompt_tokens", prompt_tokens)?;
-        prompt_tokens.expect(&[DType::I32], 1)?;
+        prompt_tokens.check(&[DType::I32], 1)?;
         let output_tokens = TensorArg::extract("output_tokens", output_tokens)?;
-        output_tokens.expect(&[DType::I32], 1)?;
+        output_tokens.check(&[DType::I32], 1)?;
         Ok(SamplerTensors {
             logits,
             prompt_tokens,
@@ -1435,20 +1435,20 @@ fn linear(
 ) -> PyResult<()> {
     let floats = [DType::BF16, DType::F32];
     let weight = TensorArg::extract("weight", weight)?;
-    weight.expect(&floats, 2)?;
+    weight.check(&floats, 2)?;
     let (n, k) = (weight.shape[0], weight.shape[1]);
     let x = TensorArg::extract("x", x)?;
-    x.expect(&floats, 2)?;
+    x.check(&floats, 2)?;
     x.expect_dim(1, k, "in_features of weight")?;
     let m = x.shape[0];
     let out = TensorArg::extract("out", out)?;
-    out.expect(&[x.dtype], 2)?;
+    out.check(&[x.dtype], 2)?;
     out.expect_dim(0, m, "rows of x")?;
     out.expect_dim(1, n, "out_features of weight")?;
     let bias = match bias {
         Some(b) if !b.is_none() => {
             let b = TensorArg::extract("bias", b)?;
-            b.expect(&floats, 1)?;
+            b.check(&floats, 1)?;
             b.expect_dim(0, n, "out_features of weight")?;
             check_no_overlap(&out, &b)?;
             Some(b)
