@@ -11,6 +11,9 @@ cargo test --release
 echo "== build extension"
 ./scripts/build_ext.sh
 echo "== pytest"
+# Test this tree's sources with the extension just built, whatever else the
+# virtual environment has installed.
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 set +e
 .venv/bin/python -m pytest -q "$@"
 rc=$?
