@@ -122,3 +122,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     if 2 * half == x.shape[-1]:
         return rotated
     return torch.cat((rotated, x[..., 2 * half :]), dim=-1)
+
+
+def qkv_with_rotary(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm: torch.nn.Module | None = None,
+    k_norm: torch.nn.Module | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Splits a fused QKV projection [T, (h + 2 kv) * d], normalises q and k per
+    head when the model has q/k norms, and rotates them; v stays flat."""
+    n = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.reshape(n, num_heads, head_dim)
+    k = k.reshape(n, num_kv_heads, head_dim)
+    if q_norm is not None and k_norm is not None:
+        q = q_norm(q)
+        k = k_norm(k)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v

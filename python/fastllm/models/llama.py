@@ -16,7 +16,7 @@ from fastllm.layers.activation import ActAndMul
 from fastllm.layers.attention import PagedAttention
 from fastllm.layers.linear import Embedding, Linear, linear
 from fastllm.layers.norm import RMSNorm
-from fastllm.layers.rotary import RotaryEmbedding, apply_rotary
+from fastllm.layers.rotary import RotaryEmbedding, qkv_with_rotary
 from fastllm.models.weights import WeightSpec
 
 
@@ -52,15 +52,16 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(n, self.num_heads, self.head_dim)
-        k = k.reshape(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        q, k, v = qkv_with_rotary(
+            self.qkv_proj(x),
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            cos,
+            sin,
+            self.q_norm,
+            self.k_norm,
+        )
         return self.o_proj(self.attn(q, k, v))
 
 
