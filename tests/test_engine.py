@@ -283,9 +283,20 @@ def test_request_output_repr_and_html(llama):
 def test_rust_linear_path_matches_transformers(make_model, monkeypatch):
     """The opt-in Rust weight-streaming linear gives transformers' greedy tokens."""
     import fastllm.layers.linear as lin
+    from fastllm import _core
+
+    calls = []
+    rust_linear = _core.linear
+
+    def counting_linear(*args):
+        calls.append(args[1].shape[0])
+        return rust_linear(*args)
 
     monkeypatch.setattr(lin, "_MIN_ROWS", 1)
     monkeypatch.setattr(lin, "_MAX_ROWS", 64)
+    monkeypatch.setattr(lin, "_RUST_ON", True)
+    monkeypatch.setattr(lin, "_core", None)
+    monkeypatch.setattr(_core, "linear", counting_linear)
     folder = make_model("qwen2")
     llm = LLM(folder, dtype="float32", device="cpu")
     ids = llm.get_tokenizer().encode(PROMPTS[1])
@@ -295,3 +306,4 @@ def test_rust_linear_path_matches_transformers(make_model, monkeypatch):
     assert c.token_ids == ref
     got = [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]
     assert got == pytest.approx(ref_lps, abs=1e-4)
+    assert calls and max(calls) <= 64  # the Rust kernel really ran

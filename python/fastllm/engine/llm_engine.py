@@ -222,12 +222,10 @@ class LLMEngine:
             seq.num_computed_tokens += n
             self.kv.register_computed_blocks(seq)
         self.stats["steps"] += 1
+        # prompt tokens computed this step: chunk [end - n, end) clipped to the prompt
         self.stats["prompt_tokens"] += sum(
-            max(
-                0,
-                min(seq.num_prompt_tokens, seq.num_computed_tokens) - (seq.num_computed_tokens - n),
-            )
-            for seq, n in sched.scheduled
+            max(0, min(s.num_prompt_tokens, s.num_computed_tokens) - (s.num_computed_tokens - n))
+            for s, n in sched.scheduled
         )
         if sample_seqs:
             self._sample_and_append(logits, sample_seqs)

@@ -30,6 +30,7 @@ def _env_rows(name: str, default: int) -> int:
 # (docs/performance.md has the figures).
 _MIN_ROWS = _env_rows("FASTLLM_RUST_LINEAR_MIN_ROWS", 1)
 _MAX_ROWS = _env_rows("FASTLLM_RUST_LINEAR_MAX_ROWS", 0)
+_RUST_ON = _MAX_ROWS >= max(1, _MIN_ROWS)
 _core = None
 
 
@@ -38,7 +39,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     CPU (decode), torch otherwise (prefill, other devices)."""
     global _core
     if (
-        x.device.type == "cpu"
+        _RUST_ON
+        and x.device.type == "cpu"
         and x.dim() == 2
         and max(1, _MIN_ROWS) <= x.shape[0] <= _MAX_ROWS
         and x.dtype in _RUST_DTYPES
