@@ -164,7 +164,7 @@ pub enum Src<'a> {
 }
 
 impl Src<'_> {
-    fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         match self {
             Src::Bf16(s) => s.len(),
             Src::F32(s) => s.len(),
@@ -172,7 +172,7 @@ impl Src<'_> {
     }
 
     #[inline]
-    fn get(&self, i: usize) -> f32 {
+    pub(crate) fn get(&self, i: usize) -> f32 {
         match self {
             Src::Bf16(s) => s[i].to_f32(),
             Src::F32(s) => s[i],
@@ -415,7 +415,7 @@ impl Packed {
 }
 
 /// Output element types.
-trait OutElem: Copy + Send + Sync {
+pub(crate) trait OutElem: Copy + Send + Sync {
     fn from_f32(v: f32) -> Self;
 }
 
@@ -434,13 +434,13 @@ impl OutElem for bf16 {
 }
 
 /// The output pointer shared by tasks that write disjoint columns.
-struct SharedOut<T>(*mut T);
+pub(crate) struct SharedOut<T>(pub(crate) *mut T);
 // SAFETY: every task writes only the columns of its own block of output rows.
 unsafe impl<T: Send> Send for SharedOut<T> {}
 unsafe impl<T: Send> Sync for SharedOut<T> {}
 
 impl<T> SharedOut<T> {
-    fn ptr(&self) -> *mut T {
+    pub(crate) fn ptr(&self) -> *mut T {
         self.0
     }
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -280,25 +281,18 @@ def test_request_output_repr_and_html(llama):
     assert "<table>" in o._repr_html_()
 
 
-def test_rust_linear_path_matches_transformers(make_model, monkeypatch):
-    """The opt-in Rust weight-streaming linear gives transformers' greedy tokens."""
-    import fastllm.layers.linear as lin
-    from fastllm import _core
-
-    calls = []
-    rust_linear = _core.linear
-
-    def counting_linear(*args):
-        calls.append(args[1].shape[0])
-        return rust_linear(*args)
-
-    monkeypatch.setattr(lin, "_MIN_ROWS", 1)
-    monkeypatch.setattr(lin, "_MAX_ROWS", 64)
-    monkeypatch.setattr(lin, "_RUST_ON", True)
-    monkeypatch.setattr(lin, "_core", None)
-    monkeypatch.setattr(_core, "linear", counting_linear)
+@pytest.mark.parametrize("mode", ["rust", "torch"])
+def test_cpu_gemm_modes_match_transformers(make_model, monkeypatch, mode):
+    """Packed Rust linears (the CPU default) and torch's give transformers'
+    greedy tokens and logprobs; the packed model really runs packed."""
+    monkeypatch.setenv("FASTLLM_CPU_GEMM", mode)
     folder = make_model("qwen2")
     llm = LLM(folder, dtype="float32", device="cpu")
+    model = llm.llm_engine.runner.model
+    layers = [m for m in model.modules() if m.__class__.__name__ == "Linear"]
+    packed = [m.packed is not None for m in layers]
+    assert all(packed) if mode == "rust" else not any(packed)
+    assert (getattr(model, "packed_head", None) is not None) == (mode == "rust")
     ids = llm.get_tokenizer().encode(PROMPTS[1])
     ref, ref_lps = hf_greedy(folder, ids, 10)
     (out,) = llm.generate([{"prompt_token_ids": ids}], greedy(10, logprobs=0), use_tqdm=False)
@@ -306,4 +300,11 @@ def test_rust_linear_path_matches_transformers(make_model, monkeypatch):
     assert c.token_ids == ref
     got = [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]
     assert got == pytest.approx(ref_lps, abs=1e-4)
-    assert calls and max(calls) <= 64  # the Rust kernel really ran
+
+
+def test_cpu_gemm_mode_is_validated(monkeypatch):
+    from fastllm.layers.linear import should_pack
+
+    monkeypatch.setenv("FASTLLM_CPU_GEMM", "fast")
+    with pytest.raises(ValueError, match="FASTLLM_CPU_GEMM='fast'"):
+        should_pack("cpu", torch.float32)

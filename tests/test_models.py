@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from fastllm.config import ModelConfig  # noqa: E402
 from fastllm.models import ARCHITECTURES, get_model_class  # noqa: E402
+from fastllm.layers.linear import pack_linears, should_pack
 from fastllm.models.loader import load_model  # noqa: E402
 from paged_helpers import PagedRunner  # noqa: E402
 
@@ -160,8 +161,13 @@ def _assert_close_f32(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     )
 
 
-def _load(folder: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    return load_model(ModelConfig.from_pretrained(folder), folder, dtype, "cpu")
+def _load(folder: str, dtype: torch.dtype = torch.float32, pack: bool = True) -> torch.nn.Module:
+    """The model as the engine runs it: packed for the Rust GEMM where the
+    engine would pack it (the CPU default on x86 with AVX2 or AVX-512)."""
+    model = load_model(ModelConfig.from_pretrained(folder), folder, dtype, "cpu")
+    if pack and should_pack("cpu", dtype):
+        pack_linears(model)
+    return model
 
 
 LENGTHS = [7, 13, 1, 17, 4]

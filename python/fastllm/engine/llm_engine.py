@@ -62,6 +62,7 @@ class LLMEngine:
         from fastllm.engine.model_runner import ModelRunner
         from fastllm.engine.scheduler import Scheduler
         from fastllm.models.loader import load_model
+        from fastllm.layers.linear import pack_linears, should_pack
         from fastllm.tokenizer import Tokenizer
 
         self.config = config
@@ -94,6 +95,8 @@ class LLMEngine:
 
         torch_device = torch.device(device)
         model = load_model(mc, folder, self.dtype, device, config.load_format)
+        if should_pack(device, self.dtype):
+            pack_linears(model)
         bs = config.block_size
         per_block = ModelRunner.block_bytes(
             mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, bs, self.dtype

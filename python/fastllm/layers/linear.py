@@ -2,59 +2,37 @@
 
 The loader always assigns every parameter, so initialising them here would only
 cost time (seconds for a 7B model) and memory.
+
+On the CPU the engine packs every linear layer once after loading
+(``pack_linears``): the weights move into the Rust GEMM's panel layout
+(``_core.PackedLinear``, same dtype, same bytes) and every call, from batch-1
+decode to prefill chunks, runs the Rust kernel on the private thread pool.
+Elsewhere (CUDA, or ``FASTLLM_CPU_GEMM=torch``) layers call torch.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-_RUST_DTYPES = (torch.float32, torch.bfloat16)
+logger = logging.getLogger("fastllm")
+
+GEMM_ENV = "FASTLLM_CPU_GEMM"
+_PACKABLE = (torch.float32, torch.bfloat16)
 
 
-def _env_rows(name: str, default: int) -> int:
-    try:
-        return max(0, int(os.environ.get(name, str(default))))
-    except ValueError:
-        return default
-
-
-# Row counts for which linears use the Rust weight-streaming kernel instead of
-# torch (FASTLLM_RUST_LINEAR_MIN_ROWS..FASTLLM_RUST_LINEAR_MAX_ROWS). Off by
-# default: measured in the whole model on a 2-core AVX512-BF16 machine,
-# alternating torch's OpenMP threads with the Rust pool between operations
-# cost more than the kernel gains on its own, at batch 1 as at batch 64
-# (docs/performance.md has the figures).
-_MIN_ROWS = _env_rows("FASTLLM_RUST_LINEAR_MIN_ROWS", 1)
-_MAX_ROWS = _env_rows("FASTLLM_RUST_LINEAR_MAX_ROWS", 0)
-_RUST_ON = _MAX_ROWS >= max(1, _MIN_ROWS)
-_core = None
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``: the Rust weight-streaming kernel for few rows on the
-    CPU (decode), torch otherwise (prefill, other devices)."""
-    global _core
-    if (
-        _RUST_ON
-        and x.device.type == "cpu"
-        and x.dim() == 2
-        and max(1, _MIN_ROWS) <= x.shape[0] <= _MAX_ROWS
-        and x.dtype in _RUST_DTYPES
-        and weight.dtype == x.dtype
-        and (bias is None or bias.dtype == x.dtype)
-    ):
-        if _core is None:
-            from fastllm import _core as core
-
-            _core = core
-        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
-        _core.linear(out, x.contiguous(), weight, bias)
-        return out
-    return F.linear(x, weight, bias)
+def _packed_forward(packed, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Runs a ``_core.PackedLinear`` on the last dimension of ``x``."""
+    rows = x.reshape(-1, packed.in_features)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], packed.out_features, dtype=dtype)
+    packed.forward(out, rows)
+    return out.view(*x.shape[:-1], packed.out_features)
 
 
 class Linear(nn.Module):
@@ -66,10 +44,28 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.packed = None
+
+    def pack(self, packed=None) -> None:
+        """Moves the weight (and bias) into the Rust GEMM's layout, or adopts
+        ``packed`` (a ``_core.PackedLinear`` of this same weight), and frees
+        the torch copy."""
+        if packed is None:
+            from fastllm import _core
+
+            packed = _core.PackedLinear(self.weight.detach(), _detached(self.bias))
+        self.packed = packed
+        self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Applies the affine map to the last dimension of ``x``."""
-        return linear(x, self.weight, self.bias)
+        if self.packed is not None:
+            return _packed_forward(self.packed, x, x.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        packed = ", packed" if self.packed is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}{packed}"
 
 
 class Embedding(nn.Module):
@@ -82,3 +78,60 @@ class Embedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Looks up the rows ``ids``."""
         return F.embedding(ids, self.weight)
+
+
+def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()
+
+
+def head_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """float32 logits of the language-model head (``model.head_weights()``),
+    computed in float32 by the packed kernel when the model was packed."""
+    packed = getattr(model, "packed_head", None)
+    if packed is not None:
+        return _packed_forward(packed, hidden, torch.float32)
+    weight, bias = model.head_weights()
+    return F.linear(hidden, weight, bias).float()
+
+
+def gemm_mode() -> str:
+    """``FASTLLM_CPU_GEMM``: ``auto`` (default: pack where a SIMD kernel
+    runs), ``rust`` (always pack) or ``torch`` (never)."""
+    mode = os.environ.get(GEMM_ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "rust", "torch"):
+        raise ValueError(f"{GEMM_ENV}={mode!r}: expected 'auto', 'rust' or 'torch'")
+    return mode
+
+
+def should_pack(device: str, dtype: torch.dtype) -> bool:
+    """Whether the engine packs a model of ``dtype`` on ``device``."""
+    mode = gemm_mode()
+    if device != "cpu" or dtype not in _PACKABLE or mode == "torch":
+        return False
+    if mode == "rust":
+        return True
+    from fastllm import _core
+
+    # The portable scalar kernel is slower than torch: keep torch there.
+    return _core.gemm_default_path() != "scalar"
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Packs every ``Linear`` of ``model`` and its language-model head (also
+    when tied to the embedding, which keeps its own table); returns the bytes
+    of packed weights."""
+    from fastllm import _core
+
+    head_weight, head_bias = model.head_weights()
+    head = _core.PackedLinear(head_weight.detach(), _detached(head_bias))
+    total = head.nbytes
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight is not None:
+            if module.weight is head_weight:
+                module.pack(head)
+            else:
+                module.pack()
+                total += module.packed.nbytes
+    model.packed_head = head
+    logger.info("packed %.1f MB of linear weights for the %s kernel", total / 1e6, head.path)
+    return total

@@ -8,7 +8,7 @@ from torch import nn
 from fastllm.config import ModelConfig
 from fastllm.layers.activation import get_activation
 from fastllm.layers.attention import PagedAttention
-from fastllm.layers.linear import Embedding, Linear, linear
+from fastllm.layers.linear import Embedding, Linear, head_logits
 from fastllm.layers.norm import LayerNorm
 from fastllm.models.weights import WeightSpec
 
@@ -100,8 +100,13 @@ class GPT2LMHeadModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [n, vocab] for the given rows of hidden states."""
-        weight = self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        return head_logits(self, hidden)
+
+    def head_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Weight and bias of the language-model head (the embedding when tied)."""
+        if self.lm_head is None:
+            return self.transformer.wte.weight, None
+        return self.lm_head.weight, None
 
     def attention_layers(self) -> list[PagedAttention]:
         """The paged-attention layers, in order, for the runner to give caches."""

@@ -14,7 +14,7 @@ from torch import nn
 from fastllm.config import ModelConfig
 from fastllm.layers.activation import ActAndMul
 from fastllm.layers.attention import PagedAttention
-from fastllm.layers.linear import Embedding, Linear, linear
+from fastllm.layers.linear import Embedding, Linear, head_logits
 from fastllm.layers.norm import RMSNorm
 from fastllm.layers.rotary import RotaryEmbedding, qkv_with_rotary
 from fastllm.models.weights import WeightSpec
@@ -154,8 +154,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [n, vocab] for the given rows of hidden states."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        return head_logits(self, hidden)
+
+    def head_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Weight and bias of the language-model head (the embedding when tied)."""
+        if self.lm_head is None:
+            return self.model.embed_tokens.weight, None
+        return self.lm_head.weight, None
 
     def attention_layers(self) -> list[PagedAttention]:
         """The paged-attention layers, in order, for the runner to give caches."""

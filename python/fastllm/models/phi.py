@@ -8,7 +8,7 @@ from torch import nn
 from fastllm.config import ModelConfig
 from fastllm.layers.activation import get_activation
 from fastllm.layers.attention import PagedAttention
-from fastllm.layers.linear import Embedding, Linear, linear
+from fastllm.layers.linear import Embedding, Linear, head_logits
 from fastllm.layers.norm import LayerNorm
 from fastllm.layers.rotary import RotaryEmbedding, qkv_with_rotary
 from fastllm.models.weights import WeightSpec
@@ -122,8 +122,12 @@ class PhiForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [n, vocab] for the given rows of hidden states."""
+        return head_logits(self, hidden)
+
+    def head_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Weight and bias of the language-model head (the embedding's weight when tied)."""
         weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return linear(hidden, weight, self.lm_head.bias).float()
+        return weight, self.lm_head.bias
 
     def attention_layers(self) -> list[PagedAttention]:
         """The paged-attention layers, in order, for the runner to give caches."""
