@@ -33,7 +33,7 @@ use crate::linear::{Dst, OutElem, Path, SharedOut, Src};
 pub const NR: usize = 32;
 
 /// Multiply-adds below which a call runs on the calling thread.
-const SERIAL_FLOPS: usize = 1 << 21;
+const SERIAL_FLOPS: usize = 1 << 18;
 
 /// Bytes of `x` (as f32) a block of rows may take, so that it stays in L2
 /// while every panel of a task passes over it.

@@ -3,6 +3,9 @@ one packed forward pass, and samples the next tokens."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -31,6 +34,13 @@ class ModelRunner:
         device: torch.device,
     ) -> None:
         self.model = model
+        # A packed model runs its heavy CPU work (linears, attention, sampling)
+        # on the Rust pool; torch's remaining elementwise ops run on the
+        # calling thread during a step, so that torch's OpenMP workers do not
+        # spin on the cores the pool needs (measured: +15% output tokens/s at
+        # batch 64 on 2 cores).
+        packed = device.type == "cpu" and getattr(model, "packed_head", None) is not None
+        self.step_torch_threads = 1 if packed else None
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
@@ -109,17 +119,18 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
         )
         set_context(meta)
-        try:
-            hidden = self.model(
-                torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev)
-            )
-        finally:
-            set_context(None)
-        logits = self.model.compute_logits(hidden[torch.as_tensor(logit_rows, device=dev)])
-        extra: dict[int, torch.Tensor] = {}
-        for idx in all_rows_for:
-            lo, hi = int(qsl[idx]), int(qsl[idx + 1])
-            extra[idx] = self.model.compute_logits(hidden[lo:hi]).float().cpu()
+        with torch_threads(self.step_torch_threads):
+            try:
+                hidden = self.model(
+                    torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev)
+                )
+            finally:
+                set_context(None)
+            logits = self.model.compute_logits(hidden[torch.as_tensor(logit_rows, device=dev)])
+            extra: dict[int, torch.Tensor] = {}
+            for idx in all_rows_for:
+                lo, hi = int(qsl[idx]), int(qsl[idx + 1])
+                extra[idx] = self.model.compute_logits(hidden[lo:hi]).float().cpu()
         if logits.is_cuda and _cuda_kernels_enabled():
             return logits.float(), extra
         return logits.float().cpu(), extra
@@ -183,6 +194,21 @@ class ModelRunner:
                 return tokens, lps, ranks, _top_logprobs(logits, [p.logprobs or 0 for p in params])
             logits = logits.cpu()
         return _core.sample(logits, *rows, [p.logprobs or 0 for p in params])
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Runs the block with torch's intra-op thread count set to ``n`` (None:
+    unchanged), restoring the caller's setting afterwards."""
+    before = torch.get_num_threads()
+    if n is None or n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _cuda_kernels_enabled() -> bool:
