@@ -12,6 +12,7 @@ pub mod cuda;
 pub mod error;
 pub mod gemm;
 pub mod kv;
+pub mod layers;
 pub mod linear;
 pub mod sampling;
 pub mod threads;

@@ -1630,6 +1630,74 @@ fn gemm_default_path() -> &'static str {
 
 // ---- end packed linear ----
 
+// ---- layers (RMSNorm, SiLU-and-mul) ----
+
+/// out [rows, dim] = RMSNorm(x [rows, dim]) * weight [dim]; one dtype.
+#[pyfunction]
+fn rms_norm(
+    py: Python<'_>,
+    out: &Bound<'_, PyAny>,
+    x: &Bound<'_, PyAny>,
+    weight: &Bound<'_, PyAny>,
+    eps: f32,
+) -> PyResult<()> {
+    let x = TensorArg::extract("x", x)?;
+    x.check(&[DType::BF16, DType::F32], 2)?;
+    let dim = x.shape[1];
+    let weight = TensorArg::extract("weight", weight)?;
+    weight.check(&[x.dtype], 1)?;
+    weight.expect_dim(0, dim, "the last dimension of x")?;
+    let out = TensorArg::extract("out", out)?;
+    out.check(&[x.dtype], 2)?;
+    out.expect_dim(0, x.shape[0], "rows of x")?;
+    out.expect_dim(1, dim, "the last dimension of x")?;
+    check_no_overlap(&out, &x)?;
+    check_no_overlap(&out, &weight)?;
+    // SAFETY: all three were checked (dtype, CPU, contiguity, shape) and out
+    // shares no memory with the inputs; the caller keeps them alive.
+    let (dst, xs, ws) = unsafe {
+        let dst = match out.dtype {
+            DType::BF16 => crate::linear::Dst::Bf16(out.slice_mut::<half::bf16>()),
+            _ => crate::linear::Dst::F32(out.slice_mut::<f32>()),
+        };
+        (dst, linear_src(&x), linear_src(&weight))
+    };
+    py.detach(move || crate::layers::rms_norm(dst, xs, ws, eps, dim))?;
+    Ok(())
+}
+
+/// out [rows, d] = silu(x[:, :d]) * x[:, d:] for x [rows, 2d]; one dtype.
+#[pyfunction]
+fn silu_and_mul(py: Python<'_>, out: &Bound<'_, PyAny>, x: &Bound<'_, PyAny>) -> PyResult<()> {
+    let x = TensorArg::extract("x", x)?;
+    x.check(&[DType::BF16, DType::F32], 2)?;
+    if x.shape[1] % 2 != 0 {
+        return Err(PyValueError::new_err(format!(
+            "x: the last dimension must be even (gate and up halves), got {}",
+            x.shape[1]
+        )));
+    }
+    let d = x.shape[1] / 2;
+    let out = TensorArg::extract("out", out)?;
+    out.check(&[x.dtype], 2)?;
+    out.expect_dim(0, x.shape[0], "rows of x")?;
+    out.expect_dim(1, d, "half the last dimension of x")?;
+    check_no_overlap(&out, &x)?;
+    // SAFETY: both were checked (dtype, CPU, contiguity, shape) and share no
+    // memory; the caller keeps them alive.
+    let (dst, xs) = unsafe {
+        let dst = match out.dtype {
+            DType::BF16 => crate::linear::Dst::Bf16(out.slice_mut::<half::bf16>()),
+            _ => crate::linear::Dst::F32(out.slice_mut::<f32>()),
+        };
+        (dst, linear_src(&x))
+    };
+    py.detach(move || crate::layers::silu_and_mul(dst, xs, d))?;
+    Ok(())
+}
+
+// ---- end layers ----
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -1671,5 +1739,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // packed linear
     m.add_class::<PyPackedLinear>()?;
     m.add_function(wrap_pyfunction!(gemm_default_path, m)?)?;
+    // layers
+    m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(silu_and_mul, m)?)?;
     Ok(())
 }

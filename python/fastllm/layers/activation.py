@@ -7,6 +7,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+# Element types of the Rust CPU kernel (same rounding as the torch code).
+_RUST_DTYPES = (torch.float32, torch.bfloat16)
+
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
@@ -51,4 +54,11 @@ class ActAndMul(torch.nn.Module):
                 if out is not None:
                     return out
         d = x.shape[-1] // 2
+        if self.fused_silu and x.device.type == "cpu" and x.dtype in _RUST_DTYPES:
+            from fastllm import _core
+
+            rows = x.reshape(-1, 2 * d).contiguous()
+            out = torch.empty(rows.shape[0], d, dtype=x.dtype)
+            _core.silu_and_mul(out, rows)
+            return out.view(*x.shape[:-1], d)
         return self.act(x[..., :d]) * x[..., d:]

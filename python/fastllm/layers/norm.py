@@ -6,6 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# Element types of the Rust CPU kernels (same rounding as the torch code below).
+_RUST_DTYPES = (torch.float32, torch.bfloat16)
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, scaled by a learned weight."""
@@ -24,6 +27,13 @@ class RMSNorm(nn.Module):
                 out = cuda_ops.rms_norm(x, self.weight, self.eps)
                 if out is not None:
                     return out
+        if x.device.type == "cpu" and x.dtype in _RUST_DTYPES and self.weight.dtype == x.dtype:
+            from fastllm import _core
+
+            rows = x.reshape(-1, x.shape[-1]).contiguous()
+            out = torch.empty_like(rows)
+            _core.rms_norm(out, rows, self.weight, self.eps)
+            return out.view(x.shape)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
