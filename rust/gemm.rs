@@ -374,7 +374,14 @@ fn tile_dispatch(
     tile_scalar(x, k, w, p, rows, tile);
 }
 
-fn tile_scalar(x: &[f32], k: usize, w: &PackedWeight, p: usize, rows: usize, tile: &mut [[f32; NR]; 12]) {
+fn tile_scalar(
+    x: &[f32],
+    k: usize,
+    w: &PackedWeight,
+    p: usize,
+    rows: usize,
+    tile: &mut [[f32; NR]; 12],
+) {
     for acc in tile.iter_mut().take(rows) {
         *acc = [0.0; NR];
     }
@@ -445,9 +452,16 @@ mod x86 {
             for u in 0..k - kk {
                 let line = _mm512_load_si512(b.add((kk + u) * 64) as *const _);
                 let a = _mm512_set1_ps(*x.add(kk + u));
-                acc[2 * u] = _mm512_fmadd_ps(a, _mm512_castsi512_ps(_mm512_slli_epi32::<16>(line)), acc[2 * u]);
-                acc[2 * u + 1] =
-                    _mm512_fmadd_ps(a, _mm512_castsi512_ps(_mm512_and_si512(line, mask)), acc[2 * u + 1]);
+                acc[2 * u] = _mm512_fmadd_ps(
+                    a,
+                    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(line)),
+                    acc[2 * u],
+                );
+                acc[2 * u + 1] = _mm512_fmadd_ps(
+                    a,
+                    _mm512_castsi512_ps(_mm512_and_si512(line, mask)),
+                    acc[2 * u + 1],
+                );
             }
             lo[0] = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[4], acc[6]));
             hi[0] = _mm512_add_ps(_mm512_add_ps(acc[1], acc[3]), _mm512_add_ps(acc[5], acc[7]));
@@ -536,11 +550,20 @@ mod tests {
     use crate::linear::available_paths;
 
     fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 
-    fn reference(x: &[f32], w: &[f32], b: Option<&[f32]>, m: usize, n: usize, k: usize) -> Vec<f64> {
+    fn reference(
+        x: &[f32],
+        w: &[f32],
+        b: Option<&[f32]>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Vec<f64> {
         let mut out = vec![0f64; m * n];
         for i in 0..m {
             for j in 0..n {
@@ -557,7 +580,14 @@ mod tests {
     #[test]
     fn matches_reference_on_every_path_and_layout() {
         let mut seed = 7u64;
-        for &(m, n, k) in &[(1, 1, 1), (1, 33, 17), (5, 64, 40), (13, 70, 3), (40, 100, 96), (27, 31, 129)] {
+        for &(m, n, k) in &[
+            (1, 1, 1),
+            (1, 33, 17),
+            (5, 64, 40),
+            (13, 70, 3),
+            (40, 100, 96),
+            (27, 31, 129),
+        ] {
             let x: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
             let w: Vec<f32> = (0..n * k).map(|_| lcg(&mut seed)).collect();
             let b: Vec<f32> = (0..n).map(|_| lcg(&mut seed)).collect();
@@ -588,14 +618,20 @@ mod tests {
     #[test]
     fn bf16_output_is_rounded_sum() {
         let (m, n, k) = (3, 40, 8);
-        let x: Vec<bf16> = (0..m * k).map(|i| bf16::from_f32(i as f32 * 0.25 - 2.0)).collect();
-        let w: Vec<bf16> = (0..n * k).map(|i| bf16::from_f32((i % 7) as f32 - 3.0)).collect();
+        let x: Vec<bf16> = (0..m * k)
+            .map(|i| bf16::from_f32(i as f32 * 0.25 - 2.0))
+            .collect();
+        let w: Vec<bf16> = (0..n * k)
+            .map(|i| bf16::from_f32((i % 7) as f32 - 3.0))
+            .collect();
         let packed = PackedWeight::pack(Src::Bf16(&w), None, n, k).unwrap();
         let mut out = vec![bf16::ZERO; m * n];
         gemm(Dst::Bf16(&mut out), Src::Bf16(&x), &packed, m).unwrap();
         for i in 0..m {
             for j in 0..n {
-                let s: f32 = (0..k).map(|kk| x[i * k + kk].to_f32() * w[j * k + kk].to_f32()).sum();
+                let s: f32 = (0..k)
+                    .map(|kk| x[i * k + kk].to_f32() * w[j * k + kk].to_f32())
+                    .sum();
                 assert_eq!(out[i * n + j], bf16::from_f32(s), "row {i} feature {j}");
             }
         }
@@ -612,7 +648,13 @@ mod tests {
         gemm(Dst::F32(&mut all), Src::F32(&x), &packed, m).unwrap();
         for i in [0, 13, 69] {
             let mut one = vec![0f32; n];
-            gemm(Dst::F32(&mut one), Src::F32(&x[i * k..(i + 1) * k]), &packed, 1).unwrap();
+            gemm(
+                Dst::F32(&mut one),
+                Src::F32(&x[i * k..(i + 1) * k]),
+                &packed,
+                1,
+            )
+            .unwrap();
             assert_eq!(&all[i * n..(i + 1) * n], &one[..], "row {i}");
         }
     }

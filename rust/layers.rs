@@ -96,10 +96,12 @@ pub fn silu_and_mul(out: Dst<'_>, x: Src<'_>, d: usize) -> CoreResult<()> {
 /// An element type the layer kernels read and write.
 pub(crate) trait Elem: OutElem {
     fn to_f32(self) -> f32;
+    /// `v` rounded to nearest even, without branches (so loops vectorise).
+    fn from_f32_rne(v: f32) -> Self;
     /// `v` rounded to this type and back (identity for f32).
     #[inline(always)]
     fn round(v: f32) -> f32 {
-        Self::from_f32(v).to_f32()
+        Self::from_f32_rne(v).to_f32()
     }
 }
 
@@ -108,12 +110,27 @@ impl Elem for f32 {
     fn to_f32(self) -> f32 {
         self
     }
+
+    #[inline(always)]
+    fn from_f32_rne(v: f32) -> Self {
+        v
+    }
 }
 
 impl Elem for half::bf16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
-        half::bf16::to_f32(self)
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+
+    #[inline(always)]
+    fn from_f32_rne(v: f32) -> Self {
+        let bits = v.to_bits();
+        let rounded = (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16;
+        // NaN stays NaN (quiet), as in torch and `half`.
+        let nan = (bits & 0x7fff_ffff) > 0x7f80_0000;
+        let quiet = ((bits >> 16) as u16) | 0x40;
+        half::bf16::from_bits(if nan { quiet } else { rounded })
     }
 }
 
@@ -122,7 +139,8 @@ fn norm_rows<T: Elem>(out: &mut [T], x: &[T], w: &[T], eps: f32, dim: usize, row
     for_row_chunks(rows, dim, |r0, r1| {
         // SAFETY: rows r0..r1 of out belong to this chunk only; out holds
         // rows * dim elements (checked by the caller).
-        let o = unsafe { std::slice::from_raw_parts_mut(shared.ptr().add(r0 * dim), (r1 - r0) * dim) };
+        let o =
+            unsafe { std::slice::from_raw_parts_mut(shared.ptr().add(r0 * dim), (r1 - r0) * dim) };
         simd::dispatch_norm(o, &x[r0 * dim..r1 * dim], w, eps, dim);
     });
 }
@@ -141,7 +159,9 @@ fn act_rows<T: Elem>(out: &mut [T], x: &[T], d: usize, rows: usize) {
 /// -87.3, and written without branches or libm so that it vectorises.
 #[inline(always)]
 pub(crate) fn exp_f32(x: f32) -> f32 {
-    let x = x.clamp(-87.3, 88.3);
+    // max/min, not clamp: they vectorise (a NaN x is lost here, but the
+    // SiLU's numerator keeps it).
+    let x = x.max(-87.3).min(88.3);
     let t = x * std::f32::consts::LOG2_E;
     // Round to nearest by the 1.5 * 2^23 trick (no libm call).
     let n = (t + 12_582_912.0) - 12_582_912.0;
@@ -155,8 +175,11 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
         + y * (1.0
             + y * (0.5
                 + y * (1.0 / 6.0
-                    + y * (1.0 / 24.0 + y * (1.0 / 120.0 + y * (1.0 / 720.0 + y * (1.0 / 5040.0)))))));
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+                    + y * (1.0 / 24.0
+                        + y * (1.0 / 120.0 + y * (1.0 / 720.0 + y * (1.0 / 5040.0)))))));
+    // SAFETY: |n| <= 128 after the clamp, so it fits an i32.
+    let n = unsafe { n.to_int_unchecked::<i32>() };
+    let scale = f32::from_bits(((n + 127) as u32) << 23);
     p * scale
 }
 
@@ -177,11 +200,15 @@ fn norm_body<T: Elem>(out: &mut [T], x: &[T], w: &[T], eps: f32, dim: usize) {
                 *a += v * v;
             }
         }
-        let mut s: f32 = it.remainder().iter().map(|&v| v.to_f32() * v.to_f32()).sum();
+        let mut s: f32 = it
+            .remainder()
+            .iter()
+            .map(|&v| v.to_f32() * v.to_f32())
+            .sum();
         s += acc.iter().sum::<f32>();
         let r = 1.0 / (s / dim as f32 + eps).sqrt();
         for ((d, &v), &wv) in o.iter_mut().zip(xr).zip(w) {
-            *d = T::from_f32(wv.to_f32() * T::round(v.to_f32() * r));
+            *d = T::from_f32_rne(wv.to_f32() * T::round(v.to_f32() * r));
         }
     }
 }
@@ -191,7 +218,7 @@ fn act_body<T: Elem>(out: &mut [T], x: &[T], d: usize) {
     for (o, xr) in out.chunks_exact_mut(d).zip(x.chunks_exact(2 * d)) {
         let (g, u) = xr.split_at(d);
         for ((dst, &gv), &uv) in o.iter_mut().zip(g).zip(u) {
-            *dst = T::from_f32(T::round(silu(gv.to_f32())) * uv.to_f32());
+            *dst = T::from_f32_rne(T::round(silu(gv.to_f32())) * uv.to_f32());
         }
     }
 }
@@ -256,7 +283,10 @@ mod tests {
             let x = i as f32 * 0.01;
             let want = (x as f64).exp();
             let got = exp_f32(x) as f64;
-            assert!(((got - want) / want).abs() < 3e-7, "exp({x}) = {got}, want {want}");
+            assert!(
+                ((got - want) / want).abs() < 3e-7,
+                "exp({x}) = {got}, want {want}"
+            );
         }
         assert!(exp_f32(-1000.0) < 1e-37);
         assert!(exp_f32(f32::NEG_INFINITY) < 1e-37);
@@ -266,7 +296,9 @@ mod tests {
     fn rms_norm_matches_definition() {
         let dim = 37;
         let rows = 5;
-        let x: Vec<f32> = (0..rows * dim).map(|i| ((i * 7919) % 23) as f32 - 11.0).collect();
+        let x: Vec<f32> = (0..rows * dim)
+            .map(|i| ((i * 7919) % 23) as f32 - 11.0)
+            .collect();
         let w: Vec<f32> = (0..dim).map(|i| 0.5 + i as f32 * 0.01).collect();
         let mut out = vec![0f32; rows * dim];
         rms_norm(Dst::F32(&mut out), Src::F32(&x), Src::F32(&w), 1e-6, dim).unwrap();
@@ -276,7 +308,10 @@ mod tests {
             let inv = 1.0 / (ms + 1e-6).sqrt();
             for j in 0..dim {
                 let want = w[j] as f64 * row[j] as f64 * inv;
-                assert!((out[r * dim + j] as f64 - want).abs() < 1e-5, "row {r} col {j}");
+                assert!(
+                    (out[r * dim + j] as f64 - want).abs() < 1e-5,
+                    "row {r} col {j}"
+                );
             }
         }
     }
@@ -285,7 +320,9 @@ mod tests {
     fn silu_and_mul_rounds_like_torch_in_bf16() {
         let d = 70;
         let rows = 3;
-        let x: Vec<bf16> = (0..rows * 2 * d).map(|i| bf16::from_f32((i as f32 - 200.0) * 0.037)).collect();
+        let x: Vec<bf16> = (0..rows * 2 * d)
+            .map(|i| bf16::from_f32((i as f32 - 200.0) * 0.037))
+            .collect();
         let mut out = vec![bf16::ZERO; rows * d];
         silu_and_mul(Dst::Bf16(&mut out), Src::Bf16(&x), d).unwrap();
         for r in 0..rows {
@@ -294,6 +331,33 @@ mod tests {
                 let u = x[r * 2 * d + d + j].to_f32();
                 let s = bf16::from_f32((g / (1.0 + (-g).exp())) as f32).to_f32();
                 assert_eq!(out[r * d + j], bf16::from_f32(s * u), "row {r} col {j}");
+            }
+        }
+    }
+
+    #[test]
+    fn branch_free_bf16_rounding_matches_half() {
+        let specials = [
+            0.0f32,
+            -0.0,
+            1.0,
+            f32::MAX,
+            f32::MIN_POSITIVE,
+            1e-40,
+            f32::INFINITY,
+            -f32::INFINITY,
+        ];
+        let mut seed = 1u32;
+        let randoms = (0..100_000).map(|_| {
+            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            f32::from_bits(seed)
+        });
+        for v in specials.into_iter().chain(randoms) {
+            let ours = <bf16 as Elem>::from_f32_rne(v);
+            if v.is_nan() {
+                assert!(ours.is_nan());
+            } else {
+                assert_eq!(ours.to_bits(), bf16::from_f32(v).to_bits(), "{v:e}");
             }
         }
     }

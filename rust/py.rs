@@ -1553,7 +1553,12 @@ impl PyPackedLinear {
     }
 
     /// out [M, out_features] = x [M, in_features] @ weight^T + bias.
-    fn forward(&self, py: Python<'_>, out: &Bound<'_, PyAny>, x: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn forward(
+        &self,
+        py: Python<'_>,
+        out: &Bound<'_, PyAny>,
+        x: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let floats = [DType::BF16, DType::F32];
         let (n, k) = (self.inner.out_features(), self.inner.in_features());
         let x = TensorArg::extract("x", x)?;

@@ -1,0 +1,153 @@
+"""The packed-weight CPU GEMM (``_core.PackedLinear``) and the CPU layer
+kernels (``_core.rms_norm``, ``_core.silu_and_mul``) against torch.
+
+GEMM reference: float32 torch on the very same (bf16-rounded) inputs. A bf16
+result is rounded once at the end (2^-8 of its magnitude); the f32 sums run in
+the kernel's own order, bounded by ``3e-5 * (|x| @ |w|^T)``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from fastllm import _core  # noqa: E402
+
+# avx512bf16 runs the AVX-512F kernel for the GEMM; listing it too is harmless.
+PATHS = _core.linear_paths()
+DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
+
+
+def gemm_reference(x, w, b):
+    xf, wf = x.float(), w.float()
+    bf = None if b is None else b.float()
+    ref = torch.nn.functional.linear(xf, wf, bf)
+    mag = torch.nn.functional.linear(xf.abs(), wf.abs(), None if bf is None else bf.abs())
+    return ref, mag
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    m=st.integers(1, 80),
+    n=st.integers(1, 100),
+    k=st.integers(1, 300),
+    x_dtype=st.sampled_from(["bf16", "f32"]),
+    w_dtype=st.sampled_from(["bf16", "bf16", "f32"]),
+    out_dtype=st.sampled_from(["bf16", "f32"]),
+    bias=st.booleans(),
+    path=st.sampled_from([None, *PATHS]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_packed_linear_matches_torch(m, n, k, x_dtype, w_dtype, out_dtype, bias, path, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(DTYPES[x_dtype])
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(DTYPES[w_dtype])
+    b = torch.randn(n, generator=g).to(DTYPES[w_dtype]) if bias else None
+    layer = _core.PackedLinear(w, b, path=path)
+    assert (layer.in_features, layer.out_features) == (k, n)
+    assert layer.weight_dtype == ("bfloat16" if w_dtype == "bf16" else "float32")
+    out = torch.full((m, n), float("nan"), dtype=DTYPES[out_dtype])
+    layer.forward(out, x)
+    ref, mag = gemm_reference(x, w, b)
+    rtol = 2.0**-8 if out.dtype == torch.bfloat16 else 0.0
+    tol = rtol * ref.abs() + 3e-5 * mag + 1e-30
+    err = (out.float() - ref).abs()
+    assert not (err > tol).any(), f"worst err {err.max().item()} ({layer!r}, m={m})"
+
+
+def test_packed_linear_is_batch_invariant_beyond_one_row():
+    """Rows of a batch get the same bits as the same rows in another batch
+    (the register tiles sum each row in the same order)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 257, generator=g).to(torch.bfloat16)
+    x = torch.randn(70, 257, generator=g).to(torch.bfloat16)
+    layer = _core.PackedLinear(w)
+    full = torch.empty(70, 300, dtype=torch.bfloat16)
+    layer.forward(full, x)
+    part = torch.empty(9, 300, dtype=torch.bfloat16)
+    layer.forward(part, x[30:39].contiguous())
+    assert torch.equal(full[30:39], part)
+
+
+def test_packed_linear_errors_name_the_argument():
+    w = torch.zeros(4, 8)
+    layer = _core.PackedLinear(w)
+    assert layer.nbytes == 8 * 128
+    with pytest.raises(ValueError, match="x"):
+        layer.forward(torch.empty(2, 4), torch.zeros(2, 7))
+    with pytest.raises(ValueError, match="out"):
+        layer.forward(torch.empty(3, 4), torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="bias"):
+        _core.PackedLinear(w, torch.zeros(5))
+    with pytest.raises(ValueError, match="weight"):
+        _core.PackedLinear(torch.zeros(4, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="unknown linear kernel path 'sse9'"):
+        _core.PackedLinear(w, path="sse9")
+    with pytest.raises(ValueError, match="must not share memory"):
+        buf = torch.zeros(16)
+        layer.forward(buf[:8].view(2, 4), buf[:16].view(2, 8))
+
+
+def torch_rms_norm(x, w, eps):
+    """The model's torch RMSNorm (layers/norm.py), written out."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 300),
+    dim=st.integers(1, 700),
+    dtype=st.sampled_from(["bf16", "f32"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_rms_norm_matches_torch(rows, dim, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    dt = DTYPES[dtype]
+    x = (3 * torch.randn(rows, dim, generator=g)).to(dt)
+    w = (1 + 0.1 * torch.randn(dim, generator=g)).to(dt)
+    out = torch.empty_like(x)
+    _core.rms_norm(out, x, w, 1e-6)
+    ref = torch_rms_norm(x, w, 1e-6)
+    if dt == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    else:
+        # Two bf16 roundings each side; a sum-order difference can move the
+        # first rounding by one step: at most two bf16 ulps apart.
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2 * 2.0**-8, atol=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 300),
+    d=st.integers(1, 700),
+    dtype=st.sampled_from(["bf16", "f32"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_silu_and_mul_matches_torch(rows, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    dt = DTYPES[dtype]
+    x = (4 * torch.randn(rows, 2 * d, generator=g)).to(dt)
+    out = torch.empty(rows, d, dtype=dt)
+    _core.silu_and_mul(out, x)
+    ref = torch.nn.functional.silu(x[:, :d]) * x[:, d:]
+    if dt == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-7)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2 * 2.0**-8, atol=1e-6)
+
+
+def test_layer_kernels_reject_bad_arguments():
+    x = torch.zeros(3, 8)
+    with pytest.raises(ValueError, match="weight"):
+        _core.rms_norm(torch.empty(3, 8), x, torch.ones(7), 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        _core.rms_norm(torch.empty(3, 8), x, torch.ones(8, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(ValueError, match="out"):
+        _core.silu_and_mul(torch.empty(3, 8), x)
+    with pytest.raises(ValueError, match="even"):
+        _core.silu_and_mul(torch.empty(3, 3), torch.zeros(3, 7))
