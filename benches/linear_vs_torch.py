@@ -1,4 +1,5 @@
-"""The Rust linear kernels against torch's bf16 ``F.linear``, side by side.
+"""The Rust linear kernels (``_core.linear`` per path, and the packed-weight
+GEMM ``_core.PackedLinear`` the model runs) against torch's bf16 ``F.linear``, side by side.
 
 Prints, for the benchmark model's matrix products (Qwen2.5-0.5B shapes) and
 several M (rows of x: sequences in a decode step), the time per call and the
@@ -84,7 +85,19 @@ def main() -> None:
     def torch_linear(x, w, b):
         return torch.nn.functional.linear(x, w, b)
 
+    # The packed-weight GEMM the model runs (rust/gemm.rs), one PackedLinear
+    # per copy of the weights, built per shape below.
+    packed: dict[int, object] = {}
+
+    def packed_linear(x, w, b):
+        layer = packed[id(w)]
+        out = torch.empty(x.shape[0], layer.out_features, dtype=x.dtype)
+        layer.forward(out, x)
+        return out
+
     fns = {p: rust(p) for p in paths}
+    fns["packed"] = packed_linear
+    paths = [*paths, "packed"]
     fns["torch"] = torch_linear
     cols = "".join(f" | {p[:10]:>10} ms  GB/s %triad" for p in fns)
     header = f"{'shape':8} {'N':>6} {'K':>5} {'M':>3}{cols} | torch/rust | spread"
@@ -105,6 +118,8 @@ def main() -> None:
             torch.randn(n, generator=g).to(torch.bfloat16) if has_bias else None
             for _ in range(copies)
         ]
+        packed.clear()
+        packed.update({id(w): _core.PackedLinear(w, b) for w, b in zip(weights, biases)})
         crossover[name] = None
         for m in ms:
             x = torch.randn(m, k, generator=g).to(torch.bfloat16)
@@ -132,6 +147,7 @@ def main() -> None:
             )
             if med["torch"] < best_rust and crossover[name] is None:
                 crossover[name] = m
+        packed.clear()
         del weights, biases
     print()
     print("crossover (smallest M at which torch is faster; None: Rust faster at every M tried):")

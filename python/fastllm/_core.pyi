@@ -270,3 +270,40 @@ def linear_default_path(m: int = 1, x_bf16: bool = True) -> str:
 
 def stream_triad_gbs(bytes: int = 200_000_000, repeats: int = 5) -> float:
     """STREAM-triad bandwidth in GB/s (best pass) over f32 arrays of ``bytes`` each, on the Rust pool."""
+
+# ---- packed linear (GEMM) ----
+
+class PackedLinear:
+    """A linear layer's weight (and bias) packed once for the CPU GEMM kernel.
+
+    ``weight`` [out_features, in_features] and ``bias`` [out_features]: bf16 or
+    f32, contiguous, on the CPU; bf16 weights stay bf16. ``path`` names a
+    kernel (one of ``linear_paths()``; avx512bf16 runs the avx512 kernel);
+    default: ``gemm_default_path()``. Packing releases the GIL.
+    """
+
+    in_features: int
+    out_features: int
+    nbytes: int
+    weight_dtype: str
+    path: str
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, path: str | None = None
+    ) -> None: ...
+    def forward(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """Writes ``x @ weight.T + bias`` into ``out`` [M, out_features] (bf16 or
+        f32, any mix with x's dtype); x [M, in_features]. Releases the GIL."""
+
+def gemm_default_path() -> str:
+    """The kernel ``PackedLinear`` runs when none is named: the fastest this CPU has."""
+
+# ---- layers ----
+
+def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """``out = weight * round(x / rms(x))`` over rows: x, out [rows, dim], weight [dim], one dtype
+    (bf16 or f32), rounding as the model's torch code. Releases the GIL."""
+
+def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
+    """``out = round(silu(x[:, :d])) * x[:, d:]``: x [rows, 2d], out [rows, d], one dtype
+    (bf16 or f32). Releases the GIL."""

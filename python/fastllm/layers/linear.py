@@ -53,7 +53,7 @@ class Linear(nn.Module):
         if packed is None:
             from fastllm import _core
 
-            packed = _core.PackedLinear(self.weight.detach(), _detached(self.bias))
+            packed = _core.PackedLinear(self.weight.detach().contiguous(), _detached(self.bias))
         self.packed = packed
         self.weight = None
 
@@ -81,7 +81,7 @@ class Embedding(nn.Module):
 
 
 def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach()
+    return None if t is None else t.detach().contiguous()
 
 
 def head_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -123,7 +123,7 @@ def pack_linears(model: nn.Module) -> int:
     from fastllm import _core
 
     head_weight, head_bias = model.head_weights()
-    head = _core.PackedLinear(head_weight.detach(), _detached(head_bias))
+    head = _core.PackedLinear(head_weight.detach().contiguous(), _detached(head_bias))
     total = head.nbytes
     for module in model.modules():
         if isinstance(module, Linear) and module.weight is not None:

@@ -1,0 +1,112 @@
+"""Decode cost per step when the KV cache holds long contexts.
+
+Times whole decode steps of the model runner (every layer, paged attention
+included, and the LM head) for a batch of sequences whose contexts are already
+in the KV cache, at each context length, and prints the cost relative to the
+shortest. The cache contents are zeros rather than a real prefill (attention
+costs the same whatever the values), so a context of 4096 for 16 sequences is
+measured in seconds instead of the minutes its prefill would take.
+
+    PYTHONPATH=python python benches/long_context.py MODEL --batch 16 \\
+        --contexts 128 4096 [--steps 5] [--dtype bfloat16] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from fastllm import LLM
+from fastllm.engine.model_runner import ModelRunner
+from fastllm.engine.scheduler import SchedulerOutput
+
+
+class _Seq:
+    """What the model runner reads of a sequence."""
+
+    def __init__(self, token_ids: list[int], computed: int, block_table: list[int]) -> None:
+        self.token_ids = token_ids
+        self.num_computed_tokens = computed
+        self.block_table = block_table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 4096])
+    ap.add_argument("--steps", type=int, default=5, help="timed decode steps per context")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--json", default=None, metavar="FILE")
+    args = ap.parse_args()
+
+    longest = max(args.contexts) + args.steps + 2
+    # The engine's own cache only needs one sequence: the runner below has its own.
+    llm = LLM(args.model, dtype=args.dtype, device="cpu", max_model_len=longest, max_num_seqs=1)
+    engine = llm.llm_engine
+    mc, bs = engine.model_config, engine.config.block_size
+    blocks_per_seq = -(-longest // bs)
+    per_block = ModelRunner.block_bytes(
+        mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, bs, engine.dtype
+    )
+    # A runner whose cache holds every sequence of the batch at the longest context.
+    runner = ModelRunner(
+        engine.runner.model,
+        num_layers=mc.num_hidden_layers,
+        num_kv_heads=mc.num_key_value_heads,
+        head_size=mc.head_dim,
+        num_blocks=args.batch * blocks_per_seq,
+        block_size=bs,
+        dtype=engine.dtype,
+        device=torch.device("cpu"),
+    )
+    print(
+        f"batch {args.batch}, KV cache {args.batch * blocks_per_seq * per_block / 1e9:.2f} GB, "
+        f"dtype {engine.dtype}"
+    )
+    vocab = mc.vocab_size
+    results = []
+    for ctx in args.contexts:
+        seqs = [
+            _Seq(
+                [(7 * i + j) % vocab for j in range(ctx + args.steps + 1)],
+                ctx - 1,
+                list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
+            )
+            for i in range(args.batch)
+        ]
+        rows = list(range(args.batch))
+        times = []
+        for step in range(args.steps + 1):  # the first step warms up
+            sched = SchedulerOutput(scheduled=[(s, 1) for s in seqs])
+            t0 = time.perf_counter()
+            runner.execute(sched, rows, [])
+            if step:
+                times.append(time.perf_counter() - t0)
+            for s in seqs:
+                s.num_computed_tokens += 1
+        med = statistics.median(times)
+        results.append({"context": ctx, "step_s": med, "tokens_per_s": args.batch / med})
+        print(f"context {ctx:>6}: {med * 1e3:8.1f} ms per step, {args.batch / med:7.1f} tokens/s")
+    base = results[0]["step_s"]
+    for r in results:
+        r["relative_to_shortest"] = r["step_s"] / base
+    print(
+        "cost relative to context",
+        results[0]["context"],
+        ":",
+        ", ".join(f"{r['context']}: {r['relative_to_shortest']:.2f}x" for r in results),
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"batch": args.batch, "dtype": str(engine.dtype), "results": results}, f, indent=2
+            )
+
+
+if __name__ == "__main__":
+    main()
