@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

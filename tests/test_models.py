@@ -28,8 +28,8 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from fastllm.config import ModelConfig  # noqa: E402
+from fastllm.layers.linear import pack_linears, should_pack  # noqa: E402
 from fastllm.models import ARCHITECTURES, get_model_class  # noqa: E402
-from fastllm.layers.linear import pack_linears, should_pack
 from fastllm.models.loader import load_model  # noqa: E402
 from paged_helpers import PagedRunner  # noqa: E402
 

@@ -61,8 +61,8 @@ class LLMEngine:
         from fastllm.engine.kv_cache_manager import KVCacheManager
         from fastllm.engine.model_runner import ModelRunner
         from fastllm.engine.scheduler import Scheduler
-        from fastllm.models.loader import load_model
         from fastllm.layers.linear import pack_linears, should_pack
+        from fastllm.models.loader import load_model
         from fastllm.tokenizer import Tokenizer
 
         self.config = config

@@ -57,8 +57,8 @@ class ActAndMul(torch.nn.Module):
         if self.fused_silu and x.device.type == "cpu" and x.dtype in _RUST_DTYPES:
             from fastllm import _core
 
-            rows = x.reshape(-1, 2 * d).contiguous()
+            rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, 2 * d).contiguous()
             out = torch.empty(rows.shape[0], d, dtype=x.dtype)
             _core.silu_and_mul(out, rows)
-            return out.view(*x.shape[:-1], d)
+            return out if rows is x else out.view(*x.shape[:-1], d)
         return self.act(x[..., :d]) * x[..., d:]

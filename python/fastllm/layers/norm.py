@@ -30,10 +30,12 @@ class RMSNorm(nn.Module):
         if x.device.type == "cpu" and x.dtype in _RUST_DTYPES and self.weight.dtype == x.dtype:
             from fastllm import _core
 
-            rows = x.reshape(-1, x.shape[-1]).contiguous()
+            rows = (
+                x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+            )
             out = torch.empty_like(rows)
             _core.rms_norm(out, rows, self.weight, self.eps)
-            return out.view(x.shape)
+            return out if rows is x else out.view(x.shape)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
