@@ -35,6 +35,9 @@ pub const NR: usize = 32;
 /// Multiply-adds below which a call runs on the calling thread.
 const SERIAL_FLOPS: usize = 1 << 18;
 
+/// Up to this many rows a call is memory-bound: one task per thread.
+const STREAM_ROWS: usize = 4;
+
 /// Bytes of `x` (as f32) a block of rows may take, so that it stays in L2
 /// while every panel of a task passes over it.
 const ROW_BLOCK_BYTES: usize = 512 * 1024;
@@ -271,9 +274,11 @@ fn run<T: OutElem>(path: Path, out: &mut [T], x: &[f32], w: &PackedWeight, m: us
     let row_blocks = m.div_ceil(by_cache);
     let rows_per_block = m.div_ceil(row_blocks).div_ceil(mr) * mr;
     let row_blocks = m.div_ceil(rows_per_block);
-    // Panel groups: enough tasks to balance the threads (4 per thread), their
-    // sizes within one panel of each other.
-    let groups = (4 * threads).div_ceil(row_blocks).clamp(1, panels);
+    // Panel groups, their sizes within one panel of each other: one per
+    // thread for a few rows (memory-bound, equal work per panel, so fewer and
+    // longer streams), else enough to balance the threads (4 per thread).
+    let per_thread = if m <= STREAM_ROWS { 1 } else { 4 };
+    let groups = (per_thread * threads).div_ceil(row_blocks).clamp(1, panels);
     let tasks = row_blocks * groups;
     let shared = SharedOut(out.as_mut_ptr());
     let task = |t: usize| {
@@ -404,8 +409,9 @@ mod x86 {
     use super::NR;
     use std::arch::x86_64::*;
 
-    /// How far ahead (in lines) the one-row kernel prefetches its panel.
-    const PREFETCH_LINES: usize = 32;
+    /// How far ahead (in lines) the one-row kernel prefetches each of the
+    /// four segments of its panel.
+    const PREFETCH_LINES: usize = 16;
 
     /// AVX-512F tile of `R` rows × 32 features.
     ///
@@ -424,18 +430,24 @@ mod x86 {
         let mut hi = [_mm512_setzero_ps(); R];
         let mask = _mm512_set1_epi32(0xffff_0000u32 as i32);
         if bf16 && R == 1 {
-            // One row is memory-bound: four independent pairs of chains keep
-            // enough loads in flight to stream the panel at full bandwidth.
+            // One row is memory-bound. The panel is read as four segments at
+            // once: four streams keep more lines in flight than one (the
+            // hardware prefetchers stop at every 4 KB page of a stream), each
+            // prefetched ahead, and give four independent pairs of chains.
+            let seg = k / 4;
             let mut acc = [_mm512_setzero_ps(); 8];
-            let mut kk = 0;
-            while kk + 4 <= k {
-                // Every other line: the adjacent-line prefetcher brings the
-                // rest.
-                _mm_prefetch::<_MM_HINT_T0>(b.add((kk + PREFETCH_LINES) * 64) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(b.add((kk + PREFETCH_LINES + 2) * 64) as *const i8);
+            for i in 0..seg {
+                if i % 2 == 0 {
+                    // Every other line: the adjacent-line prefetcher brings the rest.
+                    for u in 0..4 {
+                        let ahead = b.wrapping_add((u * seg + i + PREFETCH_LINES) * 64);
+                        _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+                    }
+                }
                 for u in 0..4 {
-                    let line = _mm512_load_si512(b.add((kk + u) * 64) as *const _);
-                    let a = _mm512_set1_ps(*x.add(kk + u));
+                    let kk = u * seg + i;
+                    let line = _mm512_load_si512(b.add(kk * 64) as *const _);
+                    let a = _mm512_set1_ps(*x.add(kk));
                     acc[2 * u] = _mm512_fmadd_ps(
                         a,
                         _mm512_castsi512_ps(_mm512_slli_epi32::<16>(line)),
@@ -447,21 +459,12 @@ mod x86 {
                         acc[2 * u + 1],
                     );
                 }
-                kk += 4;
             }
-            for u in 0..k - kk {
-                let line = _mm512_load_si512(b.add((kk + u) * 64) as *const _);
-                let a = _mm512_set1_ps(*x.add(kk + u));
-                acc[2 * u] = _mm512_fmadd_ps(
-                    a,
-                    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(line)),
-                    acc[2 * u],
-                );
-                acc[2 * u + 1] = _mm512_fmadd_ps(
-                    a,
-                    _mm512_castsi512_ps(_mm512_and_si512(line, mask)),
-                    acc[2 * u + 1],
-                );
+            for kk in 4 * seg..k {
+                let line = _mm512_load_si512(b.add(kk * 64) as *const _);
+                let a = _mm512_set1_ps(*x.add(kk));
+                acc[0] = _mm512_fmadd_ps(a, _mm512_castsi512_ps(_mm512_slli_epi32::<16>(line)), acc[0]);
+                acc[1] = _mm512_fmadd_ps(a, _mm512_castsi512_ps(_mm512_and_si512(line, mask)), acc[1]);
             }
             lo[0] = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[4], acc[6]));
             hi[0] = _mm512_add_ps(_mm512_add_ps(acc[1], acc[3]), _mm512_add_ps(acc[5], acc[7]));
