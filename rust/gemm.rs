@@ -463,8 +463,13 @@ mod x86 {
             for kk in 4 * seg..k {
                 let line = _mm512_load_si512(b.add(kk * 64) as *const _);
                 let a = _mm512_set1_ps(*x.add(kk));
-                acc[0] = _mm512_fmadd_ps(a, _mm512_castsi512_ps(_mm512_slli_epi32::<16>(line)), acc[0]);
-                acc[1] = _mm512_fmadd_ps(a, _mm512_castsi512_ps(_mm512_and_si512(line, mask)), acc[1]);
+                acc[0] = _mm512_fmadd_ps(
+                    a,
+                    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(line)),
+                    acc[0],
+                );
+                acc[1] =
+                    _mm512_fmadd_ps(a, _mm512_castsi512_ps(_mm512_and_si512(line, mask)), acc[1]);
             }
             lo[0] = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[4], acc[6]));
             hi[0] = _mm512_add_ps(_mm512_add_ps(acc[1], acc[3]), _mm512_add_ps(acc[5], acc[7]));

@@ -1,5 +1,6 @@
-//! CPU kernels for the model's elementwise layers: RMSNorm and the gated
-//! SiLU activation (`silu(gate) * up`), on the private rayon pool.
+//! CPU kernels for the model's elementwise layers: RMSNorm, the gated SiLU
+//! activation (`silu(gate) * up`) and the QKV split with rotary embeddings,
+//! on the private rayon pool.
 //!
 //! They round where the model's torch code rounds, so that a bf16 model gives
 //! the same values through either: RMSNorm normalises in f32, rounds to the
@@ -91,6 +92,145 @@ pub fn silu_and_mul(out: Dst<'_>, x: Src<'_>, d: usize) -> CoreResult<()> {
         _ => return Err(CoreError::invalid("x and out must share one dtype")),
     }
     Ok(())
+}
+
+/// Shapes of a fused QKV projection for [`qkv_rotary`].
+#[derive(Clone, Copy, Debug)]
+pub struct QkvShape {
+    pub tokens: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    /// Features per head.
+    pub head_dim: usize,
+    /// Rotated pairs per head: the first `2 * half` features rotate.
+    pub half: usize,
+}
+
+/// Splits a fused QKV projection and applies rotary embeddings (NeoX style:
+/// the first `2 * half` features of each head as two halves) to its query
+/// and key heads: `qkv` `[tokens, (heads + 2 kv_heads) * head_dim]`, `cos` and
+/// `sin` `[tokens, half]`; `q` `[tokens, heads * head_dim]`, `k` and `v`
+/// `[tokens, kv_heads * head_dim]`. Each product and each sum is rounded to
+/// the element type, as the model's torch code does (`x1 * cos - x2 * sin`).
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_rotary(
+    q: Dst<'_>,
+    k: Dst<'_>,
+    v: Dst<'_>,
+    qkv: Src<'_>,
+    cos: Src<'_>,
+    sin: Src<'_>,
+    shape: QkvShape,
+) -> CoreResult<()> {
+    let QkvShape {
+        tokens,
+        heads,
+        kv_heads,
+        head_dim: d,
+        half,
+    } = shape;
+    if 2 * half > d {
+        return Err(CoreError::invalid(format!(
+            "cos: {half} rotated pairs exceed the head size {d}"
+        )));
+    }
+    let expect = |what: &str, got: usize, want: usize| {
+        if got == want {
+            Ok(())
+        } else {
+            Err(CoreError::invalid(format!(
+                "{what}: expected {want} elements, got {got}"
+            )))
+        }
+    };
+    expect("qkv", qkv.len(), tokens * (heads + 2 * kv_heads) * d)?;
+    expect("cos", cos.len(), tokens * half)?;
+    expect("sin", sin.len(), tokens * half)?;
+    expect("q", dst_len(&q), tokens * heads * d)?;
+    expect("k", dst_len(&k), tokens * kv_heads * d)?;
+    expect("v", dst_len(&v), tokens * kv_heads * d)?;
+    match (q, k, v, qkv, cos, sin) {
+        (Dst::F32(q), Dst::F32(k), Dst::F32(v), Src::F32(x), Src::F32(c), Src::F32(s)) => {
+            rotary_rows(q, k, v, x, c, s, shape)
+        }
+        (Dst::Bf16(q), Dst::Bf16(k), Dst::Bf16(v), Src::Bf16(x), Src::Bf16(c), Src::Bf16(s)) => {
+            rotary_rows(q, k, v, x, c, s, shape)
+        }
+        _ => {
+            return Err(CoreError::invalid(
+                "q, k, v, qkv, cos and sin must share one dtype",
+            ))
+        }
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rotary_rows<T: Elem>(
+    q: &mut [T],
+    k: &mut [T],
+    v: &mut [T],
+    x: &[T],
+    cos: &[T],
+    sin: &[T],
+    shape: QkvShape,
+) {
+    let QkvShape {
+        tokens,
+        heads,
+        kv_heads,
+        head_dim: d,
+        half,
+    } = shape;
+    let width = (heads + 2 * kv_heads) * d;
+    let (qp, kp, vp) = (
+        SharedOut(q.as_mut_ptr()),
+        SharedOut(k.as_mut_ptr()),
+        SharedOut(v.as_mut_ptr()),
+    );
+    for_row_chunks(tokens, width, |t0, t1| {
+        for t in t0..t1 {
+            // SAFETY: token t's rows of q, k and v belong to this chunk only;
+            // their lengths were checked by the caller.
+            let (qr, kr, vr) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(qp.ptr().add(t * heads * d), heads * d),
+                    std::slice::from_raw_parts_mut(kp.ptr().add(t * kv_heads * d), kv_heads * d),
+                    std::slice::from_raw_parts_mut(vp.ptr().add(t * kv_heads * d), kv_heads * d),
+                )
+            };
+            let row = &x[t * width..(t + 1) * width];
+            let (c, s) = (
+                &cos[t * half..(t + 1) * half],
+                &sin[t * half..(t + 1) * half],
+            );
+            let (xq, rest) = row.split_at(heads * d);
+            let (xk, xv) = rest.split_at(kv_heads * d);
+            simd::dispatch_rotate(qr, xq, c, s, d);
+            simd::dispatch_rotate(kr, xk, c, s, d);
+            vr.copy_from_slice(xv);
+        }
+    });
+}
+
+/// Rotates every head (`d` features) of `x` into `out` with one token's
+/// `cos` / `sin`.
+#[inline(always)]
+fn rotate_body<T: Elem>(out: &mut [T], x: &[T], cos: &[T], sin: &[T], d: usize) {
+    let half = cos.len();
+    for (o, xh) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+        let (o1, o_rest) = o.split_at_mut(half);
+        let (o2, o3) = o_rest.split_at_mut(half);
+        let (x1, x_rest) = xh.split_at(half);
+        let (x2, x3) = x_rest.split_at(half);
+        for i in 0..half {
+            let (a, b) = (x1[i].to_f32(), x2[i].to_f32());
+            let (c, s) = (cos[i].to_f32(), sin[i].to_f32());
+            o1[i] = T::from_f32_rne(T::round(a * c) - T::round(b * s));
+            o2[i] = T::from_f32_rne(T::round(b * c) + T::round(a * s));
+        }
+        o3.copy_from_slice(x3);
+    }
 }
 
 /// An element type the layer kernels read and write.
@@ -224,7 +364,7 @@ fn act_body<T: Elem>(out: &mut [T], x: &[T], d: usize) {
 }
 
 mod simd {
-    use super::{act_body, norm_body, Elem};
+    use super::{act_body, norm_body, rotate_body, Elem};
 
     macro_rules! variants {
         ($name:ident, $body:ident, ($($arg:ident: $ty:ty),*)) => {
@@ -266,6 +406,13 @@ mod simd {
         use super::*;
         variants!(run, act_body, (out: &mut [T], x: &[T], d: usize));
     }
+
+    pub(super) mod rotate {
+        use super::*;
+        variants!(run, rotate_body, (out: &mut [T], x: &[T], cos: &[T], sin: &[T], d: usize));
+    }
+
+    pub(super) use rotate::run as dispatch_rotate;
 
     pub(super) use act::run as dispatch_act;
     pub(super) use norm::run as dispatch_norm;
@@ -360,6 +507,77 @@ mod tests {
                 assert_eq!(ours.to_bits(), bf16::from_f32(v).to_bits(), "{v:e}");
             }
         }
+    }
+
+    #[test]
+    fn qkv_rotary_splits_and_rotates() {
+        let (tokens, heads, kv_heads, d, half) = (3, 4, 2, 10, 4);
+        let width = (heads + 2 * kv_heads) * d;
+        let x: Vec<f32> = (0..tokens * width)
+            .map(|i| (i as f32 * 0.37).sin())
+            .collect();
+        let cos: Vec<f32> = (0..tokens * half).map(|i| (i as f32 * 0.2).cos()).collect();
+        let sin: Vec<f32> = (0..tokens * half).map(|i| (i as f32 * 0.2).sin()).collect();
+        let (mut q, mut k, mut v) = (
+            vec![0f32; tokens * heads * d],
+            vec![0f32; tokens * kv_heads * d],
+            vec![0f32; tokens * kv_heads * d],
+        );
+        let shape = QkvShape {
+            tokens,
+            heads,
+            kv_heads,
+            head_dim: d,
+            half,
+        };
+        qkv_rotary(
+            Dst::F32(&mut q),
+            Dst::F32(&mut k),
+            Dst::F32(&mut v),
+            Src::F32(&x),
+            Src::F32(&cos),
+            Src::F32(&sin),
+            shape,
+        )
+        .unwrap();
+        for t in 0..tokens {
+            for h in 0..heads + 2 * kv_heads {
+                let src = &x[t * width + h * d..][..d];
+                let got = match h {
+                    h if h < heads => &q[(t * heads + h) * d..][..d],
+                    h if h < heads + kv_heads => &k[(t * kv_heads + h - heads) * d..][..d],
+                    h => &v[(t * kv_heads + h - heads - kv_heads) * d..][..d],
+                };
+                for i in 0..d {
+                    let want = if h >= heads + kv_heads || i >= 2 * half {
+                        src[i]
+                    } else {
+                        let (c, s) = (cos[t * half + i % half], sin[t * half + i % half]);
+                        let (a, b) = (src[i % half], src[half + i % half]);
+                        if i < half {
+                            a * c - b * s
+                        } else {
+                            b * c + a * s
+                        }
+                    };
+                    assert!(
+                        (got[i] - want).abs() < 1e-6,
+                        "token {t} head {h} feature {i}"
+                    );
+                }
+            }
+        }
+        let bad = QkvShape { half: 6, ..shape };
+        let err = qkv_rotary(
+            Dst::F32(&mut q),
+            Dst::F32(&mut k),
+            Dst::F32(&mut v),
+            Src::F32(&x),
+            Src::F32(&cos),
+            Src::F32(&sin),
+            bad,
+        );
+        assert!(err.is_err());
     }
 
     #[test]

@@ -1403,6 +1403,18 @@ unsafe fn linear_src(t: &TensorArg) -> crate::linear::Src<'_> {
     }
 }
 
+/// Borrows a checked bf16 / f32 tensor as a kernel destination.
+///
+/// # Safety
+/// As `TensorArg::slice_mut`: `expect` has checked the dtype and contiguity,
+/// and nothing else reads or writes the tensor during the call.
+unsafe fn linear_dst(t: &TensorArg) -> crate::linear::Dst<'_> {
+    match t.dtype {
+        DType::BF16 => crate::linear::Dst::Bf16(t.slice_mut::<half::bf16>()),
+        _ => crate::linear::Dst::F32(t.slice_mut::<f32>()),
+    }
+}
+
 /// Byte range of a tensor's elements.
 fn byte_range(t: &TensorArg) -> (usize, usize) {
     (t.ptr, t.ptr + t.numel() * t.dtype.size())
@@ -1464,10 +1476,7 @@ fn linear(
     // SAFETY: every tensor was checked (dtype, CPU, contiguity, shape); out
     // shares no memory with the inputs; the caller keeps them alive.
     let (dst, xs, ws, bs) = unsafe {
-        let dst = match out.dtype {
-            DType::BF16 => crate::linear::Dst::Bf16(out.slice_mut::<half::bf16>()),
-            _ => crate::linear::Dst::F32(out.slice_mut::<f32>()),
-        };
+        let dst = linear_dst(&out);
         (
             dst,
             linear_src(&x),
@@ -1661,10 +1670,7 @@ fn rms_norm(
     // SAFETY: all three were checked (dtype, CPU, contiguity, shape) and out
     // shares no memory with the inputs; the caller keeps them alive.
     let (dst, xs, ws) = unsafe {
-        let dst = match out.dtype {
-            DType::BF16 => crate::linear::Dst::Bf16(out.slice_mut::<half::bf16>()),
-            _ => crate::linear::Dst::F32(out.slice_mut::<f32>()),
-        };
+        let dst = linear_dst(&out);
         (dst, linear_src(&x), linear_src(&weight))
     };
     py.detach(move || crate::layers::rms_norm(dst, xs, ws, eps, dim))?;
@@ -1691,13 +1697,83 @@ fn silu_and_mul(py: Python<'_>, out: &Bound<'_, PyAny>, x: &Bound<'_, PyAny>) ->
     // SAFETY: both were checked (dtype, CPU, contiguity, shape) and share no
     // memory; the caller keeps them alive.
     let (dst, xs) = unsafe {
-        let dst = match out.dtype {
-            DType::BF16 => crate::linear::Dst::Bf16(out.slice_mut::<half::bf16>()),
-            _ => crate::linear::Dst::F32(out.slice_mut::<f32>()),
-        };
+        let dst = linear_dst(&out);
         (dst, linear_src(&x))
     };
     py.detach(move || crate::layers::silu_and_mul(dst, xs, d))?;
+    Ok(())
+}
+
+/// Splits qkv [T, (h + 2 kv) * d] into q [T, h, d], k [T, kv, d] and
+/// v [T, kv * d], rotating q and k with cos / sin [T, half]; one dtype.
+#[pyfunction]
+fn qkv_rotary(
+    py: Python<'_>,
+    q: &Bound<'_, PyAny>,
+    k: &Bound<'_, PyAny>,
+    v: &Bound<'_, PyAny>,
+    qkv: &Bound<'_, PyAny>,
+    cos: &Bound<'_, PyAny>,
+    sin: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let qkv = TensorArg::extract("qkv", qkv)?;
+    qkv.check(&[DType::BF16, DType::F32], 2)?;
+    let dt = [qkv.dtype];
+    let q = TensorArg::extract("q", q)?;
+    q.check(&dt, 3)?;
+    let (tokens, heads, head_dim) = (q.shape[0], q.shape[1], q.shape[2]);
+    let k = TensorArg::extract("k", k)?;
+    k.check(&dt, 3)?;
+    k.expect_dim(0, tokens, "tokens of q")?;
+    k.expect_dim(2, head_dim, "the head size of q")?;
+    let kv_heads = k.shape[1];
+    let v = TensorArg::extract("v", v)?;
+    v.check(&dt, 2)?;
+    v.expect_dim(0, tokens, "tokens of q")?;
+    v.expect_dim(1, kv_heads * head_dim, "kv heads x head size of k")?;
+    qkv.expect_dim(0, tokens, "tokens of q")?;
+    qkv.expect_dim(
+        1,
+        (heads + 2 * kv_heads) * head_dim,
+        "(q + 2 kv heads) x head size",
+    )?;
+    let cos = TensorArg::extract("cos", cos)?;
+    cos.check(&dt, 2)?;
+    cos.expect_dim(0, tokens, "tokens of q")?;
+    let half = cos.shape[1];
+    let sin = TensorArg::extract("sin", sin)?;
+    sin.check(&dt, 2)?;
+    sin.expect_dim(0, tokens, "tokens of q")?;
+    sin.expect_dim(1, half, "the width of cos")?;
+    for out in [&q, &k, &v] {
+        for input in [&qkv, &cos, &sin] {
+            check_no_overlap(out, input)?;
+        }
+    }
+    check_no_overlap(&q, &k)?;
+    check_no_overlap(&q, &v)?;
+    check_no_overlap(&k, &v)?;
+    let shape = crate::layers::QkvShape {
+        tokens,
+        heads,
+        kv_heads,
+        head_dim,
+        half,
+    };
+    // SAFETY: all six were checked (dtype, CPU, contiguity, shape); the
+    // outputs share no memory with each other or the inputs; the caller
+    // keeps them alive.
+    let (qd, kd, vd, xs, cs, ss) = unsafe {
+        (
+            linear_dst(&q),
+            linear_dst(&k),
+            linear_dst(&v),
+            linear_src(&qkv),
+            linear_src(&cos),
+            linear_src(&sin),
+        )
+    };
+    py.detach(move || crate::layers::qkv_rotary(qd, kd, vd, xs, cs, ss, shape))?;
     Ok(())
 }
 
@@ -1747,5 +1823,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // layers
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(silu_and_mul, m)?)?;
+    m.add_function(wrap_pyfunction!(qkv_rotary, m)?)?;
     Ok(())
 }

@@ -151,3 +151,47 @@ def test_layer_kernels_reject_bad_arguments():
         _core.silu_and_mul(torch.empty(3, 8), x)
     with pytest.raises(ValueError, match="even"):
         _core.silu_and_mul(torch.empty(3, 3), torch.zeros(3, 7))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    tokens=st.integers(1, 40),
+    kv_heads=st.integers(1, 4),
+    group=st.integers(1, 4),
+    head_dim=st.sampled_from([2, 8, 10, 64, 80]),
+    partial=st.booleans(),
+    dtype=st.sampled_from(["bf16", "f32"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_qkv_rotary_matches_torch(tokens, kv_heads, group, head_dim, partial, dtype, seed):
+    """The CPU split + rotary kernel gives apply_rotary's values bit for bit
+    (same roundings), with partial rotary dims and v passed through."""
+    from fastllm.layers.rotary import apply_rotary
+
+    g = torch.Generator().manual_seed(seed)
+    dt = DTYPES[dtype]
+    heads = kv_heads * group
+    half = head_dim // 4 if partial and head_dim >= 4 else head_dim // 2
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dt)
+    angles = torch.rand(tokens, 1, half, generator=g) * 100
+    cos, sin = angles.cos().to(dt), angles.sin().to(dt)
+    q = torch.empty(tokens, heads, head_dim, dtype=dt)
+    k = torch.empty(tokens, kv_heads, head_dim, dtype=dt)
+    v = torch.empty(tokens, kv_heads * head_dim, dtype=dt)
+    _core.qkv_rotary(q, k, v, qkv, cos.view(tokens, half), sin.view(tokens, half))
+    rq, rk, rv = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    assert torch.equal(q, apply_rotary(rq.reshape(tokens, heads, head_dim), cos, sin))
+    assert torch.equal(k, apply_rotary(rk.reshape(tokens, kv_heads, head_dim), cos, sin))
+    assert torch.equal(v, rv)
+
+
+def test_qkv_rotary_rejects_bad_shapes():
+    qkv = torch.zeros(2, 4 * 8)
+    q, k, v = torch.empty(2, 2, 8), torch.empty(2, 1, 8), torch.empty(2, 8)
+    cs = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match="qkv"):
+        _core.qkv_rotary(q, k, v, torch.zeros(2, 30), cs, cs)
+    with pytest.raises(ValueError, match="sin"):
+        _core.qkv_rotary(q, k, v, qkv, cs, torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="cos"):
+        _core.qkv_rotary(q, k, v, qkv, torch.zeros(2, 5), torch.zeros(2, 5))

@@ -14,6 +14,9 @@ from torch import nn
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
+# Element types of the Rust CPU kernel (same rounding as apply_rotary).
+_RUST_DTYPES = (torch.float32, torch.bfloat16)
+
 
 def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies [rotary_dim // 2] (float32) for the given rope scaling."""
@@ -96,7 +99,9 @@ class RotaryEmbedding(nn.Module):
         """cos and sin [num_tokens, 1, rotary_dim // 2] for ``positions``, cast to ``dtype``."""
         table = self._cos_sin_table(positions.device)[positions].to(dtype)
         cos, sin = table.unsqueeze(1).chunk(2, dim=-1)
-        return cos, sin
+        # Contiguous (made once per step, used by every layer): the CPU kernel
+        # reads them as plain [num_tokens, rotary_dim // 2] rows.
+        return cos.contiguous(), sin.contiguous()
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -137,6 +142,22 @@ def qkv_with_rotary(
     """Splits a fused QKV projection [T, (h + 2 kv) * d], normalises q and k per
     head when the model has q/k norms, and rotates them; v stays flat."""
     n = qkv.shape[0]
+    if (
+        q_norm is None
+        and qkv.device.type == "cpu"
+        and qkv.dtype in _RUST_DTYPES
+        and cos.dtype == qkv.dtype
+        and qkv.dim() == 2
+        and qkv.is_contiguous()
+    ):
+        from fastllm import _core
+
+        q = torch.empty(n, num_heads, head_dim, dtype=qkv.dtype)
+        k = torch.empty(n, num_kv_heads, head_dim, dtype=qkv.dtype)
+        v = torch.empty(n, num_kv_heads * head_dim, dtype=qkv.dtype)
+        half = cos.shape[-1]
+        _core.qkv_rotary(q, k, v, qkv, cos.view(n, half), sin.view(n, half))
+        return q, k, v
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q = q.reshape(n, num_heads, head_dim)
