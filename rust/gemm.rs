@@ -20,8 +20,9 @@
 //!
 //! Batch-1 decode streams every panel once (memory-bound); large batches
 //! reuse each panel from L1/L2 for every tile of rows (compute-bound). Work
-//! is split into tasks of (block of rows, group of panels) on the private
-//! rayon pool; small calls run on the calling thread.
+//! is split into tasks of (block of rows, group of panels) run by the thread
+//! team (`threads::team_run`: the caller and helpers that stay awake between
+//! the calls of a step); small calls run on the calling thread.
 
 use half::bf16;
 use rayon::prelude::*;
@@ -302,7 +303,7 @@ fn run<T: OutElem>(path: Path, out: &mut [T], x: &[f32], w: &PackedWeight, m: us
     if tasks == 1 || threads == 1 || m * n * k < SERIAL_FLOPS {
         (0..tasks).for_each(task);
     } else {
-        crate::threads::install(|| (0..tasks).into_par_iter().for_each(task));
+        crate::threads::team_run(tasks, &task);
     }
 }
 

@@ -1,10 +1,21 @@
-//! The private rayon pool every CPU kernel runs on.
+//! The threads the CPU kernels run on: a private rayon pool, and a team of
+//! helper threads that spin briefly between jobs for the linear layers.
 //!
-//! Sized by `FASTLLM_NUM_THREADS`, else by the number of cores available to
-//! this process (what torch uses by default), so torch and rayon take turns on
-//! the same cores instead of oversubscribing them.
+//! Both are sized by `FASTLLM_NUM_THREADS`, else by the number of cores
+//! available to this process (what torch uses by default), so torch and the
+//! kernels take turns on the same cores instead of oversubscribing them.
+//!
+//! Why a team beside rayon: a decode step calls about a hundred linear layers
+//! of 50-1000 us each, with some Python work between them. Rayon's workers fall
+//! asleep within microseconds and waking one costs tens of microseconds on a
+//! virtual machine; the team's helpers spin for `TEAM_SPIN` after each job,
+//! and the calling thread takes tasks too, so a job starts on every core at
+//! once.
 
-use std::sync::OnceLock;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use rayon::{ThreadPool, ThreadPoolBuilder};
 
@@ -48,9 +59,176 @@ pub fn install<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     }
 }
 
+/// How long a helper spins for the next job before it sleeps.
+const TEAM_SPIN: Duration = Duration::from_micros(300);
+
+/// One job: `tasks` calls of `f`, taken in order by whoever is free.
+struct Job {
+    f: TaskFn,
+    tasks: usize,
+    next: AtomicUsize,
+    done: AtomicUsize,
+    panicked: AtomicBool,
+}
+
+/// The job's function, lifetime erased; see `team_run` for why it is never
+/// called after the job's owner returned.
+struct TaskFn(*const (dyn Fn(usize) + Sync));
+// SAFETY: the function is `Sync` and only called while `team_run` waits.
+unsafe impl Send for TaskFn {}
+unsafe impl Sync for TaskFn {}
+
+impl Job {
+    /// Takes and runs tasks until none is left.
+    fn work(&self) {
+        loop {
+            let i = self.next.fetch_add(1, Ordering::Relaxed);
+            if i >= self.tasks {
+                return;
+            }
+            // SAFETY: i < tasks, so `done` has not reached `tasks` and the
+            // owner is still waiting in `team_run`: `f` is alive.
+            let f = unsafe { &*self.f.0 };
+            if catch_unwind(AssertUnwindSafe(|| f(i))).is_err() {
+                self.panicked.store(true, Ordering::Relaxed);
+            }
+            self.done.fetch_add(1, Ordering::Release);
+        }
+    }
+}
+
+struct Team {
+    helpers: usize,
+    /// Bumped for every new job.
+    epoch: AtomicUsize,
+    job: Mutex<Option<Arc<Job>>>,
+    wake: Condvar,
+    /// One job at a time (calls from several threads queue here).
+    busy: Mutex<()>,
+}
+
+static TEAM: OnceLock<Option<&'static Team>> = OnceLock::new();
+
+fn team() -> Option<&'static Team> {
+    *TEAM.get_or_init(|| {
+        let helpers = num_threads().saturating_sub(1);
+        if helpers == 0 {
+            return None;
+        }
+        let team: &'static Team = Box::leak(Box::new(Team {
+            helpers,
+            epoch: AtomicUsize::new(0),
+            job: Mutex::new(None),
+            wake: Condvar::new(),
+            busy: Mutex::new(()),
+        }));
+        for i in 0..helpers {
+            let spawned = std::thread::Builder::new()
+                .name(format!("fastllm-team-{i}"))
+                .spawn(move || helper(team));
+            if spawned.is_err() {
+                return None; // the OS refuses threads: run jobs on the caller
+            }
+        }
+        Some(team)
+    })
+}
+
+fn helper(team: &'static Team) {
+    let mut seen = 0;
+    loop {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            let e = team.epoch.load(Ordering::Acquire);
+            if e != seen {
+                seen = e;
+                break;
+            }
+            spins = spins.wrapping_add(1);
+            if spins % 256 == 0 && start.elapsed() > TEAM_SPIN {
+                let mut slot = team.job.lock().unwrap_or_else(|p| p.into_inner());
+                while team.epoch.load(Ordering::Acquire) == seen {
+                    slot = team.wake.wait(slot).unwrap_or_else(|p| p.into_inner());
+                }
+                drop(slot);
+                continue;
+            }
+            std::hint::spin_loop();
+        }
+        let job = team.job.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if let Some(job) = job {
+            job.work();
+        }
+    }
+}
+
+/// Runs `f(0) .. f(tasks - 1)` on the team and the calling thread, and
+/// returns when all have finished (a panic in a task is re-raised here).
+pub fn team_run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+    let Some(team) = team().filter(|_| tasks > 1) else {
+        (0..tasks).for_each(f);
+        return;
+    };
+    let _one_job = team.busy.lock().unwrap_or_else(|p| p.into_inner());
+    // SAFETY (lifetime erasure): `f` is only called for task indices below
+    // `tasks`, and this function returns only after `done == tasks`, i.e.
+    // after every such call returned; a helper that picks the job up late
+    // finds no task left and never calls it.
+    let f: *const (dyn Fn(usize) + Sync + '_) = f;
+    let f: *const (dyn Fn(usize) + Sync + 'static) = unsafe { std::mem::transmute(f) };
+    let job = Arc::new(Job {
+        f: TaskFn(f),
+        tasks,
+        next: AtomicUsize::new(0),
+        done: AtomicUsize::new(0),
+        panicked: AtomicBool::new(false),
+    });
+    {
+        let mut slot = team.job.lock().unwrap_or_else(|p| p.into_inner());
+        *slot = Some(job.clone());
+        team.epoch.fetch_add(1, Ordering::Release);
+        team.wake.notify_all();
+    }
+    job.work();
+    while job.done.load(Ordering::Acquire) < tasks {
+        std::hint::spin_loop();
+    }
+    *team.job.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    if job.panicked.load(Ordering::Relaxed) {
+        panic!("a kernel task panicked on the thread team");
+    }
+}
+
+/// Helper threads of the team (0 when kernels run on the calling thread only).
+pub fn team_helpers() -> usize {
+    team().map_or(0, |t| t.helpers)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn team_runs_every_task_once_and_reraises_panics() {
+        for tasks in [0usize, 1, 2, 7, 64] {
+            let hits: Vec<AtomicUsize> = (0..tasks).map(|_| AtomicUsize::new(0)).collect();
+            for _ in 0..50 {
+                team_run(tasks, &|i| {
+                    hits[i].fetch_add(1, Ordering::Relaxed);
+                });
+            }
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 50), "{tasks} tasks");
+        }
+        let caught = catch_unwind(|| team_run(4, &|i| assert!(i != 2, "task 2 fails")));
+        assert!(caught.is_err());
+        // The team still works after a panic.
+        let sum = AtomicUsize::new(0);
+        team_run(10, &|i| {
+            sum.fetch_add(i, Ordering::Relaxed);
+        });
+        assert_eq!(sum.load(Ordering::Relaxed), 45);
+    }
 
     #[test]
     fn parses_thread_counts() {
