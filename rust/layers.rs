@@ -1,6 +1,7 @@
 //! CPU kernels for the model's elementwise layers: RMSNorm, the gated SiLU
 //! activation (`silu(gate) * up`) and the QKV split with rotary embeddings,
-//! on the private rayon pool.
+//! on the thread team (`threads::team_run`), like the linear layers between
+//! them.
 //!
 //! They round where the model's torch code rounds, so that a bf16 model gives
 //! the same values through either: RMSNorm normalises in f32, rounds to the
@@ -11,15 +12,13 @@
 //! exponent bits, no libm call) and compiled three times: AVX-512F, AVX2 +
 //! FMA and baseline x86-64, chosen at run time.
 
-use rayon::prelude::*;
-
 use crate::error::{CoreError, CoreResult};
 use crate::linear::{Dst, OutElem, SharedOut, Src};
 
 /// Elements below which a call runs on the calling thread.
 const SERIAL_ELEMS: usize = 1 << 16;
 
-/// Splits `rows` rows over the pool in chunks (or runs them here when the
+/// Splits `rows` rows over the team in chunks (or runs them here when the
 /// call is small) and hands each chunk's row range to `f`.
 fn for_row_chunks(rows: usize, dim: usize, f: impl Fn(usize, usize) + Sync) {
     let threads = crate::threads::num_threads();
@@ -28,11 +27,7 @@ fn for_row_chunks(rows: usize, dim: usize, f: impl Fn(usize, usize) + Sync) {
         return;
     }
     let chunks = (4 * threads).min(rows);
-    crate::threads::install(|| {
-        (0..chunks)
-            .into_par_iter()
-            .for_each(|c| f(c * rows / chunks, (c + 1) * rows / chunks))
-    });
+    crate::threads::team_run(chunks, &|c| f(c * rows / chunks, (c + 1) * rows / chunks));
 }
 
 fn dst_len(out: &Dst<'_>) -> usize {
