@@ -103,5 +103,36 @@ fn bench_layers(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_gemm, bench_layers);
+/// The CPU's f32 FMA peak on one core: 12 independent chains of 512-bit FMAs
+/// on registers only (criterion's "elements" are FLOPs). Twice this per core
+/// bounds what any bf16/f32 GEMM can reach (`docs/performance.md`).
+fn bench_fma_peak(c: &mut Criterion) {
+    #[cfg(target_arch = "x86_64")]
+    if Path::Avx512.is_available() {
+        const ITERS: usize = 100_000;
+        let mut group = c.benchmark_group("peak");
+        group.throughput(Throughput::Elements((ITERS * 12 * 32) as u64));
+        group.bench_function("fma512_one_core", |b| {
+            // SAFETY: AVX-512F is available (checked above).
+            b.iter(|| unsafe { fma_chains(black_box(1.000_001)) })
+        });
+        group.finish();
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn fma_chains(x: f32) -> f32 {
+        use std::arch::x86_64::*;
+        let (m, a) = (_mm512_set1_ps(x), _mm512_set1_ps(1e-7));
+        let mut acc = [_mm512_set1_ps(1.0); 12];
+        for _ in 0..100_000 {
+            for v in acc.iter_mut() {
+                *v = _mm512_fmadd_ps(*v, m, a);
+            }
+        }
+        acc.iter().map(|v| _mm512_reduce_add_ps(*v)).sum()
+    }
+}
+
+criterion_group!(benches, bench_gemm, bench_layers, bench_fma_peak);
 criterion_main!(benches);

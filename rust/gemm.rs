@@ -538,16 +538,16 @@ mod x86 {
                     _mm256_load_ps(p.add(24)),
                 ]
             };
-            for r in 0..R {
+            for (r, row) in acc.iter_mut().enumerate() {
                 let a = _mm256_set1_ps(*x.add(r * k + kk));
-                for q in 0..4 {
-                    acc[r][q] = _mm256_fmadd_ps(a, w[q], acc[r][q]);
+                for (sum, wq) in row.iter_mut().zip(&w) {
+                    *sum = _mm256_fmadd_ps(a, *wq, *sum);
                 }
             }
         }
-        for r in 0..R {
-            for q in 0..4 {
-                _mm256_storeu_ps(tile[r].as_mut_ptr().add(8 * q), acc[r][q]);
+        for (row, out) in acc.iter().zip(tile.iter_mut()) {
+            for (q, sum) in row.iter().enumerate() {
+                _mm256_storeu_ps(out.as_mut_ptr().add(8 * q), *sum);
             }
         }
     }

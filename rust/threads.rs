@@ -146,7 +146,7 @@ fn helper(team: &'static Team) {
                 break;
             }
             spins = spins.wrapping_add(1);
-            if spins % 256 == 0 && start.elapsed() > TEAM_SPIN {
+            if spins.is_multiple_of(256) && start.elapsed() > TEAM_SPIN {
                 let mut slot = team.job.lock().unwrap_or_else(|p| p.into_inner());
                 while team.epoch.load(Ordering::Acquire) == seen {
                     slot = team.wake.wait(slot).unwrap_or_else(|p| p.into_inner());
@@ -218,7 +218,10 @@ mod tests {
                     hits[i].fetch_add(1, Ordering::Relaxed);
                 });
             }
-            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 50), "{tasks} tasks");
+            assert!(
+                hits.iter().all(|h| h.load(Ordering::Relaxed) == 50),
+                "{tasks} tasks"
+            );
         }
         let caught = catch_unwind(|| team_run(4, &|i| assert!(i != 2, "task 2 fails")));
         assert!(caught.is_err());
