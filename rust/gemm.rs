@@ -254,7 +254,12 @@ pub fn gemm_with_path(
     let xf: &[f32] = match x {
         Src::F32(s) => s,
         Src::Bf16(s) => {
-            converted = s.iter().map(|v| v.to_f32()).collect();
+            // A shift per element (vectorises; prefill chunks convert
+            // megabytes here).
+            converted = s
+                .iter()
+                .map(|v| f32::from_bits((v.to_bits() as u32) << 16))
+                .collect();
             &converted
         }
     };

@@ -260,12 +260,7 @@ impl Elem for half::bf16 {
 
     #[inline(always)]
     fn from_f32_rne(v: f32) -> Self {
-        let bits = v.to_bits();
-        let rounded = (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16;
-        // NaN stays NaN (quiet), as in torch and `half`.
-        let nan = (bits & 0x7fff_ffff) > 0x7f80_0000;
-        let quiet = ((bits >> 16) as u16) | 0x40;
-        half::bf16::from_bits(if nan { quiet } else { rounded })
+        crate::linear::bf16_rne(v)
     }
 }
 

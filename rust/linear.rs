@@ -429,8 +429,19 @@ impl OutElem for f32 {
 impl OutElem for bf16 {
     #[inline]
     fn from_f32(v: f32) -> Self {
-        bf16::from_f32(v)
+        bf16_rne(v)
     }
+}
+
+/// `v` rounded to the nearest bf16 (ties to even), as `bf16::from_f32`, but
+/// without branches so that loops over it vectorise; a NaN stays a (quiet) NaN.
+#[inline(always)]
+pub(crate) fn bf16_rne(v: f32) -> bf16 {
+    let bits = v.to_bits();
+    let rounded = (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16;
+    let nan = (bits & 0x7fff_ffff) > 0x7f80_0000;
+    let quiet = ((bits >> 16) as u16) | 0x40;
+    bf16::from_bits(if nan { quiet } else { rounded })
 }
 
 /// The output pointer shared by tasks that write disjoint columns.

@@ -307,3 +307,16 @@ def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: floa
 def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
     """``out = round(silu(x[:, :d])) * x[:, d:]``: x [rows, 2d], out [rows, d], one dtype
     (bf16 or f32). Releases the GIL."""
+
+def qkv_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    """Splits ``qkv`` [T, (h + 2 kv) * d] into ``q`` [T, h, d], ``k`` [T, kv, d] and ``v``
+    [T, kv * d], rotating q and k (NeoX halves over the first ``2 * half`` features) with
+    ``cos`` / ``sin`` [T, half]; one dtype (bf16 or f32), bit-exact with the torch code.
+    Releases the GIL."""

@@ -34,11 +34,11 @@ class ModelRunner:
         device: torch.device,
     ) -> None:
         self.model = model
-        # A packed model runs its heavy CPU work (linears, attention, sampling)
-        # on the Rust pool; torch's remaining elementwise ops run on the
+        # A packed model runs its heavy CPU work (linears, norms, attention,
+        # sampling) on the Rust threads; torch's remaining small ops run on the
         # calling thread during a step, so that torch's OpenMP workers do not
-        # spin on the cores the pool needs (measured: +15% output tokens/s at
-        # batch 64 on 2 cores).
+        # spin on the cores the Rust threads need (measured: +15% output
+        # tokens/s at batch 64 on 2 cores).
         packed = device.type == "cpu" and getattr(model, "packed_head", None) is not None
         self.step_torch_threads = 1 if packed else None
         self.block_size = block_size

@@ -6,7 +6,7 @@ cost time (seconds for a 7B model) and memory.
 On the CPU the engine packs every linear layer once after loading
 (``pack_linears``): the weights move into the Rust GEMM's panel layout
 (``_core.PackedLinear``, same dtype, same bytes) and every call, from batch-1
-decode to prefill chunks, runs the Rust kernel on the private thread pool.
+decode to prefill chunks, runs the Rust kernel on the kernels' thread team.
 Elsewhere (CUDA, or ``FASTLLM_CPU_GEMM=torch``) layers call torch.
 """
 
