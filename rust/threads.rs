@@ -165,6 +165,7 @@ fn helper(team: &'static Team) {
 
 /// Runs `f(0) .. f(tasks - 1)` on the team and the calling thread, and
 /// returns when all have finished (a panic in a task is re-raised here).
+/// Jobs run one at a time, so a task must not call `team_run` itself.
 pub fn team_run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
     let Some(team) = team().filter(|_| tasks > 1) else {
         (0..tasks).for_each(f);
