@@ -18,6 +18,10 @@ pub enum CoreError {
     /// An operating-system level failure (spawning the probe child, I/O).
     #[error("{0}")]
     Os(String),
+    /// A bug inside the core (a kernel task panicked), caught before it
+    /// could cross into Python.
+    #[error("{0}")]
+    Internal(String),
 }
 
 /// Result alias used by every fallible function of the core.

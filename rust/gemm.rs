@@ -28,7 +28,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use crate::error::{CoreError, CoreResult};
-use crate::linear::{Dst, OutElem, Path, SharedOut, Src};
+use crate::linear::{expect_matrix, Dst, OutElem, Path, SharedOut, Src};
 
 /// Output features per panel.
 pub const NR: usize = 32;
@@ -72,15 +72,7 @@ impl PackedWeight {
     /// Packs `weight` (`[n, k]`, row-major, torch `Linear` layout) and `bias`
     /// (`[n]`). bf16 weights stay bf16 (two bytes per weight); f32 stay f32.
     pub fn pack(weight: Src<'_>, bias: Option<Src<'_>>, n: usize, k: usize) -> CoreResult<Self> {
-        let nk = n
-            .checked_mul(k)
-            .ok_or_else(|| CoreError::invalid(format!("weight: size {n} x {k} overflows")))?;
-        if weight.len() != nk {
-            return Err(CoreError::invalid(format!(
-                "weight: expected {n} x {k} = {nk} elements, got {}",
-                weight.len()
-            )));
-        }
+        expect_matrix("weight", weight.len(), n, k)?;
         if let Some(b) = &bias {
             if b.len() != n {
                 return Err(CoreError::invalid(format!(
@@ -225,28 +217,9 @@ pub fn gemm_with_path(
         )));
     }
     let (n, k) = (w.n, w.k);
-    let mk = m
-        .checked_mul(k)
-        .ok_or_else(|| CoreError::invalid(format!("x: size {m} x {k} overflows")))?;
-    let mn = m
-        .checked_mul(n)
-        .ok_or_else(|| CoreError::invalid(format!("out: size {m} x {n} overflows")))?;
-    if x.len() != mk {
-        return Err(CoreError::invalid(format!(
-            "x: expected {m} x {k} = {mk} elements, got {}",
-            x.len()
-        )));
-    }
-    let out_len = match &out {
-        Dst::Bf16(o) => o.len(),
-        Dst::F32(o) => o.len(),
-    };
-    if out_len != mn {
-        return Err(CoreError::invalid(format!(
-            "out: expected {m} x {n} = {mn} elements, got {out_len}"
-        )));
-    }
-    if mn == 0 {
+    expect_matrix("x", x.len(), m, k)?;
+    expect_matrix("out", out.len(), m, n)?;
+    if m == 0 || n == 0 {
         return Ok(());
     }
     // The kernels read x as f32 rows.
@@ -267,10 +240,15 @@ pub fn gemm_with_path(
         Dst::Bf16(o) => run(path, o, xf, w, m),
         Dst::F32(o) => run(path, o, xf, w, m),
     }
-    Ok(())
 }
 
-fn run<T: OutElem>(path: Path, out: &mut [T], x: &[f32], w: &PackedWeight, m: usize) {
+fn run<T: OutElem>(
+    path: Path,
+    out: &mut [T],
+    x: &[f32],
+    w: &PackedWeight,
+    m: usize,
+) -> CoreResult<()> {
     let (n, k) = (w.n, w.k);
     let mr = max_rows(path);
     let panels = w.panels();
@@ -307,8 +285,9 @@ fn run<T: OutElem>(path: Path, out: &mut [T], x: &[f32], w: &PackedWeight, m: us
     };
     if tasks == 1 || threads == 1 || m * n * k < SERIAL_FLOPS {
         (0..tasks).for_each(task);
+        Ok(())
     } else {
-        crate::threads::team_run(tasks, &task);
+        crate::threads::team_run(tasks, &task)
     }
 }
 

@@ -20,21 +20,14 @@ const SERIAL_ELEMS: usize = 1 << 16;
 
 /// Splits `rows` rows over the team in chunks (or runs them here when the
 /// call is small) and hands each chunk's row range to `f`.
-fn for_row_chunks(rows: usize, dim: usize, f: impl Fn(usize, usize) + Sync) {
+fn for_row_chunks(rows: usize, dim: usize, f: impl Fn(usize, usize) + Sync) -> CoreResult<()> {
     let threads = crate::threads::num_threads();
     if threads <= 1 || rows < 2 || rows * dim < SERIAL_ELEMS {
         f(0, rows);
-        return;
+        return Ok(());
     }
     let chunks = (4 * threads).min(rows);
-    crate::threads::team_run(chunks, &|c| f(c * rows / chunks, (c + 1) * rows / chunks));
-}
-
-fn dst_len(out: &Dst<'_>) -> usize {
-    match out {
-        Dst::Bf16(o) => o.len(),
-        Dst::F32(o) => o.len(),
-    }
+    crate::threads::team_run(chunks, &|c| f(c * rows / chunks, (c + 1) * rows / chunks))
 }
 
 /// `out[r] = weight * round(x[r] / rms(x[r]))` over rows of `dim` elements.
@@ -43,7 +36,7 @@ pub fn rms_norm(out: Dst<'_>, x: Src<'_>, weight: Src<'_>, eps: f32, dim: usize)
     if dim == 0 {
         return Err(CoreError::invalid("x: rows must have at least one element"));
     }
-    if !x.len().is_multiple_of(dim) || dst_len(&out) != x.len() {
+    if !x.len().is_multiple_of(dim) || out.len() != x.len() {
         return Err(CoreError::invalid(format!(
             "out: expected {} elements (x has {}, rows of {dim})",
             x.len(),
@@ -60,9 +53,8 @@ pub fn rms_norm(out: Dst<'_>, x: Src<'_>, weight: Src<'_>, eps: f32, dim: usize)
     match (out, x, weight) {
         (Dst::F32(o), Src::F32(x), Src::F32(w)) => norm_rows(o, x, w, eps, dim, rows),
         (Dst::Bf16(o), Src::Bf16(x), Src::Bf16(w)) => norm_rows(o, x, w, eps, dim, rows),
-        _ => return Err(CoreError::invalid("x, weight and out must share one dtype")),
+        _ => Err(CoreError::invalid("x, weight and out must share one dtype")),
     }
-    Ok(())
 }
 
 /// `out[r] = round(silu(x[r, :d])) * x[r, d:]` for rows of `2d` elements
@@ -75,18 +67,17 @@ pub fn silu_and_mul(out: Dst<'_>, x: Src<'_>, d: usize) -> CoreResult<()> {
         )));
     }
     let rows = x.len() / (2 * d);
-    if dst_len(&out) != rows * d {
+    if out.len() != rows * d {
         return Err(CoreError::invalid(format!(
             "out: expected {rows} x {d} elements, got {}",
-            dst_len(&out)
+            out.len()
         )));
     }
     match (out, x) {
         (Dst::F32(o), Src::F32(x)) => act_rows(o, x, d, rows),
         (Dst::Bf16(o), Src::Bf16(x)) => act_rows(o, x, d, rows),
-        _ => return Err(CoreError::invalid("x and out must share one dtype")),
+        _ => Err(CoreError::invalid("x and out must share one dtype")),
     }
-    Ok(())
 }
 
 /// Shapes of a fused QKV projection for [`qkv_rotary`].
@@ -141,9 +132,9 @@ pub fn qkv_rotary(
     expect("qkv", qkv.len(), tokens * (heads + 2 * kv_heads) * d)?;
     expect("cos", cos.len(), tokens * half)?;
     expect("sin", sin.len(), tokens * half)?;
-    expect("q", dst_len(&q), tokens * heads * d)?;
-    expect("k", dst_len(&k), tokens * kv_heads * d)?;
-    expect("v", dst_len(&v), tokens * kv_heads * d)?;
+    expect("q", q.len(), tokens * heads * d)?;
+    expect("k", k.len(), tokens * kv_heads * d)?;
+    expect("v", v.len(), tokens * kv_heads * d)?;
     match (q, k, v, qkv, cos, sin) {
         (Dst::F32(q), Dst::F32(k), Dst::F32(v), Src::F32(x), Src::F32(c), Src::F32(s)) => {
             rotary_rows(q, k, v, x, c, s, shape)
@@ -151,13 +142,10 @@ pub fn qkv_rotary(
         (Dst::Bf16(q), Dst::Bf16(k), Dst::Bf16(v), Src::Bf16(x), Src::Bf16(c), Src::Bf16(s)) => {
             rotary_rows(q, k, v, x, c, s, shape)
         }
-        _ => {
-            return Err(CoreError::invalid(
-                "q, k, v, qkv, cos and sin must share one dtype",
-            ))
-        }
+        _ => Err(CoreError::invalid(
+            "q, k, v, qkv, cos and sin must share one dtype",
+        )),
     }
-    Ok(())
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -169,7 +157,7 @@ fn rotary_rows<T: Elem>(
     cos: &[T],
     sin: &[T],
     shape: QkvShape,
-) {
+) -> CoreResult<()> {
     let QkvShape {
         tokens,
         heads,
@@ -205,7 +193,7 @@ fn rotary_rows<T: Elem>(
             simd::dispatch_rotate(kr, xk, c, s, d);
             vr.copy_from_slice(xv);
         }
-    });
+    })
 }
 
 /// Rotates every head (`d` features) of `x` into `out` with one token's
@@ -264,7 +252,14 @@ impl Elem for half::bf16 {
     }
 }
 
-fn norm_rows<T: Elem>(out: &mut [T], x: &[T], w: &[T], eps: f32, dim: usize, rows: usize) {
+fn norm_rows<T: Elem>(
+    out: &mut [T],
+    x: &[T],
+    w: &[T],
+    eps: f32,
+    dim: usize,
+    rows: usize,
+) -> CoreResult<()> {
     let shared = SharedOut(out.as_mut_ptr());
     for_row_chunks(rows, dim, |r0, r1| {
         // SAFETY: rows r0..r1 of out belong to this chunk only; out holds
@@ -272,17 +267,17 @@ fn norm_rows<T: Elem>(out: &mut [T], x: &[T], w: &[T], eps: f32, dim: usize, row
         let o =
             unsafe { std::slice::from_raw_parts_mut(shared.ptr().add(r0 * dim), (r1 - r0) * dim) };
         simd::dispatch_norm(o, &x[r0 * dim..r1 * dim], w, eps, dim);
-    });
+    })
 }
 
-fn act_rows<T: Elem>(out: &mut [T], x: &[T], d: usize, rows: usize) {
+fn act_rows<T: Elem>(out: &mut [T], x: &[T], d: usize, rows: usize) -> CoreResult<()> {
     let shared = SharedOut(out.as_mut_ptr());
     for_row_chunks(rows, 2 * d, |r0, r1| {
         // SAFETY: rows r0..r1 of out belong to this chunk only; out holds
         // rows * d elements (checked by the caller).
         let o = unsafe { std::slice::from_raw_parts_mut(shared.ptr().add(r0 * d), (r1 - r0) * d) };
         simd::dispatch_act(o, &x[r0 * 2 * d..r1 * 2 * d], d);
-    });
+    })
 }
 
 /// `e^x` for the SiLU: relative error below 2e-7 over the f32 range, 0 below

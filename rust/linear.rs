@@ -189,6 +189,28 @@ pub enum Dst<'a> {
     F32(&'a mut [f32]),
 }
 
+impl Dst<'_> {
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Dst::Bf16(o) => o.len(),
+            Dst::F32(o) => o.len(),
+        }
+    }
+}
+
+/// Checks that `what` (`len` elements) holds a `rows x cols` matrix.
+pub(crate) fn expect_matrix(what: &str, len: usize, rows: usize, cols: usize) -> CoreResult<()> {
+    let want = rows
+        .checked_mul(cols)
+        .ok_or_else(|| CoreError::invalid(format!("{what}: size {rows} x {cols} overflows")))?;
+    if len != want {
+        return Err(CoreError::invalid(format!(
+            "{what}: expected {rows} x {cols} = {want} elements, got {len}"
+        )));
+    }
+    Ok(())
+}
+
 /// `out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n])` with the default path.
 ///
 /// `x` is `[m, k]`, `weight` `[n, k]` (torch `Linear` layout), `bias` `[n]`,
@@ -228,36 +250,9 @@ pub fn linear_with_path(
             path.name()
         )));
     }
-    let numel = |a: usize, b: usize, what: &str| {
-        a.checked_mul(b)
-            .ok_or_else(|| CoreError::invalid(format!("{what}: size {a} x {b} overflows")))
-    };
-    let (mk, nk, mn) = (
-        numel(m, k, "x")?,
-        numel(n, k, "weight")?,
-        numel(m, n, "out")?,
-    );
-    if x.len() != mk {
-        return Err(CoreError::invalid(format!(
-            "x: expected {m} x {k} = {mk} elements, got {}",
-            x.len()
-        )));
-    }
-    if weight.len() != nk {
-        return Err(CoreError::invalid(format!(
-            "weight: expected {n} x {k} = {nk} elements, got {}",
-            weight.len()
-        )));
-    }
-    let out_len = match &out {
-        Dst::Bf16(o) => o.len(),
-        Dst::F32(o) => o.len(),
-    };
-    if out_len != mn {
-        return Err(CoreError::invalid(format!(
-            "out: expected {m} x {n} = {mn} elements, got {out_len}"
-        )));
-    }
+    expect_matrix("x", x.len(), m, k)?;
+    expect_matrix("weight", weight.len(), n, k)?;
+    expect_matrix("out", out.len(), m, n)?;
     if let Some(b) = &bias {
         if b.len() != n {
             return Err(CoreError::invalid(format!(

@@ -20,6 +20,7 @@ impl From<CoreError> for PyErr {
             CoreError::Exhausted(m) => PyMemoryError::new_err(m),
             CoreError::Cuda(m) => PyRuntimeError::new_err(m),
             CoreError::Os(m) => PyOSError::new_err(m),
+            CoreError::Internal(m) => PyRuntimeError::new_err(m),
         }
     }
 }

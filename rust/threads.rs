@@ -19,6 +19,8 @@ use std::time::{Duration, Instant};
 
 use rayon::{ThreadPool, ThreadPoolBuilder};
 
+use crate::error::{CoreError, CoreResult};
+
 static POOL: OnceLock<Option<ThreadPool>> = OnceLock::new();
 
 /// Parses a thread-count setting: a positive integer, anything else is `None`.
@@ -164,12 +166,13 @@ fn helper(team: &'static Team) {
 }
 
 /// Runs `f(0) .. f(tasks - 1)` on the team and the calling thread, and
-/// returns when all have finished (a panic in a task is re-raised here).
+/// returns when all have finished. A task that panics (a bug) becomes an
+/// error here, after the other tasks finished, and the team stays usable.
 /// Jobs run one at a time, so a task must not call `team_run` itself.
-pub fn team_run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+pub fn team_run(tasks: usize, f: &(dyn Fn(usize) + Sync)) -> CoreResult<()> {
     let Some(team) = team().filter(|_| tasks > 1) else {
-        (0..tasks).for_each(f);
-        return;
+        return catch_unwind(AssertUnwindSafe(|| (0..tasks).for_each(f)))
+            .map_err(|_| task_panicked());
     };
     let _one_job = team.busy.lock().unwrap_or_else(|p| p.into_inner());
     // SAFETY (lifetime erasure): `f` is only called for task indices below
@@ -197,8 +200,13 @@ pub fn team_run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
     }
     *team.job.lock().unwrap_or_else(|p| p.into_inner()) = None;
     if job.panicked.load(Ordering::Relaxed) {
-        panic!("a kernel task panicked on the thread team");
+        return Err(task_panicked());
     }
+    Ok(())
+}
+
+fn task_panicked() -> CoreError {
+    CoreError::Internal("internal error: a CPU kernel task panicked (please report this)".into())
 }
 
 /// Helper threads of the team (0 when kernels run on the calling thread only).
@@ -211,26 +219,29 @@ mod tests {
     use super::*;
 
     #[test]
-    fn team_runs_every_task_once_and_reraises_panics() {
+    fn team_runs_every_task_once_and_turns_panics_into_errors() {
         for tasks in [0usize, 1, 2, 7, 64] {
             let hits: Vec<AtomicUsize> = (0..tasks).map(|_| AtomicUsize::new(0)).collect();
             for _ in 0..50 {
                 team_run(tasks, &|i| {
                     hits[i].fetch_add(1, Ordering::Relaxed);
-                });
+                })
+                .unwrap();
             }
             assert!(
                 hits.iter().all(|h| h.load(Ordering::Relaxed) == 50),
                 "{tasks} tasks"
             );
         }
-        let caught = catch_unwind(|| team_run(4, &|i| assert!(i != 2, "task 2 fails")));
-        assert!(caught.is_err());
+        let err = team_run(4, &|i| assert!(i != 2, "task 2 fails")).unwrap_err();
+        assert!(err.to_string().contains("panicked"), "{err}");
+        assert!(team_run(1, &|_| panic!("alone")).is_err());
         // The team still works after a panic.
         let sum = AtomicUsize::new(0);
         team_run(10, &|i| {
             sum.fetch_add(i, Ordering::Relaxed);
-        });
+        })
+        .unwrap();
         assert_eq!(sum.load(Ordering::Relaxed), 45);
     }
 
