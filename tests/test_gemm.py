@@ -117,8 +117,9 @@ def test_rms_norm_matches_torch(rows, dim, dtype, seed):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     else:
         # Two bf16 roundings each side; a sum-order difference can move the
-        # first rounding by one step: at most two bf16 ulps apart.
-        torch.testing.assert_close(out.float(), ref.float(), rtol=2 * 2.0**-8, atol=1e-6)
+        # first rounding by one step: at most two bf16 ulps apart, and an ulp
+        # is up to 2^-7 of the value (at the bottom of a binade).
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2 * 2.0**-7, atol=1e-6)
 
 
 @settings(max_examples=40, deadline=None)
@@ -138,7 +139,9 @@ def test_silu_and_mul_matches_torch(rows, d, dtype, seed):
     if dt == torch.float32:
         torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-7)
     else:
-        torch.testing.assert_close(out.float(), ref.float(), rtol=2 * 2.0**-8, atol=1e-6)
+        # exp differs from torch's by an f32 ulp or two, which can move the
+        # rounding of silu(gate) by one bf16 step: at most two ulps (2^-7 each).
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2 * 2.0**-7, atol=1e-6)
 
 
 def test_layer_kernels_reject_bad_arguments():
