@@ -7,8 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-# Element types of the Rust CPU kernel (same rounding as the torch code).
-_RUST_DTYPES = (torch.float32, torch.bfloat16)
+from fastllm.layers import CPU_KERNEL_DTYPES
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -54,7 +53,7 @@ class ActAndMul(torch.nn.Module):
                 if out is not None:
                     return out
         d = x.shape[-1] // 2
-        if self.fused_silu and x.device.type == "cpu" and x.dtype in _RUST_DTYPES:
+        if self.fused_silu and x.device.type == "cpu" and x.dtype in CPU_KERNEL_DTYPES:
             from fastllm import _core
 
             rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, 2 * d).contiguous()

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastllm.engine.context import AttentionMetadata, get_context
+from fastllm.layers import CPU_KERNEL_DTYPES
 
-_RUST_DTYPES = (torch.float32, torch.bfloat16)
 _core_module: ModuleType | None | bool = False  # False: not looked up yet
 
 
@@ -81,7 +81,7 @@ class PagedAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_size)
         if self.k_cache is None or self.v_cache is None:
             out = self._attend_uncached(q, k, v, meta)
-        elif q.device.type == "cpu" and q.dtype in _RUST_DTYPES and _rust_core() is not None:
+        elif q.device.type == "cpu" and q.dtype in CPU_KERNEL_DTYPES and _rust_core() is not None:
             out = self._attend_rust(q, k, v, meta)
         else:
             cuda_out = self._attend_cuda(q, k, v, meta) if q.device.type == "cuda" else None

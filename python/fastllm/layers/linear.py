@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastllm.layers import CPU_KERNEL_DTYPES
+
 logger = logging.getLogger("fastllm")
 
 GEMM_ENV = "FASTLLM_CPU_GEMM"
-_PACKABLE = (torch.float32, torch.bfloat16)
 
 
 def _packed_forward(packed, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -112,7 +113,7 @@ def gemm_mode() -> str:
 def should_pack(device: str, dtype: torch.dtype) -> bool:
     """Whether the engine packs a model of ``dtype`` on ``device``."""
     mode = gemm_mode()
-    if device != "cpu" or dtype not in _PACKABLE or mode == "torch":
+    if device != "cpu" or dtype not in CPU_KERNEL_DTYPES or mode == "torch":
         return False
     if mode == "rust":
         return True

@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Element types of the Rust CPU kernels (same rounding as the torch code below).
-_RUST_DTYPES = (torch.float32, torch.bfloat16)
+from fastllm.layers import CPU_KERNEL_DTYPES
 
 
 class RMSNorm(nn.Module):
@@ -27,7 +26,7 @@ class RMSNorm(nn.Module):
                 out = cuda_ops.rms_norm(x, self.weight, self.eps)
                 if out is not None:
                     return out
-        if x.device.type == "cpu" and x.dtype in _RUST_DTYPES and self.weight.dtype == x.dtype:
+        if x.device.type == "cpu" and x.dtype in CPU_KERNEL_DTYPES and self.weight.dtype == x.dtype:
             from fastllm import _core
 
             rows = (

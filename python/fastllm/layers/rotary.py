@@ -12,10 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from fastllm.layers import CPU_KERNEL_DTYPES
 
-# Element types of the Rust CPU kernel (same rounding as apply_rotary).
-_RUST_DTYPES = (torch.float32, torch.bfloat16)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -145,7 +144,7 @@ def qkv_with_rotary(
     if (
         q_norm is None
         and qkv.device.type == "cpu"
-        and qkv.dtype in _RUST_DTYPES
+        and qkv.dtype in CPU_KERNEL_DTYPES
         and cos.dtype == qkv.dtype
         and qkv.dim() == 2
         and qkv.is_contiguous()
