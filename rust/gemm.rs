@@ -541,38 +541,11 @@ mod x86 {
 mod tests {
     use super::*;
     use crate::linear::available_paths;
-
-    fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-
-    fn reference(
-        x: &[f32],
-        w: &[f32],
-        b: Option<&[f32]>,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Vec<f64> {
-        let mut out = vec![0f64; m * n];
-        for i in 0..m {
-            for j in 0..n {
-                let mut s = b.map_or(0.0, |b| b[j] as f64);
-                for kk in 0..k {
-                    s += x[i * k + kk] as f64 * w[j * k + kk] as f64;
-                }
-                out[i * n + j] = s;
-            }
-        }
-        out
-    }
+    use crate::linear::tests::{reference, Rng};
 
     #[test]
     fn matches_reference_on_every_path_and_layout() {
-        let mut seed = 7u64;
+        let mut rng = Rng(7);
         for &(m, n, k) in &[
             (1, 1, 1),
             (1, 33, 17),
@@ -581,9 +554,9 @@ mod tests {
             (40, 100, 96),
             (27, 31, 129),
         ] {
-            let x: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
-            let w: Vec<f32> = (0..n * k).map(|_| lcg(&mut seed)).collect();
-            let b: Vec<f32> = (0..n).map(|_| lcg(&mut seed)).collect();
+            let x: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
+            let w: Vec<f32> = (0..n * k).map(|_| rng.f32()).collect();
+            let b: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
             let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
             let wr: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
             for path in available_paths() {
@@ -593,7 +566,7 @@ mod tests {
                     } else {
                         PackedWeight::pack(Src::F32(&w), Some(Src::F32(&b)), n, k).unwrap()
                     };
-                    let want = reference(&x, if bf { &wr } else { &w }, Some(&b), m, n, k);
+                    let (want, _) = reference(&x, if bf { &wr } else { &w }, Some(&b), m, n, k);
                     let mut out = vec![0f32; m * n];
                     gemm_with_path(path, Dst::F32(&mut out), Src::F32(&x), &packed, m).unwrap();
                     for (i, (&o, &r)) in out.iter().zip(&want).enumerate() {
@@ -633,9 +606,9 @@ mod tests {
     #[test]
     fn large_calls_split_over_threads_match_serial() {
         let (m, n, k) = (70, 300, 257);
-        let mut seed = 3u64;
-        let x: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
-        let w: Vec<f32> = (0..n * k).map(|_| lcg(&mut seed)).collect();
+        let mut rng = Rng(3);
+        let x: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
+        let w: Vec<f32> = (0..n * k).map(|_| rng.f32()).collect();
         let packed = PackedWeight::pack(Src::F32(&w), None, n, k).unwrap();
         let mut all = vec![0f32; m * n];
         gemm(Dst::F32(&mut all), Src::F32(&x), &packed, m).unwrap();

@@ -1222,11 +1222,11 @@ pub fn stream_triad_gbs(bytes: usize, repeats: usize) -> CoreResult<f64> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// Tiny deterministic generator (xorshift) so tests need no extra crate.
-    struct Rng(u64);
+    pub(crate) struct Rng(pub(crate) u64);
     impl Rng {
         fn next(&mut self) -> u64 {
             self.0 ^= self.0 << 13;
@@ -1237,14 +1237,14 @@ mod tests {
         fn below(&mut self, n: usize) -> usize {
             (self.next() % n as u64) as usize
         }
-        fn f32(&mut self) -> f32 {
+        pub(crate) fn f32(&mut self) -> f32 {
             (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
         }
     }
 
     /// f64 reference over the same (already rounded) inputs; also returns
     /// sum |w * x| per output, the scale of the summation error.
-    fn reference(
+    pub(crate) fn reference(
         x: &[f32],
         w: &[f32],
         b: Option<&[f32]>,
