@@ -11,7 +11,7 @@ import random
 
 import torch
 
-from fastllm.engine.context import AttentionMetadata, set_context
+from fastllm.forward_context import AttentionMetadata, set_context
 
 
 class PagedRunner:

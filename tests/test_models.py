@@ -250,7 +250,7 @@ def test_bfloat16_close_to_float32_reference(name: str, saved: dict) -> None:
 
 def test_prompts_without_kv_cache(saved: dict) -> None:
     """Before the runner assigns caches (a profiling run), whole prompts still attend correctly."""
-    from fastllm.engine.context import AttentionMetadata, set_context
+    from fastllm.forward_context import AttentionMetadata, set_context
 
     folder, ref_model = saved["mistral"]
     seqs = _sequences(8, [9, 4])

@@ -10,9 +10,9 @@ import numpy as np
 import torch
 
 from fastllm import _core
-from fastllm.engine.context import AttentionMetadata, set_context
 from fastllm.engine.scheduler import SchedulerOutput
 from fastllm.engine.sequence import Sequence
+from fastllm.forward_context import AttentionMetadata, set_context
 from fastllm.outputs import Logprob
 
 _NO_PENALTY_TOKENS = torch.zeros(0, dtype=torch.int32)

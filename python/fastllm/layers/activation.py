@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from fastllm.layers import CPU_KERNEL_DTYPES
+from fastllm.layers.ops import TORCH_OPS
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -42,22 +42,11 @@ class ActAndMul(torch.nn.Module):
         super().__init__()
         self.act = get_activation(name)
         self.fused_silu = self.act is F.silu
+        self.ops = TORCH_OPS  # the model's op table (``layers/ops.py``), bound at load
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Applies the gate to the first half and multiplies by the second half."""
-        if self.fused_silu and x.is_cuda:
-            from fastllm.layers import cuda_ops
-
-            if cuda_ops.enabled():
-                out = cuda_ops.silu_and_mul(x)
-                if out is not None:
-                    return out
+        if self.fused_silu:
+            return self.ops.silu_and_mul(x)
         d = x.shape[-1] // 2
-        if self.fused_silu and x.device.type == "cpu" and x.dtype in CPU_KERNEL_DTYPES:
-            from fastllm import _core
-
-            rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, 2 * d).contiguous()
-            out = torch.empty(rows.shape[0], d, dtype=x.dtype)
-            _core.silu_and_mul(out, rows)
-            return out if rows is x else out.view(*x.shape[:-1], d)
         return self.act(x[..., :d]) * x[..., d:]

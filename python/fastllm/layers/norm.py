@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastllm.layers import CPU_KERNEL_DTYPES
+from fastllm.layers.ops import TORCH_OPS
 
 
 class RMSNorm(nn.Module):
@@ -16,30 +16,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.ops = TORCH_OPS  # the model's op table (``layers/ops.py``), bound at load
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalises the last dimension of ``x``."""
-        if x.is_cuda and self.weight.dtype == x.dtype:
-            from fastllm.layers import cuda_ops
-
-            if cuda_ops.enabled():
-                out = cuda_ops.rms_norm(x, self.weight, self.eps)
-                if out is not None:
-                    return out
-        if x.device.type == "cpu" and x.dtype in CPU_KERNEL_DTYPES and self.weight.dtype == x.dtype:
-            from fastllm import _core
-
-            rows = (
-                x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
-            )
-            out = torch.empty_like(rows)
-            _core.rms_norm(out, rows, self.weight, self.eps)
-            return out if rows is x else out.view(x.shape)
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Multiplying after the cast back matches the reference models' rounding.
-        return self.weight * xf.to(dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class LayerNorm(nn.Module):

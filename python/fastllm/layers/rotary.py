@@ -12,7 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastllm.layers import CPU_KERNEL_DTYPES
+from fastllm.layers.ops import TORCH_OPS, LayerOps, rotary_torch, split_qkv
+
+# The neox rotary as a torch expression (the reference of the Rust and CUDA kernels).
+apply_rotary = rotary_torch
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -82,6 +85,7 @@ class RotaryEmbedding(nn.Module):
         self.max_position = max_position
         self.inv_freq = rope_inv_freq(rotary_dim, theta, scaling)  # plain attribute: stays on CPU
         self._table: torch.Tensor | None = None  # [max_position, rotary_dim]: cos half | sin half
+        self.ops = TORCH_OPS  # the model's op table (``layers/ops.py``), bound at load
 
     def _cos_sin_table(self, device: torch.device) -> torch.Tensor:
         table = self._table
@@ -107,28 +111,12 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotates q [num_tokens, heads, head_dim] and k [num_tokens, kv_heads, head_dim]."""
         cos, sin = self.cos_sin(positions, q.dtype)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.ops.rotary(q, cos, sin), self.ops.rotary(k, cos, sin)
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates the first ``2 * cos.shape[-1]`` dims of each head of x [tokens, heads, head_dim]."""
-    if x.is_cuda and cos.dtype == x.dtype:
-        from fastllm.layers import cuda_ops
-
-        if cuda_ops.enabled():
-            out = cuda_ops.rotary(x, cos, sin)
-            if out is not None:
-                return out
-    half = cos.shape[-1]
-    x1 = x[..., :half]
-    x2 = x[..., half : 2 * half]
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    if 2 * half == x.shape[-1]:
-        return rotated
-    return torch.cat((rotated, x[..., 2 * half :]), dim=-1)
 
 
 def qkv_with_rotary(
+    ops: LayerOps,
     qkv: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
@@ -140,28 +128,7 @@ def qkv_with_rotary(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Splits a fused QKV projection [T, (h + 2 kv) * d], normalises q and k per
     head when the model has q/k norms, and rotates them; v stays flat."""
-    n = qkv.shape[0]
-    if (
-        q_norm is None
-        and qkv.device.type == "cpu"
-        and qkv.dtype in CPU_KERNEL_DTYPES
-        and cos.dtype == qkv.dtype
-        and qkv.dim() == 2
-        and qkv.is_contiguous()
-    ):
-        from fastllm import _core
-
-        q = torch.empty(n, num_heads, head_dim, dtype=qkv.dtype)
-        k = torch.empty(n, num_kv_heads, head_dim, dtype=qkv.dtype)
-        v = torch.empty(n, num_kv_heads * head_dim, dtype=qkv.dtype)
-        half = cos.shape[-1]
-        _core.qkv_rotary(q, k, v, qkv, cos.view(n, half), sin.view(n, half))
-        return q, k, v
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    q = q.reshape(n, num_heads, head_dim)
-    k = k.reshape(n, num_kv_heads, head_dim)
-    if q_norm is not None and k_norm is not None:
-        q = q_norm(q)
-        k = k_norm(k)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+    if q_norm is None or k_norm is None:
+        return ops.split_qkv_rotary(qkv, num_heads, num_kv_heads, head_dim, cos, sin)
+    q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    return ops.rotary(q_norm(q), cos, sin), ops.rotary(k_norm(k), cos, sin), v

@@ -4,7 +4,7 @@ Every model is a ``torch.nn.Module`` with
 
 * ``forward(input_ids [T] int64, positions [T] int64) -> hidden [T, hidden_size]``
   for the packed tokens of one step (attention metadata from
-  ``fastllm.engine.context.get_context()``),
+  ``fastllm.forward_context.get_context()``),
 * ``compute_logits(hidden [n, hidden_size]) -> float32 [n, vocab_size]``,
 * ``attention_layers() -> list[PagedAttention]`` (the runner assigns their caches),
 * ``weight_specs() -> dict[str, WeightSpec]`` (how the loader finds parameters).

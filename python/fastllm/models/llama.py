@@ -16,6 +16,7 @@ from fastllm.layers.activation import ActAndMul
 from fastllm.layers.attention import PagedAttention
 from fastllm.layers.linear import Embedding, Linear, head_logits
 from fastllm.layers.norm import RMSNorm
+from fastllm.layers.ops import TORCH_OPS
 from fastllm.layers.rotary import RotaryEmbedding, qkv_with_rotary
 from fastllm.models.weights import WeightSpec
 
@@ -42,6 +43,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.ops = TORCH_OPS  # the model's op table (``layers/ops.py``), bound at load
         self.attn = PagedAttention(
             self.num_heads,
             self.head_dim,
@@ -53,6 +55,7 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         q, k, v = qkv_with_rotary(
+            self.ops,
             self.qkv_proj(x),
             self.num_heads,
             self.num_kv_heads,

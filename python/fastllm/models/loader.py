@@ -20,6 +20,7 @@ from torch import nn
 
 from fastllm.config import ModelConfig
 from fastllm.layers.norm import LayerNorm, RMSNorm
+from fastllm.layers.ops import bind_ops, select_ops
 from fastllm.models import get_model_class
 from fastllm.models.weights import WeightSpec
 
@@ -52,6 +53,7 @@ def load_model(
         with _Checkpoint(folder) as ckpt:
             state = _checkpoint_state(model, ckpt, dtype, device)
     model.load_state_dict(state, strict=True, assign=True)
+    bind_ops(model, select_ops(device, dtype))
     return model.eval()
 
 

@@ -10,6 +10,7 @@ from fastllm.layers.activation import get_activation
 from fastllm.layers.attention import PagedAttention
 from fastllm.layers.linear import Embedding, Linear, head_logits
 from fastllm.layers.norm import LayerNorm
+from fastllm.layers.ops import TORCH_OPS
 from fastllm.layers.rotary import RotaryEmbedding, qkv_with_rotary
 from fastllm.models.weights import WeightSpec
 
@@ -29,6 +30,7 @@ class PhiAttention(nn.Module):
         qk_norm = bool(config.hf.get("qk_layernorm", False))
         self.q_layernorm = LayerNorm(self.head_dim, eps) if qk_norm else None
         self.k_layernorm = LayerNorm(self.head_dim, eps) if qk_norm else None
+        self.ops = TORCH_OPS  # the model's op table (``layers/ops.py``), bound at load
         self.attn = PagedAttention(
             self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, None
         )
@@ -36,6 +38,7 @@ class PhiAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         q, k, v = qkv_with_rotary(
+            self.ops,
             self.qkv_proj(x),
             self.num_heads,
             self.num_kv_heads,

@@ -1,0 +1,151 @@
+"""Paged attention in plain torch: the reference backend of ``PagedAttention``.
+
+Writes the step's K/V into their cache slots by advanced indexing, gathers
+each sequence's K/V through its block table and calls
+``scaled_dot_product_attention``. Runs on any device; the Rust and CUDA
+kernels have the same contract (``layers/ops.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from fastllm.forward_context import AttentionMetadata
+
+
+class PagedLayer(Protocol):
+    """What the attention functions read of a ``PagedAttention`` layer."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    sliding_window: int | None
+    k_cache: torch.Tensor | None
+    v_cache: torch.Tensor | None
+
+
+def attend(
+    layer: PagedLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    """Stores the step's k/v [T, kv_heads, head] in the cache, then attends q [T, heads, head]."""
+    k_cache, v_cache = layer.k_cache, layer.v_cache
+    assert k_cache is not None and v_cache is not None
+    block_size = k_cache.shape[2]
+    slots = meta.slot_mapping.to(torch.long)
+    blocks, offsets = slots // block_size, slots % block_size
+    # Advanced indices around a slice put the token dim first: [T, kv_heads, head].
+    k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
+    v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
+    if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0]:
+        return _decode(layer, q, meta)
+    return _prefill(layer, q, meta)
+
+
+def _gather(
+    layer: PagedLayer, cache: torch.Tensor, block_table: torch.Tensor, length: int
+) -> torch.Tensor:
+    """One sequence's first ``length`` cached rows as [kv_heads, length, head]."""
+    block_size = cache.shape[2]
+    num_blocks = (length + block_size - 1) // block_size
+    rows = cache[block_table[:num_blocks].to(torch.long)]  # [nb, kvh, bs, hd]
+    rows = rows.transpose(0, 1).reshape(layer.num_kv_heads, num_blocks * block_size, -1)
+    return rows[:, :length]
+
+
+def _decode(layer: PagedLayer, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """One query token per sequence: the whole batch in one padded SDPA call."""
+    k_cache, v_cache = layer.k_cache, layer.v_cache
+    assert k_cache is not None and v_cache is not None
+    num_seqs = q.shape[0]
+    block_size = k_cache.shape[2]
+    max_blocks = (meta.max_seq_len + block_size - 1) // block_size
+    tables = meta.block_tables[:, :max_blocks].to(torch.long)  # [S, nb]
+    length = max_blocks * block_size
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        rows = cache[tables]  # [S, nb, kvh, bs, hd]
+        return rows.transpose(1, 2).reshape(num_seqs, layer.num_kv_heads, length, -1)
+
+    seq_lens = meta.seq_lens.to(device=q.device, dtype=torch.long).unsqueeze(1)  # [S, 1]
+    j = torch.arange(length, device=q.device).unsqueeze(0)  # [1, L]
+    mask = j < seq_lens
+    if layer.sliding_window:
+        mask &= j > seq_lens - 1 - layer.sliding_window
+    # Slots past a sequence's end hold whatever the cache had (maybe NaN), and a
+    # masked NaN still poisons the weighted sum: zero them.
+    keep = mask[:, None, :, None]
+    keys = torch.where(keep, gather(k_cache), 0)
+    values = torch.where(keep, gather(v_cache), 0)
+    out = _sdpa(layer, q.unsqueeze(2), keys, values, mask[:, None, None, :])  # [S, H, 1, hd]
+    return out.squeeze(2)
+
+
+def _prefill(layer: PagedLayer, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Sequence by sequence: new tokens attend to their cached prefix and causally."""
+    k_cache, v_cache = layer.k_cache, layer.v_cache
+    assert k_cache is not None and v_cache is not None
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens.tolist()
+    for i, seq_len in enumerate(seq_lens):
+        start, end = starts[i], starts[i + 1]
+        if end == start:
+            continue
+        keys = _gather(layer, k_cache, meta.block_tables[i], seq_len)
+        values = _gather(layer, v_cache, meta.block_tables[i], seq_len)
+        mask = _mask(layer, end - start, seq_len, q.device)
+        qi = q[start:end].transpose(0, 1)  # [H, n, hd]
+        out[start:end] = _sdpa(layer, qi, keys, values, mask).transpose(0, 1)
+    return out
+
+
+def attend_uncached(
+    layer: PagedLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    """No cache assigned yet (e.g. a memory-profiling run): prompts attend to themselves."""
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens.tolist()
+    for i, seq_len in enumerate(seq_lens):
+        start, end = starts[i], starts[i + 1]
+        if end - start != seq_len:
+            raise RuntimeError(
+                "attention without a KV cache can only run whole prompts "
+                f"(sequence {i}: {end - start} new tokens of {seq_len})"
+            )
+        mask = _mask(layer, seq_len, seq_len, q.device)
+        out[start:end] = _sdpa(
+            layer,
+            q[start:end].transpose(0, 1),
+            k[start:end].transpose(0, 1),
+            v[start:end].transpose(0, 1),
+            mask,
+        ).transpose(0, 1)
+    return out
+
+
+def _mask(layer: PagedLayer, num_queries: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """[num_queries, seq_len] bool: query i (position seq_len - n + i) sees keys (p - w, p]."""
+    p = torch.arange(seq_len - num_queries, seq_len, device=device).unsqueeze(1)
+    j = torch.arange(seq_len, device=device).unsqueeze(0)
+    mask = j <= p
+    if layer.sliding_window:
+        mask &= j > p - layer.sliding_window
+    return mask
+
+
+def _sdpa(
+    layer: PagedLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """SDPA with grouped-query heads: q [..., H, n, hd], k/v [..., KVH, L, hd]."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
+    groups = layer.num_heads // layer.num_kv_heads
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=-3)
+        v = v.repeat_interleave(groups, dim=-3)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale)
