@@ -1,7 +1,7 @@
 """Decode cost per step when the KV cache holds long contexts.
 
 Times whole decode steps of the model runner (every layer, paged attention
-included, and the LM head) for a batch of sequences whose contexts are already
+included, the LM head and the sampler) for a batch of sequences whose contexts are already
 in the KV cache, at each context length, and prints the cost relative to the
 shortest. The cache contents are zeros rather than a real prefill (attention
 costs the same whatever the values), so a context of 4096 for 16 sequences is
@@ -22,16 +22,17 @@ import torch
 
 from fastllm import LLM
 from fastllm.engine.model_runner import ModelRunner
-from fastllm.engine.scheduler import SchedulerOutput
+from fastllm.engine.scheduler import ScheduledSeq, SchedulerOutput
+from fastllm.engine.sequence import Sequence
+from fastllm.sampling_params import SamplingParams
 
 
-class _Seq:
-    """What the model runner reads of a sequence."""
-
-    def __init__(self, token_ids: list[int], computed: int, block_table: list[int]) -> None:
-        self.token_ids = token_ids
-        self.num_computed_tokens = computed
-        self.block_table = block_table
+def _decoding_seq(token_ids: list[int], computed: int, block_table: list[int]) -> Sequence:
+    """A sequence whose first ``computed`` tokens are in the cache, in ``block_table``."""
+    seq = Sequence("bench", token_ids, SamplingParams(temperature=0), seed=0)
+    seq.num_computed_tokens = computed
+    seq.block_table = block_table
+    return seq
 
 
 def main() -> None:
@@ -72,19 +73,23 @@ def main() -> None:
     results = []
     for ctx in args.contexts:
         seqs = [
-            _Seq(
+            _decoding_seq(
                 [(7 * i + j) % vocab for j in range(ctx + args.steps + 1)],
                 ctx - 1,
                 list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
             )
             for i in range(args.batch)
         ]
-        rows = list(range(args.batch))
         times = []
         for step in range(args.steps + 1):  # the first step warms up
-            sched = SchedulerOutput(scheduled=[(s, 1) for s in seqs])
+            sched = SchedulerOutput(
+                scheduled=[
+                    ScheduledSeq(s, 1, row=i, start=s.num_computed_tokens, num_samples=1)
+                    for i, s in enumerate(seqs)
+                ]
+            )
             t0 = time.perf_counter()
-            runner.execute(sched, rows, [])
+            runner.run(sched)
             if step:
                 times.append(time.perf_counter() - t0)
             for s in seqs:

@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "fastllm.llm",
     "SamplingParams": "fastllm.sampling_params",
+    "RequestOutputKind": "fastllm.sampling_params",
     "RequestOutput": "fastllm.outputs",
     "CompletionOutput": "fastllm.outputs",
     "probe": "fastllm.platform",
@@ -30,7 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from fastllm.llm import LLM
     from fastllm.outputs import CompletionOutput, RequestOutput
     from fastllm.platform import DeviceInfo, ProbeReport, cuda_available, device_count, probe
-    from fastllm.sampling_params import SamplingParams
+    from fastllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 def __getattr__(name: str) -> Any:

@@ -8,8 +8,8 @@ from typing import Any
 
 from fastllm.config import EngineConfig
 from fastllm.engine.llm_engine import LLMEngine
-from fastllm.outputs import CompletionOutput, RequestOutput
-from fastllm.sampling_params import SamplingParams
+from fastllm.outputs import RequestOutput
+from fastllm.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict[str, Any] | list[int]
 
@@ -104,49 +104,22 @@ class LLM:
     def stream(
         self, prompt: PromptType, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
-        """Yields incremental outputs (new text and tokens since the last one) of one prompt."""
+        """Yields incremental outputs of one prompt: the new text and tokens since
+        the last one (``RequestOutputKind.DELTA``); joined, they are what
+        ``generate`` returns for the same prompt and parameters."""
         (item,) = self._normalize_prompts([prompt])
         (params,) = self._normalize_params(sampling_params, 1)
         engine = self.llm_engine
         self._check_idle()
         engine.validate_prompt(item[1], "prompt 0")
-        req = engine.add_request(item[0], item[1], params)
-        sent_text = [0] * params.n
-        sent_toks = [0] * params.n
+        req = engine.add_request(
+            item[0], item[1], params.clone(output_kind=RequestOutputKind.DELTA)
+        )
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
-                    if out.request_id != req.request_id:
-                        continue
-                    deltas = []
-                    for c in out.outputs:
-                        i = c.index
-                        if i >= len(sent_text):
-                            continue
-                        delta = CompletionOutput(
-                            index=i,
-                            text=c.text[sent_text[i] :],
-                            token_ids=c.token_ids[sent_toks[i] :],
-                            cumulative_logprob=c.cumulative_logprob,
-                            logprobs=c.logprobs[sent_toks[i] :] if c.logprobs is not None else None,
-                            finish_reason=c.finish_reason,
-                            stop_reason=c.stop_reason,
-                        )
-                        sent_text[i] = len(c.text)
-                        sent_toks[i] = len(c.token_ids)
-                        if delta.token_ids or delta.text or delta.finish_reason:
-                            deltas.append(delta)
-                    if deltas or out.finished:
-                        yield RequestOutput(
-                            request_id=out.request_id,
-                            prompt=out.prompt,
-                            prompt_token_ids=out.prompt_token_ids,
-                            prompt_logprobs=out.prompt_logprobs,
-                            outputs=deltas,
-                            finished=out.finished,
-                            num_cached_tokens=out.num_cached_tokens,
-                            metrics=out.metrics,
-                        )
+                    if out.request_id == req.request_id:
+                        yield out
         finally:
             if req.request_id in engine.requests:
                 engine.abort_request(req.request_id)
@@ -213,7 +186,7 @@ class LLM:
             engine.validate_prompt(ids, f"prompt {i}")
         order: dict[str, int] = {}
         for i, ((text, ids), p) in enumerate(zip(items, params)):
-            req = engine.add_request(text, ids, p)
+            req = engine.add_request(text, ids, p.clone(output_kind=RequestOutputKind.FINAL_ONLY))
             order[req.request_id] = i
         results: list[RequestOutput | None] = [None] * len(items)
         bar = None

@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a request holds (vLLM's names).
+
+    ``CUMULATIVE``: everything generated so far; ``DELTA``: only what is new
+    since the previous output (text held back while a stop string could still
+    cut it); ``FINAL_ONLY``: one output, when the request finishes.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -35,6 +49,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled in by the engine: the stop strings as a list, for quick checks.
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -97,6 +112,8 @@ class SamplingParams:
             raise bad("logprobs", "None or at least 0", self.logprobs)
         if self.prompt_logprobs is not None and integer("prompt_logprobs") < 0:
             raise bad("prompt_logprobs", "None or at least 0", self.prompt_logprobs)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", "a RequestOutputKind", self.output_kind)
         for s in self._stop_list:
             if not isinstance(s, str) or not s:
                 raise bad("stop", "a non-empty string or a list of non-empty strings", self.stop)
@@ -109,8 +126,16 @@ class SamplingParams:
         """Whether this request samples greedily (temperature below 1e-5)."""
         return self.temperature < _GREEDY_EPS
 
-    def clone(self) -> SamplingParams:
-        """A copy (requests never share a mutable SamplingParams)."""
-        return SamplingParams(
-            **{k: getattr(self, k) for k in self.__dataclass_fields__ if not k.startswith("_")}
-        )
+    @property
+    def stop_holdback(self) -> int:
+        """Characters a streamed text keeps back so that a stop string, which
+        is cut from the output, never leaks out before it is complete."""
+        if not self._stop_list or self.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in self._stop_list) - 1
+
+    def clone(self, **changes: object) -> SamplingParams:
+        """A copy, with ``changes`` applied (requests never share a mutable SamplingParams)."""
+        fields = {k: getattr(self, k) for k in self.__dataclass_fields__ if not k.startswith("_")}
+        fields.update(changes)
+        return SamplingParams(**fields)

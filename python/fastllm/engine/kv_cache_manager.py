@@ -17,6 +17,11 @@ class KVCacheManager:
         # (src, dst) block copies the model runner must do before the next forward.
         self.pending_copies: list[tuple[int, int]] = []
 
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """The copies queued since the last call (the runner does them before the forward)."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now."""
@@ -31,7 +36,7 @@ class KVCacheManager:
 
         At least one token is left to compute, so the step still yields logits.
         """
-        if not self.enable_prefix_caching or seq.request.params.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return
         usable = (seq.num_tokens - 1) // self.block_size * self.block_size
         if usable <= 0:

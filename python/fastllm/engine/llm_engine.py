@@ -7,16 +7,12 @@ import logging
 import os
 import random
 import time
-from typing import TYPE_CHECKING
 
 from fastllm.config import EngineConfig, resolve_dtype
+from fastllm.engine.output_processor import OutputProcessor
 from fastllm.engine.request import Request
-from fastllm.engine.sequence import Sequence
-from fastllm.outputs import CompletionOutput, Logprob, RequestOutput
+from fastllm.outputs import RequestOutput
 from fastllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:  # pragma: no cover
-    from fastllm.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger("fastllm")
 
@@ -124,12 +120,18 @@ class LLMEngine:
             device=torch_device,
         )
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens)
-        self.requests: dict[str, Request] = {}
-        self._seq_ids = itertools.count()
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, eos
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._request_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """The requests not yet finished, by id."""
+        return self.output_processor.requests
 
     # ---- requests -------------------------------------------------------
 
@@ -167,24 +169,21 @@ class LLMEngine:
         req = Request(
             rid, prompt, list(prompt_token_ids), params, arrival_time or time.time(), seed
         )
-        seq = Sequence(next(self._seq_ids), req, 0, seed)
-        self._attach_detokenizer(seq)
-        req.seqs.append(seq)
-        self.requests[rid] = req
-        self.scheduler.add(seq)
+        self.output_processor.add_request(req)
+        self.scheduler.add(req.seqs[0])
         return req
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stops a request now; its blocks return to the pool."""
-        req = self.requests.pop(request_id, None)
+        req = self.requests.get(request_id)
         if req is None:
             return None
-        req.aborted = True
         for seq in req.seqs:
             if not seq.is_finished:
-                seq.finish_reason = "abort"
-                self.scheduler.finish(seq)
-        return self._output(req, finished=True)
+                self.scheduler.stop(seq, "abort")
+        out = self.output_processor.output(req, finished=True)
+        self.output_processor.release(req)
+        return out
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is still waiting or running."""
@@ -193,198 +192,27 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedules and runs one model step; returns outputs of requests it advanced."""
+        """One step: schedule, run the model and sample, apply the tokens,
+        then the outputs of the requests it advanced."""
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            if self.scheduler.waiting and not self.scheduler.running:
-                seq = self.scheduler.waiting[0]
-                raise RuntimeError(
-                    f"request {seq.request.request_id} cannot be scheduled: needs "
-                    f"{self.kv.blocks_for(seq.num_tokens)} KV blocks, pool has "
-                    f"{self.kv.num_free_blocks} free"
-                )
+            why = self.scheduler.unschedulable()
+            if why is not None:
+                raise RuntimeError(why)
             return []
         now = time.time()
-        sample_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
-        prompt_lp: list[int] = []
-        off = 0
-        for idx, (seq, n) in enumerate(sched.scheduled):
-            req = seq.request
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
-            if req.prompt_logprobs is not None and seq.index == 0 and not seq.prefill_done:
-                prompt_lp.append(idx)
-            off += n
-            if seq.num_computed_tokens + n == seq.num_tokens:
-                sample_rows.append(off - 1)
-                sample_seqs.append(seq)
-        logits, all_logits = self.runner.execute(sched, sample_rows, prompt_lp)
-        self._collect_prompt_logprobs(sched, all_logits)
-        for seq, n in sched.scheduled:
-            seq.num_computed_tokens += n
-            self.kv.register_computed_blocks(seq)
+        for entry in sched.scheduled:
+            metrics = self.requests[entry.seq.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        result = self.runner.run(sched)
+        for idx, entries in result.prompt_logprobs.items():
+            self.output_processor.add_prompt_logprobs(sched.scheduled[idx].seq, entries)
         self.stats["steps"] += 1
-        # prompt tokens computed this step: chunk [end - n, end) clipped to the prompt
-        self.stats["prompt_tokens"] += sum(
-            max(0, min(s.num_prompt_tokens, s.num_computed_tokens) - (s.num_computed_tokens - n))
-            for s, n in sched.scheduled
-        )
-        if sample_seqs:
-            self._sample_and_append(logits, sample_seqs)
-        return self._outputs_of(sched)
-
-    def _collect_prompt_logprobs(self, sched: SchedulerOutput, all_logits: dict) -> None:
-        from fastllm.engine.model_runner import prompt_logprobs_of
-
-        for idx, logits in all_logits.items():
-            seq, n = sched.scheduled[idx]
-            start = seq.num_computed_tokens
-            nxt = seq.token_ids[start + 1 : min(start + n + 1, seq.num_prompt_tokens)]
-            entries = prompt_logprobs_of(logits, nxt, seq.request.params.prompt_logprobs or 0)
-            self._decode_logprob_tokens(entries)
-            seq.request.prompt_logprobs.extend(entries)
-
-    def _decode_logprob_tokens(self, entries: list[dict[int, Logprob]]) -> None:
-        for d in entries:
-            for t, lp in d.items():
-                lp.decoded_token = self.tokenizer.decode([t], skip_special_tokens=False)
-
-    def _sample_and_append(self, logits, sample_seqs: list[Sequence]) -> None:
-        import torch
-
-        rows = list(range(len(sample_seqs)))
-        seqs = list(sample_seqs)
-        for r, seq in enumerate(sample_seqs):
-            req = seq.request
-            if req.params.n > 1 and len(req.seqs) < req.params.n and seq.num_output_tokens == 0:
-                for i in range(len(req.seqs), req.params.n):
-                    child = Sequence(next(self._seq_ids), req, i, req.seed + i)
-                    self._attach_detokenizer(child)
-                    self.kv.fork(seq, child)
-                    child.status = seq.status
-                    req.seqs.append(child)
-                    self.scheduler.running.append(child)
-                    rows.append(r)
-                    seqs.append(child)
-        if len(rows) != logits.shape[0]:
-            logits = logits[torch.tensor(rows)]
-        suppress = [self._suppressed(s) for s in seqs]
-        tokens, lps, ranks, tops = self.runner.sample(logits, seqs, suppress)
+        self.stats["prompt_tokens"] += sum(e.num_prompt_tokens for e in sched.scheduled)
+        update = self.scheduler.postprocess(sched, result)
+        self.stats["generation_tokens"] += len(update.new_tokens)
         now = time.time()
-        for seq, tok, lp, rank, top in zip(seqs, tokens, lps, ranks, tops):
-            self._append_token(seq, tok, lp, rank, top, now)
-
-    def _suppressed(self, seq: Sequence) -> list[int]:
-        p = seq.request.params
-        if seq.num_output_tokens >= p.min_tokens:
-            return []
-        toks = list(p.stop_token_ids)
-        if not p.ignore_eos:
-            toks.extend(self.eos_token_ids)
-        return toks
-
-    def _attach_detokenizer(self, seq: Sequence) -> None:
-        from fastllm.tokenizer import IncrementalDetokenizer
-
-        seq.detokenizer = IncrementalDetokenizer(
-            self.tokenizer, seq.request.prompt_token_ids, seq.request.params.skip_special_tokens
-        )
-
-    def _append_token(self, seq, tok: int, lp: float, rank: int, top, now: float) -> None:
-        req = seq.request
-        p = req.params
-        seq.token_ids.append(tok)
-        self.stats["generation_tokens"] += 1
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
-        req.metrics.last_token_time = now
-        if p.logprobs is not None:
-            seq.cumulative_logprob += lp
-            entry = {tok: Logprob(lp, rank)}
-            for i, (t, v) in enumerate(top):
-                if t not in entry:
-                    entry[t] = Logprob(v, i + 1)
-            self._decode_logprob_tokens([entry])
-            seq.logprobs.append(entry)
-        n_out = seq.num_output_tokens
-        finish: str | None = None
-        reason: int | str | None = None
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and tok in self.eos_token_ids:
-                finish = "stop"
-            elif tok in p.stop_token_ids:
-                finish, reason = "stop", tok
-        if finish is None or p.include_stop_str_in_output:
-            delta = seq.detokenizer.add(tok)
-            seq.text += delta
-            if finish is None and p._stop_list and n_out >= p.min_tokens and delta:
-                hit = _find_stop(seq.text, len(delta), p._stop_list)
-                if hit is not None:
-                    pos, s = hit
-                    seq.text = (
-                        seq.text[: pos + len(s)] if p.include_stop_str_in_output else seq.text[:pos]
-                    )
-                    finish, reason = "stop", s
-        if finish is None:
-            if p.max_tokens is not None and n_out >= p.max_tokens:
-                finish = "length"
-            elif seq.num_tokens >= self.max_model_len:
-                finish = "length"
-        if finish is not None:
-            seq.finish_reason = finish
-            seq.stop_reason = reason
-            self.scheduler.finish(seq)
-            if req.finished:
-                req.metrics.finished_time = now
-
-    # ---- outputs --------------------------------------------------------
-
-    def _outputs_of(self, sched: SchedulerOutput) -> list[RequestOutput]:
-        seen: dict[str, Request] = {}
-        for seq, _ in sched.scheduled:
-            seen.setdefault(seq.request.request_id, seq.request)
-        outs = []
-        for rid, req in seen.items():
-            finished = req.finished
-            outs.append(self._output(req, finished))
-            if finished:
-                self.requests.pop(rid, None)
-        return outs
-
-    def _output(self, req: Request, finished: bool) -> RequestOutput:
-        want_lp = req.params.logprobs is not None
-        comps = [
-            CompletionOutput(
-                index=s.index,
-                text=s.text,
-                token_ids=list(s.output_token_ids),
-                cumulative_logprob=s.cumulative_logprob if want_lp else None,
-                logprobs=list(s.logprobs) if want_lp else None,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-            )
-            for s in req.seqs
-        ]
-        req.num_cached_tokens = req.seqs[0].num_cached_tokens if req.seqs else 0
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            prompt_logprobs=req.prompt_logprobs,
-            outputs=comps,
-            finished=finished,
-            num_cached_tokens=req.num_cached_tokens,
-            metrics=req.metrics,
-        )
-
-
-def _find_stop(text: str, new_len: int, stops: list[str]) -> tuple[int, str] | None:
-    """The earliest stop string that ends inside the last new_len characters."""
-    best: tuple[int, str] | None = None
-    for s in stops:
-        start = max(0, len(text) - new_len - len(s) + 1)
-        pos = text.find(s, start)
-        if pos != -1 and (best is None or pos < best[0]):
-            best = (pos, s)
-    return best
+        for seq, stop in self.output_processor.process(update, now):
+            self.scheduler.stop(seq, "stop", stop)
+        return self.output_processor.outputs((e.seq.request_id for e in sched.scheduled), now)

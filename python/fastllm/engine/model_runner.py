@@ -1,5 +1,5 @@
-"""Model runner: owns the model and its KV caches, turns a scheduled step into
-one packed forward pass, and samples the next tokens."""
+"""Model runner: owns the model and its KV caches; ``run`` turns a scheduled
+step into one packed forward pass and samples the next tokens."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from fastllm import _core
-from fastllm.engine.scheduler import SchedulerOutput
+from fastllm.engine.scheduler import SampledToken, SchedulerOutput, StepResult
 from fastllm.engine.sequence import Sequence
 from fastllm.forward_context import AttentionMetadata, set_context
 from fastllm.outputs import Logprob
@@ -73,14 +73,44 @@ class ModelRunner:
             v[dst] = v[src]
 
     @torch.inference_mode()
-    def execute(
-        self, sched: SchedulerOutput, logit_rows: list[int], all_rows_for: list[int]
-    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Runs the forward pass of one step.
+    def run(self, sched: SchedulerOutput) -> StepResult:
+        """Runs one step: the packed forward pass, then the sampler for every
+        entry that samples, and the prompt logprobs that were asked for."""
+        logits, prompt_logits = self._forward(sched)
+        sampled = sched.sampled
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        seeds: list[int] = []
+        suppress: list[list[int]] = []
+        for r, entry in enumerate(sampled):
+            for j in range(entry.num_samples):
+                rows.append(r)
+                seqs.append(entry.seq)
+                seeds.append(entry.seq.seed + j)
+                suppress.append(entry.suppressed)
+        samples: list[list[SampledToken]] = []
+        if sampled:
+            if len(rows) != logits.shape[0]:
+                logits = logits[torch.tensor(rows, device=logits.device)]
+            tokens, lps, ranks, tops = self.sample(logits, seqs, seeds, suppress)
+            drawn = iter(map(SampledToken, tokens, lps, ranks, tops))
+            samples = [[next(drawn) for _ in range(e.num_samples)] for e in sampled]
+        prompt_lps = {}
+        for idx, lg in prompt_logits.items():
+            entry = sched.scheduled[idx]
+            seq = entry.seq
+            nxt = seq.token_ids[
+                entry.start + 1 : min(entry.start + entry.num_new_tokens + 1, seq.num_prompt_tokens)
+            ]
+            prompt_lps[idx] = prompt_logprobs_of(lg, nxt, seq.params.prompt_logprobs or 0)
+        return StepResult(samples, prompt_lps)
 
-        Returns float32 logits for the packed rows ``logit_rows`` (left on the
-        GPU when the CUDA sampler will take them, else on the CPU) and, for each
-        scheduled index in ``all_rows_for`` (prompt logprobs), the CPU logits of
+    def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The forward pass of one step.
+
+        Returns float32 logits of the last row of every sampling entry (left
+        on the GPU when the CUDA sampler will take them, else on the CPU) and,
+        for each scheduled index that wants prompt logprobs, the CPU logits of
         all its rows in this step.
         """
         self.copy_blocks(sched.block_copies)
@@ -91,13 +121,13 @@ class ModelRunner:
         num_seqs = len(sched.scheduled)
         seq_lens = np.empty(num_seqs, dtype=np.int32)
         qsl = np.zeros(num_seqs + 1, dtype=np.int32)
-        max_blocks = max(len(s.block_table) for s, _ in sched.scheduled)
+        max_blocks = max(len(e.seq.block_table) for e in sched.scheduled)
         block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
         bs = self.block_size
-        off = 0
         max_q = 0
-        for i, (seq, n) in enumerate(sched.scheduled):
-            start = seq.num_computed_tokens
+        for i, entry in enumerate(sched.scheduled):
+            seq, n, off = entry.seq, entry.num_new_tokens, entry.row
+            start = entry.start
             end = start + n
             input_ids[off : off + n] = seq.token_ids[start:end]
             pos = np.arange(start, end, dtype=np.int64)
@@ -106,8 +136,7 @@ class ModelRunner:
             slots[off : off + n] = table[pos // bs] * bs + pos % bs
             block_tables[i, : len(table)] = table
             seq_lens[i] = end
-            off += n
-            qsl[i + 1] = off
+            qsl[i + 1] = off + n
             max_q = max(max_q, n)
         dev = self.device
         meta = AttentionMetadata(
@@ -118,6 +147,7 @@ class ModelRunner:
             max_query_len=max_q,
             max_seq_len=int(seq_lens.max()),
         )
+        logit_rows = [e.row + e.num_new_tokens - 1 for e in sched.sampled]
         set_context(meta)
         with torch_threads(self.step_torch_threads):
             try:
@@ -128,18 +158,24 @@ class ModelRunner:
                 set_context(None)
             logits = self.model.compute_logits(hidden[torch.as_tensor(logit_rows, device=dev)])
             extra: dict[int, torch.Tensor] = {}
-            for idx in all_rows_for:
-                lo, hi = int(qsl[idx]), int(qsl[idx + 1])
-                extra[idx] = self.model.compute_logits(hidden[lo:hi]).float().cpu()
+            for idx, entry in enumerate(sched.scheduled):
+                if entry.prompt_logprobs:
+                    lo = entry.row
+                    extra[idx] = self.model.compute_logits(hidden[lo : lo + entry.num_new_tokens])
+                    extra[idx] = extra[idx].float().cpu()
         if logits.is_cuda and _cuda_kernels_enabled():
             return logits.float(), extra
         return logits.float().cpu(), extra
 
     @torch.inference_mode()
     def sample(
-        self, logits: torch.Tensor, seqs: list[Sequence], suppress: list[list[int]]
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        seeds: list[int],
+        suppress: list[list[int]],
     ) -> tuple[list[int], list[float], list[int], list[list[tuple[int, float]]]]:
-        """Samples one token per row of ``logits`` for ``seqs``.
+        """Samples one token per row of ``logits``: row i for ``seqs[i]`` with ``seeds[i]``.
 
         CUDA logits go to the CUDA sampler (same semantics and random draw as
         the CPU one); CPU logits, or CUDA ones when the kernels are off, go to
@@ -150,7 +186,7 @@ class ModelRunner:
             if toks:
                 logits[i, toks] = float("-inf")
         logits = logits.contiguous()
-        params = [s.request.params for s in seqs]
+        params = [s.params for s in seqs]
         penalised = [
             p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
             for p in params
@@ -178,7 +214,7 @@ class ModelRunner:
             [p.repetition_penalty for p in params],
             [p.frequency_penalty for p in params],
             [p.presence_penalty for p in params],
-            [s.seed for s in seqs],
+            seeds,
             [s.num_tokens for s in seqs],
             prompt_tokens,
             prompt_off,

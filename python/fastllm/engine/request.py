@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from fastllm.engine.sequence import Sequence
 from fastllm.outputs import PromptLogprobs, RequestMetrics
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fastllm.engine.sequence import Sequence
     from fastllm.sampling_params import SamplingParams
 
 
 class Request:
-    """A prompt and the sequences generated from it."""
+    """A prompt and the sequences generated from it (the first one until the
+    prompt is prefilled; then ``n``)."""
 
     def __init__(
         self,
@@ -27,14 +28,17 @@ class Request:
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
-        self.seed = seed  # child i samples with seed + i
-        self.seqs: list[Sequence] = []
+        self.seed = seed  # completion i samples with seed + i
+        self.seqs: list[Sequence] = [Sequence(request_id, prompt_token_ids, params, seed)]
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.prompt_logprobs: PromptLogprobs | None = (
             [None] if params.prompt_logprobs is not None else None
         )
-        self.num_cached_tokens = 0
-        self.aborted = False
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens whose KV came from the prefix cache."""
+        return self.seqs[0].num_cached_tokens
 
     @property
     def finished(self) -> bool:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import enum
+import itertools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fastllm.engine.request import Request
-    from fastllm.tokenizer import IncrementalDetokenizer
+    from fastllm.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -20,29 +20,47 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     """The tokens of one completion (prompt + output), its block table and its
-    progress through the model (``num_computed_tokens`` have KV in the cache)."""
+    progress through the model (``num_computed_tokens`` have KV in the cache).
 
-    def __init__(self, seq_id: int, request: Request, index: int, seed: int) -> None:
-        self.seq_id = seq_id
-        self.request = request
+    It carries what the scheduler and the model runner need of its request
+    (id, sampling parameters, seed), so neither looks the request up.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        index: int = 0,
+    ) -> None:
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id
+        self.params = params
         self.index = index  # which of the request's n completions
         self.seed = seed
         self.status = SequenceStatus.WAITING
-        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.block_table: list[int] = []
         self.num_registered_blocks = 0  # leading full blocks entered in the prefix cache
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
-        self.cumulative_logprob = 0.0
-        self.logprobs: list = []
-        self.text = ""
-        self.finish_reason: str | None = None
+        self.finish_reason: str | None = None  # "stop", "length" or "abort"
         self.stop_reason: int | str | None = None
-        self.detokenizer: IncrementalDetokenizer | None = None
-        # Text already returned by stream(): the next delta starts here.
-        self.streamed_len = 0
-        self.streamed_tokens = 0
+
+    def fork(self, index: int, seed: int) -> Sequence:
+        """A sibling completion of the same prompt (no blocks yet: ``KVCacheManager.fork``)."""
+        return Sequence(
+            self.request_id, self.token_ids[: self.num_prompt_tokens], self.params, seed, index
+        )
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt's tokens."""
+        return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -21,8 +21,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastllm.config import EngineConfig
-from fastllm.outputs import CompletionOutput, Logprob, RequestOutput
-from fastllm.sampling_params import SamplingParams
+from fastllm.outputs import Logprob, RequestOutput
+from fastllm.sampling_params import RequestOutputKind, SamplingParams
 from fastllm.server.engine_loop import AsyncEngine, EngineDeadError, Histogram
 from fastllm.server.protocol import (
     APIError,
@@ -328,36 +328,6 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-class _Delta:
-    """What of one choice was already streamed: text, tokens, finish."""
-
-    __slots__ = ("text", "tokens", "finished", "started")
-
-    def __init__(self) -> None:
-        self.text = 0
-        self.tokens = 0
-        self.finished = False
-        self.started = False
-
-    def take(self, c: CompletionOutput, holdback: int) -> tuple[str, list[int], int]:
-        """New text (minus ``holdback`` characters that a stop string could
-        still remove), new tokens, and the index of the first new token."""
-        end = len(c.text) if c.finish_reason else max(self.text, len(c.text) - holdback)
-        text = c.text[self.text : end]
-        first = self.tokens
-        toks = c.token_ids[first:]
-        self.text = end
-        self.tokens = len(c.token_ids)
-        return text, toks, first
-
-
-def _holdback(params: SamplingParams) -> int:
-    """Characters kept back while streaming so a stop string never leaks out."""
-    if not params._stop_list or params.include_stop_str_in_output:
-        return 0
-    return max(len(s) for s in params._stop_list) - 1
-
-
 # ---- routes ------------------------------------------------------------------
 
 
@@ -439,8 +409,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         params = req.to_sampling_params(req.max_tokens)
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
+        kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.CUMULATIVE
         gens = [
-            engine.generate(text, ids, params.clone(), f"{cid}-{i}")
+            engine.generate(text, ids, params.clone(output_kind=kind), f"{cid}-{i}")
             for i, (text, ids) in enumerate(items)
         ]
         echoes = [
@@ -507,6 +478,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         top_k = req.top_logprobs or 0
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
+        if req.stream:
+            params = params.clone(output_kind=RequestOutputKind.DELTA)
         gen = engine.generate(text, ids, params, cid)
         if req.stream:
             body = _stream_chat(gen, cid, created, name, params, req.include_usage, len(ids), top_k)
@@ -600,36 +573,27 @@ async def _stream_completion(
     echoes: list[str],
     items: list[tuple[str | None, list[int]]],
 ) -> AsyncIterator[str]:
-    hold = _holdback(params)
-    deltas: dict[tuple[int, int], _Delta] = {}
-    offsets: dict[tuple[int, int], int] = {}
+    # Outputs are deltas (RequestOutputKind.DELTA): new text, tokens and logprobs.
+    offsets: dict[tuple[int, int], int] = {}  # text offset of the next logprob token
     completion_tokens = 0
     try:
         async for i, out in _merge(gens):
             for c in out.outputs:
                 key = (i, c.index)
-                d = deltas.setdefault(key, _Delta())
-                if d.finished:
-                    continue
-                text, toks, first = d.take(c, hold)
-                finish = c.finish_reason
+                text, finish = c.text, c.finish_reason
                 want_lp = params.logprobs is not None and c.logprobs is not None
-                if not text and not finish and not (toks and want_lp) and d.started:
+                started = key in offsets
+                completion_tokens += len(c.token_ids)
+                if not text and not finish and not (c.token_ids and want_lp) and started:
                     continue
                 prefix = ""
-                if not d.started:
-                    d.started = True
+                if not started:
                     prefix = echoes[i]
                     offsets[key] = len(prefix)
                 lp = None
                 if want_lp:
-                    lp = _completion_logprobs(
-                        toks, c.logprobs[first : first + len(toks)], offsets[key]
-                    )
+                    lp = _completion_logprobs(c.token_ids, c.logprobs, offsets[key])
                     offsets[key] += sum(len(t) for t in lp["tokens"])
-                if finish:
-                    d.finished = True
-                    completion_tokens += len(c.token_ids)
                 choice = {
                     "index": i * params.n + c.index,
                     "text": prefix + text,
@@ -684,8 +648,7 @@ async def _stream_chat(
         body.update(extra)
         return _sse(body)
 
-    hold = _holdback(params)
-    deltas = [_Delta() for _ in range(params.n)]
+    # Outputs are deltas (RequestOutputKind.DELTA): new text, tokens and logprobs.
     completion_tokens = 0
     try:
         for i in range(params.n):
@@ -701,20 +664,14 @@ async def _stream_chat(
             )
         async for out in gen:
             for c in out.outputs:
-                d = deltas[c.index]
-                if d.finished:
-                    continue
-                text, toks, first = d.take(c, hold)
-                finish = c.finish_reason
+                text, finish = c.text, c.finish_reason
                 want_lp = params.logprobs is not None and c.logprobs is not None
-                if not text and not finish and not (toks and want_lp):
+                completion_tokens += len(c.token_ids)
+                if not text and not finish and not (c.token_ids and want_lp):
                     continue
                 lp = None
                 if want_lp:
-                    lp = _chat_logprobs(toks, c.logprobs[first : first + len(toks)], top_k)
-                if finish:
-                    d.finished = True
-                    completion_tokens += len(c.token_ids)
+                    lp = _chat_logprobs(c.token_ids, c.logprobs, top_k)
                 choice = {
                     "index": c.index,
                     "delta": {"content": text} if text or not finish else {},

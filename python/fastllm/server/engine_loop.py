@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastllm.outputs import RequestOutput
-from fastllm.sampling_params import SamplingParams
+from fastllm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
     from fastllm.engine.llm_engine import LLMEngine
@@ -61,6 +61,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     arrival: float
+    delta: bool  # outputs are deltas (RequestOutputKind.DELTA), not cumulative
     tokens_seen: int = 0
     last_token_time: float = 0.0
 
@@ -132,7 +133,8 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields the request's cumulative outputs, the last one with ``finished=True``.
+        """Yields the request's outputs (cumulative, or deltas when
+        ``params.output_kind`` says so), the last one with ``finished=True``.
 
         Leaving the iteration early (cancellation, client disconnect, ``aclose``)
         aborts the request, so its KV blocks return to the pool.
@@ -141,14 +143,18 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine is not running: {self.error!r}")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        stream = _Stream(loop, q, time.time())
+        delta = params.output_kind is RequestOutputKind.DELTA
+        stream = _Stream(loop, q, time.time(), delta)
         self._commands.put(("add", request_id, prompt, prompt_token_ids, params, stream))
         finished = False
         try:
             while not finished:
                 item = await q.get()
-                # Outputs are cumulative: when the reader lags, only the newest matters.
-                while not q.empty() and not isinstance(item, BaseException) and not item.finished:
+                # Cumulative outputs: when the reader lags, only the newest matters
+                # (deltas are all read, in order).
+                while not delta and not q.empty() and not isinstance(item, BaseException):
+                    if item.finished:
+                        break
                     item = q.get_nowait()
                 if isinstance(item, BaseException):
                     finished = True
@@ -223,6 +229,8 @@ class AsyncEngine:
         if stream is None:
             return
         seen = max((len(c.token_ids) for c in out.outputs), default=0)
+        if stream.delta:
+            seen += stream.tokens_seen
         if seen > stream.tokens_seen:
             if stream.tokens_seen == 0:
                 self.ttft.observe(now - stream.arrival)
@@ -254,10 +262,10 @@ class AsyncEngine:
     def _publish_stats(self) -> None:
         e = self.engine
         pool = e.kv.pool.stats()
-        sched = e.scheduler
+        running, waiting = e.scheduler.num_requests()
         self.stats = EngineStats(
-            running=len({s.request.request_id for s in sched.running}),
-            waiting=len({s.request.request_id for s in sched.waiting}),
+            running=running,
+            waiting=waiting,
             prompt_tokens=e.stats["prompt_tokens"],
             generation_tokens=e.stats["generation_tokens"],
             steps=e.stats["steps"],
