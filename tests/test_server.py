@@ -303,6 +303,83 @@ def test_stop_strings(client, llm):
     assert stopped.choices[0].message.content == ctext[: ctext.index(cstop)]
 
 
+def _sse_stop_for(llm: LLM, prompt: str, seed: int) -> str:
+    """A piece of the sampled completion 0 that spans several tokens."""
+    (ref,) = llm.generate(
+        [prompt],
+        SamplingParams(n=2, temperature=0.9, seed=seed, max_tokens=24, ignore_eos=True),
+        use_tqdm=False,
+    )
+    c0, tok = ref.outputs[0], llm.get_tokenizer()
+    for k in range(1, len(c0.token_ids) - 3):
+        piece = tok.decode(c0.token_ids[k : k + 3])
+        if len(piece) >= 3 and len(tok.decode(c0.token_ids[k : k + 1])) < len(piece):
+            if piece in c0.text:
+                return piece
+    pytest.skip("no multi-token piece in the sampled text")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_sse_streams_join_to_the_whole_reply(client, llm, include):
+    """Completions and chat, n = 2, seeded, a stop string spanning several
+    tokens: the joined SSE text and tokens equal the non-streamed reply's."""
+    prompt = PROMPTS[1]
+    stop = _sse_stop_for(llm, prompt, seed=21)
+    extra = {"ignore_eos": True, "include_stop_str_in_output": include}
+    kw = dict(temperature=0.9, seed=21, max_tokens=24, n=2, stop=[stop], extra_body=extra)
+
+    whole = client.completions.create(model=NAME, prompt=prompt, logprobs=1, **kw)
+    chunks = list(
+        client.completions.create(model=NAME, prompt=prompt, logprobs=1, stream=True, **kw)
+    )
+    text, toks, finish = {0: "", 1: ""}, {0: [], 1: []}, {}
+    for ch in chunks:
+        for c in ch.choices:
+            text[c.index] += c.text
+            toks[c.index] += c.logprobs.tokens if c.logprobs else []
+            if c.finish_reason:
+                assert c.index not in finish, "one finish per choice"
+                finish[c.index] = c.finish_reason
+    assert whole.choices[0].finish_reason == "stop"  # completion 0 meets the stop string
+    for c in whole.choices:
+        assert text[c.index] == c.text
+        assert toks[c.index] == c.logprobs.tokens
+        assert finish[c.index] == c.finish_reason
+    ref = _offline(
+        llm,
+        prompt,
+        temperature=0.9,
+        seed=21,
+        max_tokens=24,
+        n=2,
+        stop=[stop],
+        ignore_eos=True,
+        include_stop_str_in_output=include,
+    )
+    assert {c.index: c.text for c in whole.choices} == {c.index: c.text for c in ref.outputs}
+    assert whole.choices[0].text.endswith(stop) == include
+
+    messages = [{"role": "user", "content": prompt}]
+    chat = client.chat.completions.create(model=NAME, messages=messages, logprobs=True, **kw)
+    chat_chunks = list(
+        client.chat.completions.create(
+            model=NAME, messages=messages, logprobs=True, stream=True, **kw
+        )
+    )
+    text, toks, finish = {0: "", 1: ""}, {0: [], 1: []}, {}
+    for ch in chat_chunks:
+        for c in ch.choices:
+            text[c.index] += c.delta.content or ""
+            toks[c.index] += [t.token for t in (c.logprobs.content if c.logprobs else [])]
+            if c.finish_reason:
+                assert c.index not in finish, "one finish per choice"
+                finish[c.index] = c.finish_reason
+    for c in chat.choices:
+        assert text[c.index] == c.message.content
+        assert toks[c.index] == [t.token for t in c.logprobs.content]
+        assert finish[c.index] == c.finish_reason
+
+
 def test_logprobs(client, llm):
     kw = dict(temperature=0.0, max_tokens=6, extra_body={"ignore_eos": True})
     r = client.completions.create(model=NAME, prompt=PROMPTS[5], logprobs=3, **kw)

@@ -107,7 +107,9 @@ class OutputProcessor:
         if hit is None:
             return None
         pos, stop = hit
-        state.text = state.text[: pos + len(stop)] if p.include_stop_str_in_output else state.text[:pos]
+        state.text = (
+            state.text[: pos + len(stop)] if p.include_stop_str_in_output else state.text[:pos]
+        )
         return stop
 
     def add_prompt_logprobs(self, seq: Sequence, entries: list[dict[int, Logprob]]) -> None:

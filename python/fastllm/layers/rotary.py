@@ -114,7 +114,6 @@ class RotaryEmbedding(nn.Module):
         return self.ops.rotary(q, cos, sin), self.ops.rotary(k, cos, sin)
 
 
-
 def qkv_with_rotary(
     ops: LayerOps,
     qkv: torch.Tensor,
