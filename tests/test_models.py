@@ -222,6 +222,34 @@ def test_prefix_then_chunks_then_decode_matches_transformers(name: str, saved: d
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
+def test_op_table_chosen_at_load_and_torch_table_matches(name: str, saved: dict) -> None:
+    """A CPU float32 model gets the Rust op table in every layer, float16 the
+    torch one; rebinding the torch table (what CUDA falls back to) gives the
+    reference's logits too, prefill then decode."""
+    from fastllm.layers.ops import RUST_OPS, TORCH_OPS, LayerOps, bind_ops
+
+    folder, ref_model = saved[name]
+
+    def tables(model: torch.nn.Module) -> set[str]:
+        return {
+            m.ops.backend for m in model.modules() if isinstance(getattr(m, "ops", None), LayerOps)
+        }
+
+    model = _load(folder, pack=False)
+    assert tables(model) == {RUST_OPS.backend}
+    assert tables(_load(folder, torch.float16, pack=False)) == {TORCH_OPS.backend}
+    bind_ops(model, TORCH_OPS)
+    assert tables(model) == {TORCH_OPS.backend}
+    seqs = _sequences(6, [11, 5])
+    ref = _reference(ref_model, seqs)
+    runner = PagedRunner(model, torch.float32)
+    prefill = runner.step([(i, s[:-1]) for i, s in enumerate(seqs)])
+    decode = runner.step([(i, s[-1:]) for i, s in enumerate(seqs)])
+    for i, expected in enumerate(ref):
+        _assert_close_f32(torch.cat([prefill[i], decode[i]]), expected, f"{name} torch ops {i}")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
 def test_bfloat16_close_to_float32_reference(name: str, saved: dict) -> None:
     folder, ref_model = saved[name]
     seqs = _sequences(4, [9, 16, 3])

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastllm import _core
 from fastllm.layers import CPU_KERNEL_DTYPES
 
 logger = logging.getLogger("fastllm")
@@ -58,8 +59,6 @@ class Linear(nn.Module):
         ``packed`` (a ``_core.PackedLinear`` of this same weight), and frees
         the torch copy."""
         if packed is None:
-            from fastllm import _core
-
             packed = _core.PackedLinear(self.weight.detach().contiguous(), _detached(self.bias))
         self.packed = packed
         self.weight = None
@@ -117,8 +116,6 @@ def should_pack(device: str, dtype: torch.dtype) -> bool:
         return False
     if mode == "rust":
         return True
-    from fastllm import _core
-
     # The portable scalar kernel is slower than torch: keep torch there.
     return _core.gemm_default_path() != "scalar"
 
@@ -127,8 +124,6 @@ def pack_linears(model: nn.Module) -> int:
     """Packs every ``Linear`` of ``model`` and its language-model head (also
     when tied to the embedding, which keeps its own table); returns the bytes
     of packed weights."""
-    from fastllm import _core
-
     head_weight, head_bias = model.head_weights()
     head = _core.PackedLinear(head_weight.detach().contiguous(), _detached(head_bias))
     total = head.nbytes
