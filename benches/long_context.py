@@ -65,6 +65,8 @@ def main() -> None:
         dtype=engine.dtype,
         device=torch.device("cpu"),
     )
+    for cache in runner.k_caches + runner.v_caches:
+        cache.zero_()  # "prefilled" contexts: zeros, whatever the allocator gave
     print(
         f"batch {args.batch}, KV cache {args.batch * blocks_per_seq * per_block / 1e9:.2f} GB, "
         f"dtype {engine.dtype}"

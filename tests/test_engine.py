@@ -241,9 +241,16 @@ def test_prompt_too_long_names_request(make_model):
 def test_finish_reason_length_at_max_model_len(make_model):
     folder = make_model("llama")
     llm = LLM(folder, dtype="float32", device="cpu", max_model_len=20)
-    (o,) = llm.generate([{"prompt_token_ids": list(range(3, 18))}], greedy(50), use_tqdm=False)
+    prompt = {"prompt_token_ids": list(range(3, 18))}
+    unlimited = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    (o,) = llm.generate([prompt], unlimited, use_tqdm=False)
     assert o.outputs[0].finish_reason == "length"
     assert len(o.outputs[0].token_ids) == 5
+    # Asking for more than the context holds is an error naming max_tokens, as
+    # the server's 400 (one rule in both places).
+    with pytest.raises(ValueError, match=r"prompt 0: .*max_tokens=50 asks for 65 in all"):
+        llm.generate([prompt], greedy(50), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_device_errors_come_before_weights(make_model, monkeypatch, tmp_path):

@@ -256,7 +256,17 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
     load_format: str = "auto"
+    max_logprobs: int = 20
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
+    quantization: str | None = None
+    task: str = "generate"
+    tokenizer_mode: str = "auto"
+    trust_remote_code: bool = False
+    enforce_eager: bool = False  # accepted for vLLM scripts: fastllm has no graphs to capture
 
     def validate(self) -> None:
         """Checks every field, naming the field in the error."""
@@ -270,6 +280,27 @@ class EngineConfig:
             positive(name)
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             positive(name)
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int):
+            raise ValueError(f"max_logprobs must be an integer, got {self.max_logprobs!r}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no limit) or at least 0, got {self.max_logprobs}")
+        if self.quantization is not None:
+            raise ValueError(
+                f"quantization={self.quantization!r} is not supported: fastllm runs float "
+                "weights (float32, bfloat16, float16); pass quantization=None"
+            )
+        if self.task not in ("generate", "auto"):
+            raise ValueError(
+                f"task={self.task!r} is not supported: fastllm generates text (task='generate')"
+            )
+        if self.tokenizer_mode not in ("auto", "hf", "slow"):
+            raise ValueError(
+                f"tokenizer_mode must be 'auto', 'hf' or 'slow' (all read tokenizer.json), "
+                f"got {self.tokenizer_mode!r}"
+            )
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
         if self.block_size > 1024:
             raise ValueError(f"block_size must be at most 1024, got {self.block_size}")
         if self.load_format not in ("auto", "safetensors", "dummy"):

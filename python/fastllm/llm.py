@@ -39,7 +39,17 @@ class LLM:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
         kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
         load_format: str = "auto",
+        max_logprobs: int = 20,
+        revision: str | None = None,
+        tokenizer_revision: str | None = None,
+        download_dir: str | None = None,
+        quantization: str | None = None,
+        task: str = "generate",
+        tokenizer_mode: str = "auto",
+        trust_remote_code: bool = False,
+        enforce_eager: bool = False,
     ) -> None:
         if model is None:
             from fastllm.demo import demo_model_path
@@ -58,7 +68,17 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
             load_format=load_format,
+            max_logprobs=max_logprobs,
+            revision=revision,
+            tokenizer_revision=tokenizer_revision,
+            download_dir=download_dir,
+            quantization=quantization,
+            task=task,
+            tokenizer_mode=tokenizer_mode,
+            trust_remote_code=trust_remote_code,
+            enforce_eager=enforce_eager,
         )
         self.llm_engine = LLMEngine(self.config)
 
@@ -111,7 +131,7 @@ class LLM:
         (params,) = self._normalize_params(sampling_params, 1)
         engine = self.llm_engine
         self._check_idle()
-        engine.validate_prompt(item[1], "prompt 0")
+        engine.validate_request(item[1], params, "prompt 0")
         req = engine.add_request(
             item[0], item[1], params.clone(output_kind=RequestOutputKind.DELTA)
         )
@@ -182,8 +202,8 @@ class LLM:
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         self._check_idle()
-        for i, (_, ids) in enumerate(items):
-            engine.validate_prompt(ids, f"prompt {i}")
+        for i, ((_, ids), p) in enumerate(zip(items, params)):
+            engine.validate_request(ids, p, f"prompt {i}")
         order: dict[str, int] = {}
         for i, ((text, ids), p) in enumerate(zip(items, params)):
             req = engine.add_request(text, ids, p.clone(output_kind=RequestOutputKind.FINAL_ONLY))

@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 import random
+import re
 import time
 
 from fastllm.config import EngineConfig, resolve_dtype
@@ -16,29 +17,48 @@ from fastllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("fastllm")
 
-_DEFAULT_KV_BYTES = 4 << 30  # like vLLM's CPU default KV space
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
-def resolve_model_folder(model: str) -> str:
-    """A local folder for ``model``: a path, or a hub id found in the local hub cache."""
+def resolve_model_folder(
+    model: str, revision: str | None = None, download_dir: str | None = None
+) -> str:
+    """A local folder for ``model``: a path, or a hub id (``org/name`` or
+    ``name``) found in the local Hugging Face cache (``download_dir`` when
+    given). fastllm never downloads: a miss says how to."""
     if os.path.isdir(model):
         return model
     if os.path.exists(model):
         raise ValueError(f"model path {model!r} is not a folder")
-    if model.count("/") == 1 and not model.startswith((".", "/")):
+    if _HUB_ID.match(model) and ".." not in model:
         try:
             from huggingface_hub import snapshot_download
-        except ImportError:
+        except ImportError:  # pragma: no cover - tokenizers depends on it
             snapshot_download = None
         if snapshot_download is not None:
             try:
-                return snapshot_download(model, local_files_only=True)
+                return snapshot_download(
+                    model, revision=revision, cache_dir=download_dir, local_files_only=True
+                )
             except Exception as e:  # not in the local cache
+                where = download_dir or "the local Hugging Face cache"
+                rev = f" at revision {revision!r}" if revision else ""
+                hint = f" --revision {revision}" if revision else ""
+                hint += f" --cache-dir {download_dir}" if download_dir else ""
                 raise ValueError(
-                    f"model {model!r} is not a local folder and is not in the local "
-                    f"Hugging Face cache ({type(e).__name__}); download it first"
-                ) from e
+                    f"model {model!r}{rev} is not a local folder and is not in {where} "
+                    f"({type(e).__name__}); fastllm never downloads: run "
+                    f"`huggingface-cli download {model}{hint}` first, or pass the folder's path"
+                ) from None
     raise ValueError(f"model folder not found: {model!r}")
+
+
+class RequestError(ValueError):
+    """A request the engine cannot run; ``field`` names what to change."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class LLMEngine:
@@ -49,11 +69,12 @@ class LLMEngine:
         from fastllm.platform import resolve_device
 
         device = resolve_device(config.device, config.tensor_parallel_size)
-        folder = resolve_model_folder(config.model)
+        folder = resolve_model_folder(config.model, config.revision, config.download_dir)
 
         import torch
 
         from fastllm.config import ModelConfig
+        from fastllm.engine.cache_size import plan_kv_cache
         from fastllm.engine.kv_cache_manager import KVCacheManager
         from fastllm.engine.model_runner import ModelRunner
         from fastllm.engine.scheduler import Scheduler
@@ -64,7 +85,11 @@ class LLMEngine:
         self.config = config
         self.folder = folder
         self.model_config = mc = ModelConfig.from_pretrained(folder)
-        tok_folder = resolve_model_folder(config.tokenizer) if config.tokenizer else folder
+        tok_folder = (
+            resolve_model_folder(config.tokenizer, config.tokenizer_revision, config.download_dir)
+            if config.tokenizer
+            else folder
+        )
         self.tokenizer = Tokenizer(tok_folder)
         self.device = device
         self.dtype = resolve_dtype(config.dtype, device, mc.torch_dtype)
@@ -94,21 +119,21 @@ class LLMEngine:
         if should_pack(device, self.dtype):
             pack_linears(model)
         bs = config.block_size
-        per_block = ModelRunner.block_bytes(
-            mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, bs, self.dtype
+        self.cache = plan_kv_cache(
+            device=device,
+            block_bytes=ModelRunner.block_bytes(
+                mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, bs, self.dtype
+            ),
+            block_size=bs,
+            max_model_len=self.max_model_len,
+            max_model_len_is_explicit=config.max_model_len is not None,
+            max_num_seqs=config.max_num_seqs,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            gpu_memory_utilization=config.gpu_memory_utilization,
         )
-        need_blocks = -(-self.max_model_len // bs)
-        if config.kv_cache_memory_bytes is not None:
-            num_blocks = config.kv_cache_memory_bytes // per_block
-        else:
-            wanted = need_blocks * config.max_num_seqs + 1
-            num_blocks = min(wanted, _DEFAULT_KV_BYTES // per_block)
-        if num_blocks < need_blocks:
-            raise ValueError(
-                f"the KV cache ({num_blocks} blocks of {bs} tokens) cannot hold one sequence "
-                f"of max_model_len={self.max_model_len} tokens ({need_blocks} blocks); raise "
-                f"kv_cache_memory_bytes or lower max_model_len"
-            )
+        self.max_model_len = self.cache.max_model_len
+        num_blocks = self.cache.num_blocks
+        logger.info("KV cache: %s", self.cache.describe())
         self.runner = ModelRunner(
             model,
             num_layers=mc.num_hidden_layers,
@@ -152,6 +177,34 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"{where}: token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def validate_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, where: str
+    ) -> None:
+        """The one rule of what a request may ask, offline and over HTTP: a
+        ``RequestError`` naming ``where`` and the field when it cannot run."""
+        try:
+            self.validate_prompt(prompt_token_ids, where)
+        except ValueError as e:
+            raise RequestError(str(e), "prompt") from None
+        limit = self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and limit >= 0 and value > limit:
+                raise RequestError(
+                    f"{where}: {name}={value} is more than max_logprobs={limit}, the most "
+                    f"this engine returns per token (raise it with LLM(max_logprobs=...) "
+                    f"or `--max-logprobs`)",
+                    name,
+                )
+        n = len(prompt_token_ids)
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"{where}: this model's maximum context length is {self.max_model_len} "
+                f"tokens; the prompt has {n} tokens and max_tokens={params.max_tokens} asks "
+                f"for {n + params.max_tokens} in all; lower max_tokens or shorten the prompt",
+                "max_tokens",
+            )
 
     def add_request(
         self,

@@ -48,8 +48,10 @@ class ModelRunner:
         layers = model.attention_layers()
         if len(layers) != num_layers:
             raise ValueError(f"model has {len(layers)} attention layers, config says {num_layers}")
-        self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
-        self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
+        # Uninitialised: a slot is always written before it is read, and on the
+        # CPU the pages of blocks never used are never committed.
+        self.k_caches = [torch.empty(shape, dtype=dtype, device=device) for _ in layers]
+        self.v_caches = [torch.empty(shape, dtype=dtype, device=device) for _ in layers]
         for layer, k, v in zip(layers, self.k_caches, self.v_caches):
             layer.k_cache = k
             layer.v_cache = v

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastllm.config import EngineConfig
+from fastllm.engine.llm_engine import RequestError
 from fastllm.outputs import Logprob, RequestOutput
 from fastllm.sampling_params import RequestOutputKind, SamplingParams
 from fastllm.server.engine_loop import AsyncEngine, EngineDeadError, Histogram
@@ -349,19 +350,19 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             )
         return requested
 
-    def check_prompt(ids: list[int], where: str, max_tokens: int | None, field: str) -> None:
+    def check_request(
+        ids: list[int], params: SamplingParams, where: str, fields: dict[str, str]
+    ) -> None:
+        """The engine's rule for every request (offline too); ``fields`` maps
+        SamplingParams names to this endpoint's names."""
         try:
-            llm.validate_prompt(ids, where)
-        except ValueError as e:
-            raise APIError(str(e), 400, param=where.split("[")[0]) from e
-        if max_tokens is not None and len(ids) + max_tokens > state.max_model_len:
-            raise APIError(
-                f"this model's maximum context length is {state.max_model_len} tokens; "
-                f"the prompt has {len(ids)} tokens and {field}={max_tokens} asks for "
-                f"{len(ids) + max_tokens} in all; lower {field} or shorten the prompt",
-                400,
-                param=field,
-            )
+            llm.validate_request(ids, params, where)
+        except RequestError as e:
+            param = where.split("[")[0] if e.field == "prompt" else fields.get(e.field, e.field)
+            msg = str(e)
+            for ours, theirs in fields.items():
+                msg = msg.replace(f"{ours}=", f"{theirs}=").replace(f"lower {ours}", f"lower {theirs}")
+            raise APIError(msg, 400, param=param) from e
 
     def render_chat(messages: list[ChatMessage], template: str | None, add_gen: bool) -> str:
         from jinja2.exceptions import TemplateError
@@ -404,9 +405,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         for i, p in enumerate(prompts):
             ids = tok.encode(p) if isinstance(p, str) else p
             where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            check_prompt(ids, where, req.max_tokens, "max_tokens")
             items.append((p if isinstance(p, str) else None, ids))
         params = req.to_sampling_params(req.max_tokens)
+        for i, (_, ids) in enumerate(items):
+            where = "prompt" if len(items) == 1 else f"prompt[{i}]"
+            check_request(ids, params, where, {})
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.CUMULATIVE
@@ -473,8 +476,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         text = render_chat(req.messages, req.chat_template, req.add_generation_prompt)
         ids = tok.encode(text, add_special_tokens=False)
         max_tokens, field = req.requested_max_tokens()
-        check_prompt(ids, "messages", max_tokens, field)
         params = req.to_sampling_params(max_tokens)
+        check_request(ids, params, "messages", {"max_tokens": field, "logprobs": "top_logprobs"})
         top_k = req.top_logprobs or 0
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())

@@ -10,7 +10,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fastllm.sampling_params import SamplingParams
 
-MAX_LOGPROBS = 20
 MAX_N = 128
 
 
@@ -178,12 +177,6 @@ class CompletionRequest(_Common):
             raise APIError("suffix is not supported", 400, param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError("best_of must equal n (or be omitted)", 400, param="best_of")
-        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
-            raise APIError(
-                f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs}",
-                400,
-                param="logprobs",
-            )
         if self.echo and self.logprobs is not None:
             raise APIError("echo together with logprobs is not supported", 400, param="echo")
         kw = self._sampling_kwargs()
@@ -252,9 +245,9 @@ class ChatCompletionRequest(_Common):
             )
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs requires logprobs=true", 400, param="top_logprobs")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+        if self.top_logprobs is not None and self.top_logprobs < 0:
             raise APIError(
-                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                f"top_logprobs must be at least 0, got {self.top_logprobs}",
                 400,
                 param="top_logprobs",
             )

@@ -1,0 +1,126 @@
+"""How many KV-cache blocks an engine gets: from what the machine has and what
+the job can use.
+
+* ``kv_cache_memory_bytes`` set: exactly that many bytes.
+* otherwise ``gpu_memory_utilization`` (vLLM's name, default 0.9): on a GPU,
+  the fraction of the device's memory the whole engine may hold, weights
+  included; on the CPU, the fraction of the memory still available after the
+  weights are loaded (``MemAvailable``) that the KV cache may take.
+
+Either way the cache never exceeds what the job can use: ``max_num_seqs``
+sequences of ``max_model_len`` tokens. The cache's tensors are allocated
+uninitialised, so on the CPU the operating system commits their pages only as
+blocks are first written: a small job stays small however large the budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+logger = logging.getLogger("fastllm")
+
+# A budget that holds fewer tokens than this is an error, not a cache.
+MIN_CACHE_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """The KV cache chosen for an engine."""
+
+    num_blocks: int
+    block_size: int
+    block_bytes: int
+    max_model_len: int  # the longest sequence (maybe lowered to fit, see plan_kv_cache)
+    budget_from: str  # what set the budget, in words
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of K and V of every block, all layers."""
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the cache holds in all."""
+        return self.num_blocks * self.block_size
+
+    def describe(self) -> str:
+        """One line for the log and the server's startup block."""
+        return (
+            f"{self.num_blocks} blocks of {self.block_size} tokens, "
+            f"{self.num_bytes / 2**20:.1f} MiB, {self.num_tokens} tokens in all; "
+            f"longest sequence {self.max_model_len} tokens ({self.budget_from})"
+        )
+
+
+def available_cpu_memory() -> int:
+    """Bytes the kernel says can be allocated without swapping (``MemAvailable``)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:  # not Linux: free physical pages
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30
+
+
+def _budget(device: str, utilization: float) -> tuple[int, str]:
+    if device == "cuda":
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+        return int(utilization * total) - used, f"gpu_memory_utilization={utilization:g}"
+    avail = available_cpu_memory()
+    return (
+        int(utilization * avail),
+        f"gpu_memory_utilization={utilization:g} of {avail / 2**30:.1f} GiB available",
+    )
+
+
+def plan_kv_cache(
+    *,
+    device: str,
+    block_bytes: int,
+    block_size: int,
+    max_model_len: int,
+    max_model_len_is_explicit: bool,
+    max_num_seqs: int,
+    kv_cache_memory_bytes: int | None,
+    gpu_memory_utilization: float,
+) -> CachePlan:
+    """The cache for this engine; a ``ValueError`` naming the settings to change
+    when even one sequence cannot fit."""
+    if kv_cache_memory_bytes is not None:
+        budget, source = kv_cache_memory_bytes, f"kv_cache_memory_bytes={kv_cache_memory_bytes}"
+    else:
+        budget, source = _budget(device, gpu_memory_utilization)
+    blocks_per_seq = -(-max_model_len // block_size)
+    wanted = blocks_per_seq * max_num_seqs + 1
+    num_blocks = max(0, min(wanted, budget // block_bytes))
+    fits = num_blocks * block_size
+    if num_blocks < blocks_per_seq:
+        if max_model_len_is_explicit or kv_cache_memory_bytes is not None or fits < max(
+            MIN_CACHE_TOKENS, block_size
+        ):
+            raise ValueError(
+                f"the KV cache ({source}: {num_blocks} blocks of {block_size} tokens) cannot "
+                f"hold one sequence of max_model_len={max_model_len} tokens "
+                f"({blocks_per_seq} blocks of {block_bytes} bytes); lower max_model_len, or "
+                f"raise kv_cache_memory_bytes or gpu_memory_utilization"
+            )
+        logger.warning(
+            "the model's context of %d tokens does not fit in the KV cache (%s); "
+            "max_model_len is lowered to %d (set max_model_len or kv_cache_memory_bytes "
+            "to choose)",
+            max_model_len,
+            source,
+            fits,
+        )
+        max_model_len = fits
+    return CachePlan(num_blocks, block_size, block_bytes, max_model_len, source)
