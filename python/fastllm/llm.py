@@ -118,7 +118,10 @@ class LLM:
                 conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt
             )
             items.append((text, tok.encode(text, add_special_tokens=False)))
-        params = self._normalize_params(sampling_params, len(items))
+        params = [
+            chat_stop(p, tok, chat_template)
+            for p in self._normalize_params(sampling_params, len(items))
+        ]
         return self._run(items, params, use_tqdm)
 
     def stream(
@@ -234,3 +237,16 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [r for r in results if r is not None]
+
+
+def chat_stop(params: SamplingParams, tokenizer: Any, chat_template: str | None) -> SamplingParams:
+    """``params`` for a chat reply: the template's end-of-turn token ends it
+    too (unless ``ignore_eos``), so a reply stops where its turn closes."""
+    if params.ignore_eos:
+        return params
+    extra = [
+        t for t in tokenizer.end_of_turn_token_ids(chat_template) if t not in params.stop_token_ids
+    ]
+    if not extra:
+        return params
+    return params.clone(stop_token_ids=[*params.stop_token_ids, *extra])

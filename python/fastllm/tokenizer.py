@@ -109,6 +109,38 @@ class Tokenizer:
             **kwargs,
         )
 
+    def end_of_turn_token_ids(self, chat_template: str | None = None) -> list[int]:
+        """The special token(s) a chat template closes an assistant turn with
+        (``<|im_end|>``, ``<|eot_id|>``, ...): a chat reply stops there.
+
+        Found by rendering a one-turn conversation and reading the first
+        special token after the assistant's text; empty when the template
+        closes turns with plain text or has none.
+        """
+        template = chat_template or self.chat_template
+        if template is None:
+            return []
+        marker = "fastllm-end-of-turn-probe"
+        try:
+            text = self.apply_chat_template(
+                [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}],
+                chat_template=template,
+                add_generation_prompt=False,
+            )
+        except Exception:  # a template that cannot render this: no known end of turn
+            return []
+        tail = text[text.find(marker) + len(marker) :] if marker in text else ""
+        specials = {
+            t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
+        }
+        first = min(
+            ((tail.find(tok), tok) for tok in specials if tok and tok in tail), default=None
+        )
+        ids = [specials[first[1]]] if first is not None else []
+        if self.eos_token_id is not None and self.eos_token_id not in ids:
+            ids.append(self.eos_token_id)
+        return ids
+
 
 def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):  # AddedToken serialised as a dict
