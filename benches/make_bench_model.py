@@ -1,0 +1,128 @@
+"""Build the benchmark models in OUT_DIR (default ./bench-models).
+
+1. Train a small byte-level BPE tokenizer (tokenizers lib) on local English text
+   (docstrings of CPython's Lib/*.py + /usr/share/common-licenses).
+2. qwen2-0.5b-random: Qwen2ForCausalLM with the Qwen2.5-0.5B shape, random weights
+   (torch.manual_seed(0), default HF init), saved bf16 safetensors + tokenizer.
+3. llama-tiny-random: LlamaForCausalLM hidden 64, 2 layers, 4 heads, 2 kv heads,
+   intermediate 128, vocab = tokenizer size, same tokenizer.
+Usage: python benches/make_bench_model.py [OUT_DIR]   (needs torch, transformers, tokenizers;
+`pip install "fastllm[bench]"` has them)
+"""
+import ast
+import glob
+import json
+import os
+import sys
+import sysconfig
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+ROOT = sys.argv[1] if len(sys.argv) > 1 else "bench-models"
+QWEN_DIR = os.path.join(ROOT, "qwen2-0.5b-random")
+TINY_DIR = os.path.join(ROOT, "llama-tiny-random")
+TOK_VOCAB = 8192
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def corpus():
+    libdir = sysconfig.get_paths()["stdlib"]
+    n = 0
+    for path in sorted(glob.glob(os.path.join(libdir, "*.py"))):
+        try:
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+        except Exception:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                d = ast.get_docstring(node)
+                if d:
+                    n += len(d)
+                    yield d
+    for path in sorted(glob.glob("/usr/share/common-licenses/*")):
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8", errors="ignore") as f:
+                t = f.read()
+            n += len(t)
+            yield t
+    print(f"corpus chars: {n}", file=sys.stderr)
+
+
+def build_tokenizer():
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=TOK_VOCAB, min_frequency=2, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=None, eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>", unk_token=None,
+                                   model_max_length=32768, padding_side="left")
+    return fast
+
+
+def main():
+    os.makedirs(ROOT, exist_ok=True)
+    tok = build_tokenizer()
+    V = len(tok)
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    print("tokenizer size", V, "eos id", eos)
+
+    # ---- bench model: Qwen2.5-0.5B shape ----
+    cfg = Qwen2Config(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, hidden_act="silu",
+        max_position_embeddings=32768, initializer_range=0.02, rms_norm_eps=1e-6,
+        use_cache=True, tie_word_embeddings=True, rope_theta=1000000.0,
+        use_sliding_window=False, sliding_window=32768, max_window_layers=24,
+        attention_dropout=0.0, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg)
+    model = model.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+                                               do_sample=False)
+    nparams = sum(p.numel() for p in model.parameters())
+    print("qwen2 params", nparams)
+    model.save_pretrained(QWEN_DIR, safe_serialization=True)
+    tok.save_pretrained(QWEN_DIR)
+    del model
+
+    # ---- tiny llama ----
+    tcfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                       rms_norm_eps=1e-6, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    torch.manual_seed(0)
+    tiny = LlamaForCausalLM(tcfg).to(torch.bfloat16)
+    tiny.config.dtype = torch.bfloat16
+    tiny.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+                                              do_sample=False)
+    print("tiny params", sum(p.numel() for p in tiny.parameters()))
+    tiny.save_pretrained(TINY_DIR, safe_serialization=True)
+    tok.save_pretrained(TINY_DIR)
+    # transformers 5 writes tokenizer_class "TokenizersBackend", unknown to transformers 4.x;
+    # "PreTrainedTokenizerFast" loads in both (plain tokenizer.json-backed fast tokenizer).
+    for d in (QWEN_DIR, TINY_DIR):
+        p = os.path.join(d, "tokenizer_config.json")
+        with open(p, encoding="utf-8") as f:
+            c = json.load(f)
+        c["tokenizer_class"] = "PreTrainedTokenizerFast"
+        with open(p, "w", encoding="utf-8") as f:
+            json.dump(c, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
