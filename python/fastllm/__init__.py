@@ -14,6 +14,8 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _LAZY = {
     "LLM": "fastllm.llm",
+    "TextPrompt": "fastllm.llm",
+    "TokensPrompt": "fastllm.llm",
     "SamplingParams": "fastllm.sampling_params",
     "RequestOutputKind": "fastllm.sampling_params",
     "RequestOutput": "fastllm.outputs",
@@ -28,7 +30,7 @@ _LAZY = {
 __all__ = sorted([*_LAZY, "__version__"])
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fastllm.llm import LLM
+    from fastllm.llm import LLM, TextPrompt, TokensPrompt
     from fastllm.outputs import CompletionOutput, RequestOutput
     from fastllm.platform import DeviceInfo, ProbeReport, cuda_available, device_count, probe
     from fastllm.sampling_params import RequestOutputKind, SamplingParams

@@ -267,6 +267,7 @@ class EngineConfig:
     tokenizer_mode: str = "auto"
     trust_remote_code: bool = False
     enforce_eager: bool = False  # accepted for vLLM scripts: fastllm has no graphs to capture
+    skip_tokenizer_init: bool = False
 
     def validate(self) -> None:
         """Checks every field, naming the field in the error."""
@@ -283,7 +284,9 @@ class EngineConfig:
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int):
             raise ValueError(f"max_logprobs must be an integer, got {self.max_logprobs!r}")
         if self.max_logprobs < -1:
-            raise ValueError(f"max_logprobs must be -1 (no limit) or at least 0, got {self.max_logprobs}")
+            raise ValueError(
+                f"max_logprobs must be -1 (no limit) or at least 0, got {self.max_logprobs}"
+            )
         if self.quantization is not None:
             raise ValueError(
                 f"quantization={self.quantization!r} is not supported: fastllm runs float "

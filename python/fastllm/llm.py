@@ -4,14 +4,32 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 from fastllm.config import EngineConfig
 from fastllm.engine.llm_engine import LLMEngine
 from fastllm.outputs import RequestOutput
 from fastllm.sampling_params import RequestOutputKind, SamplingParams
+from fastllm.tokenizer import HFCompatibleTokenizer, Tokenizer
 
-PromptType = str | dict[str, Any] | list[int]
+
+class TextPrompt(TypedDict):
+    """A prompt as text (vLLM's ``TextPrompt``)."""
+
+    prompt: str
+
+
+class _TokenIds(TypedDict):
+    prompt_token_ids: list[int]
+
+
+class TokensPrompt(_TokenIds, total=False):
+    """A prompt as token ids (vLLM's ``TokensPrompt``); ``prompt`` is only echoed back."""
+
+    prompt: str
+
+
+PromptType = str | TextPrompt | TokensPrompt | dict[str, Any] | list[int]
 
 
 class LLM:
@@ -50,6 +68,7 @@ class LLM:
         tokenizer_mode: str = "auto",
         trust_remote_code: bool = False,
         enforce_eager: bool = False,
+        skip_tokenizer_init: bool = False,
     ) -> None:
         if model is None:
             from fastllm.demo import demo_model_path
@@ -79,12 +98,32 @@ class LLM:
             tokenizer_mode=tokenizer_mode,
             trust_remote_code=trust_remote_code,
             enforce_eager=enforce_eager,
+            skip_tokenizer_init=skip_tokenizer_init,
         )
         self.llm_engine = LLMEngine(self.config)
 
-    def get_tokenizer(self):
-        """The model's tokenizer."""
-        return self.llm_engine.tokenizer
+    def get_tokenizer(self) -> HFCompatibleTokenizer:
+        """The model's tokenizer, callable like a Hugging Face tokenizer
+        (``__call__``, ``encode``, ``decode``, ``apply_chat_template``, ...)."""
+        return HFCompatibleTokenizer(self._tokenizer())
+
+    def _tokenizer(self) -> Tokenizer:
+        tok = self.llm_engine.tokenizer
+        if tok is None:
+            raise ValueError(
+                "this LLM has no tokenizer (skip_tokenizer_init=True, or load_format='dummy' "
+                "on a folder without tokenizer.json): give prompts as token ids, "
+                "e.g. {'prompt_token_ids': [...]}"
+            )
+        return tok
+
+    def __repr__(self) -> str:
+        e = self.llm_engine
+        return (
+            f"LLM(model={self.config.model!r}, device={e.device!r}, "
+            f"dtype={str(e.dtype).removeprefix('torch.')}, "
+            f"quantization={self.config.quantization!r}, max_model_len={e.max_model_len})"
+        )
 
     # ---- generate -------------------------------------------------------
 
@@ -109,7 +148,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generates the assistant's reply to one conversation or a list of them."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        tok = self.llm_engine.tokenizer
+        tok = self._tokenizer()
         items = []
         for i, conv in enumerate(convs):
             if not isinstance(conv, list):
@@ -134,6 +173,7 @@ class LLM:
         (params,) = self._normalize_params(sampling_params, 1)
         engine = self.llm_engine
         self._check_idle()
+        item = (item[0], _truncated(item[1], params))
         engine.validate_request(item[1], params, "prompt 0")
         req = engine.add_request(
             item[0], item[1], params.clone(output_kind=RequestOutputKind.DELTA)
@@ -158,11 +198,12 @@ class LLM:
             prompts = [prompts]
         elif isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
             prompts = [prompts]
-        tok = self.llm_engine.tokenizer
         items: list[tuple[str | None, list[int]]] = []
         for i, p in enumerate(prompts):
+            if isinstance(p, dict) and (p.get("multi_modal_data") or p.get("mm_processor_kwargs")):
+                raise ValueError(f"prompts[{i}]: multi-modal prompts are not supported")
             if isinstance(p, str):
-                items.append((p, tok.encode(p)))
+                items.append((p, self._tokenizer().encode(p)))
             elif isinstance(p, dict) and "prompt_token_ids" in p:
                 ids = p["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)) or not all(
@@ -171,7 +212,7 @@ class LLM:
                     raise ValueError(f"prompts[{i}].prompt_token_ids must be a list of ints")
                 items.append((p.get("prompt"), list(ids)))
             elif isinstance(p, dict) and isinstance(p.get("prompt"), str):
-                items.append((p["prompt"], tok.encode(p["prompt"])))
+                items.append((p["prompt"], self._tokenizer().encode(p["prompt"])))
             elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
                 items.append((None, list(p)))
             else:
@@ -205,6 +246,7 @@ class LLM:
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         self._check_idle()
+        items = [(text, _truncated(ids, p)) for (text, ids), p in zip(items, params)]
         for i, ((_, ids), p) in enumerate(zip(items, params)):
             engine.validate_request(ids, p, f"prompt {i}")
         order: dict[str, int] = {}
@@ -212,30 +254,23 @@ class LLM:
             req = engine.add_request(text, ids, p.clone(output_kind=RequestOutputKind.FINAL_ONLY))
             order[req.request_id] = i
         results: list[RequestOutput | None] = [None] * len(items)
-        bar = None
-        if use_tqdm and items:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(items), desc="Processed prompts", unit="req", dynamic_ncols=True)
-        start = time.perf_counter()
-        out_tokens = 0
+        progress = _Progress(engine, len(items)) if use_tqdm and items else None
         try:
             while engine.has_unfinished_requests():
+                finished = 0
                 for out in engine.step():
                     if out.finished:
                         results[order[out.request_id]] = out
-                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
-                        if bar is not None:
-                            bar.update(1)
-                            rate = out_tokens / max(time.perf_counter() - start, 1e-9)
-                            bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
+                        finished += 1
+                if progress is not None:
+                    progress.update(finished)
         except BaseException:
             for rid in list(order):
                 engine.abort_request(rid)
             raise
         finally:
-            if bar is not None:
-                bar.close()
+            if progress is not None:
+                progress.close()
         return [r for r in results if r is not None]
 
 
@@ -250,3 +285,40 @@ def chat_stop(params: SamplingParams, tokenizer: Any, chat_template: str | None)
     if not extra:
         return params
     return params.clone(stop_token_ids=[*params.stop_token_ids, *extra])
+
+
+def _truncated(ids: list[int], params: SamplingParams) -> list[int]:
+    """The prompt cut to its last ``truncate_prompt_tokens`` tokens (vLLM's rule)."""
+    k = params.truncate_prompt_tokens
+    return ids[-k:] if k is not None and len(ids) > k else ids
+
+
+class _Progress:
+    """generate()'s progress bar: finished requests, and input and output tokens/s
+    updated every step (so a long prefill is seen moving)."""
+
+    def __init__(self, engine: LLMEngine, total: int) -> None:
+        from tqdm.auto import tqdm
+
+        self.engine = engine
+        self.bar = tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)
+        self.start = time.perf_counter()
+        self.prompt0 = engine.stats["prompt_tokens"]
+        self.output0 = engine.stats["generation_tokens"]
+
+    def update(self, finished: int) -> None:
+        """Called after every step with the number of requests it finished."""
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        inp = (self.engine.stats["prompt_tokens"] - self.prompt0) / elapsed
+        out = (self.engine.stats["generation_tokens"] - self.output0) / elapsed
+        self.bar.set_postfix_str(
+            f"est. speed input: {inp:.1f} toks/s, output: {out:.1f} toks/s", refresh=False
+        )
+        if finished:
+            self.bar.update(finished)
+        else:
+            self.bar.refresh()
+
+    def close(self) -> None:
+        """Closes the bar."""
+        self.bar.close()

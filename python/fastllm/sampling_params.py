@@ -50,6 +50,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
     # Filled in by the engine: the stop strings as a list, for quick checks.
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -112,6 +117,39 @@ class SamplingParams:
             raise bad("logprobs", "None or at least 0", self.logprobs)
         if self.prompt_logprobs is not None and integer("prompt_logprobs") < 0:
             raise bad("prompt_logprobs", "None or at least 0", self.prompt_logprobs)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "a dict of token id -> bias", self.logit_bias)
+            bias = {}
+            for t, v in self.logit_bias.items():
+                tid = int(t) if isinstance(t, str) and t.lstrip("-").isdigit() else t
+                if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
+                    raise bad("logit_bias", "keyed by non-negative token ids", t)
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+                    raise bad("logit_bias", "valued by numbers", v)
+                bias[tid] = max(-100.0, min(100.0, float(v)))  # OpenAI's range
+            self.logit_bias = bias
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if (
+                not isinstance(ids, (list, tuple))
+                or not ids
+                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids)
+            ):
+                raise bad("allowed_token_ids", "a non-empty list of non-negative token ids", ids)
+            self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words
+            ):
+                raise bad("bad_words", "a list of non-empty strings", self.bad_words)
+            self.bad_words = list(self.bad_words)
+        if self.truncate_prompt_tokens is not None and integer("truncate_prompt_tokens") < 1:
+            raise bad("truncate_prompt_tokens", "None or at least 1", self.truncate_prompt_tokens)
+        if not isinstance(self.detokenize, bool):
+            raise bad("detokenize", "True or False", self.detokenize)
+        if not self.detokenize and self._stop_list:
+            raise bad("stop", "empty when detokenize=False (stop strings need text)", self.stop)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", "a RequestOutputKind", self.output_kind)
         for s in self._stop_list:
@@ -120,6 +158,22 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise bad("stop_token_ids", "a list of non-negative integers", self.stop_token_ids)
+
+    @classmethod
+    def from_optional(cls, **kwargs: object) -> SamplingParams:
+        """SamplingParams from keyword arguments where None means "the default"
+        (as vLLM's ``from_optional``); unknown names are a TypeError."""
+        unknown = sorted(
+            set(kwargs) - {k for k in cls.__dataclass_fields__ if not k.startswith("_")}
+        )
+        if unknown:
+            raise TypeError(
+                f"SamplingParams.from_optional got unknown fields: {', '.join(unknown)}"
+            )
+        nullable = {"seed", "stop", "stop_token_ids", "max_tokens", "logprobs", "prompt_logprobs"}
+        nullable |= {"logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens"}
+        # A None for a field whose default is not None means "use the default".
+        return cls(**{k: v for k, v in kwargs.items() if v is not None or k in nullable})
 
     @property
     def greedy(self) -> bool:

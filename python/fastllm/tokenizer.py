@@ -204,3 +204,136 @@ class IncrementalDetokenizer:
             self.text += delta
             return delta
         return ""
+
+
+class BatchEncoding(dict):
+    """What ``HFCompatibleTokenizer.__call__`` returns: a dict with attribute access."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class HFCompatibleTokenizer:
+    """A ``Tokenizer`` with the calls and defaults of a Hugging Face tokenizer,
+    for code written against ``vllm.LLM.get_tokenizer()`` (``__call__``,
+    ``encode``, ``decode``, ``convert_ids_to_tokens``, ``apply_chat_template``,
+    ``eos_token_id``, ...). Anything else is the wrapped ``Tokenizer``'s."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+    def __len__(self) -> int:
+        return self.tokenizer.vocab_size
+
+    @property
+    def vocab_size(self) -> int:
+        """The base vocabulary, without added tokens (as Hugging Face counts it)."""
+        return self.tokenizer._tok.get_vocab_size(with_added_tokens=False)
+
+    @property
+    def pad_token(self) -> str | None:
+        """The padding token's text, when the tokenizer config names one."""
+        return _token_text(self.tokenizer.config.get("pad_token"))
+
+    @property
+    def pad_token_id(self) -> int | None:
+        """The padding token's id."""
+        pad = self.pad_token
+        return self.tokenizer.token_to_id(pad) if pad else None
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        """Texts of the special tokens."""
+        return [self.tokenizer.id_to_token(i) or "" for i in sorted(self.tokenizer.all_special_ids)]
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """Ids of the special tokens."""
+        return sorted(self.tokenizer.all_special_ids)
+
+    def get_vocab(self) -> dict[str, int]:
+        """Token text -> id, added tokens included."""
+        return self.tokenizer._tok.get_vocab(with_added_tokens=True)
+
+    def __call__(
+        self, text: str | list[str], add_special_tokens: bool = True, **kwargs: Any
+    ) -> BatchEncoding:
+        """``{"input_ids": ..., "attention_mask": ...}`` of one text or a list of texts."""
+        if isinstance(text, str):
+            ids = self.encode(text, add_special_tokens=add_special_tokens)
+            return BatchEncoding(input_ids=ids, attention_mask=[1] * len(ids))
+        batch = [self.encode(t, add_special_tokens=add_special_tokens) for t in text]
+        return BatchEncoding(input_ids=batch, attention_mask=[[1] * len(ids) for ids in batch])
+
+    def encode(self, text: str, add_special_tokens: bool = True, **kwargs: Any) -> list[int]:
+        """Token ids of a text."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(
+        self, token_ids: int | list[int], skip_special_tokens: bool = False, **kwargs: Any
+    ) -> str:
+        """Text of token ids (special tokens kept unless asked, as Hugging Face does)."""
+        ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def batch_decode(
+        self, sequences: list[list[int]], skip_special_tokens: bool = False, **kwargs: Any
+    ) -> list[str]:
+        """``decode`` of each sequence."""
+        return [self.decode(s, skip_special_tokens=skip_special_tokens) for s in sequences]
+
+    def tokenize(self, text: str, add_special_tokens: bool = False, **kwargs: Any) -> list[str]:
+        """Token texts of a text."""
+        return self.convert_ids_to_tokens(self.encode(text, add_special_tokens=add_special_tokens))
+
+    def convert_ids_to_tokens(self, ids: int | list[int], skip_special_tokens: bool = False) -> Any:
+        """Token text of an id, or of each id of a list."""
+        if isinstance(ids, int):
+            return self.tokenizer.id_to_token(ids)
+        special = self.tokenizer.all_special_ids if skip_special_tokens else set()
+        return [self.tokenizer.id_to_token(i) for i in ids if i not in special]
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> Any:
+        """Id of a token text, or of each text of a list (None when unknown)."""
+        if isinstance(tokens, str):
+            return self.tokenizer.token_to_id(tokens)
+        return [self.tokenizer.token_to_id(t) for t in tokens]
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
+        **kwargs: Any,
+    ) -> Any:
+        """The conversation rendered by the chat template: ``{"input_ids",
+        "attention_mask"}`` by default (ids alone with ``return_dict=False``),
+        the text with ``tokenize=False`` (transformers' defaults)."""
+        if conversation and isinstance(conversation[0], list):
+            return [
+                self.apply_chat_template(
+                    c, chat_template, add_generation_prompt, tokenize, **kwargs
+                )
+                for c in conversation
+            ]
+        if kwargs.pop("return_tensors", None) is not None:
+            raise ValueError("apply_chat_template: return_tensors is not supported (lists only)")
+        # Current transformers' default: a dict of input_ids and attention_mask.
+        return_dict = bool(kwargs.pop("return_dict", True))
+        text = self.tokenizer.apply_chat_template(
+            conversation,  # type: ignore[arg-type]
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            **kwargs,
+        )
+        if not tokenize:
+            return text
+        ids = self.encode(text, add_special_tokens=False)
+        return BatchEncoding(input_ids=ids, attention_mask=[1] * len(ids)) if return_dict else ids

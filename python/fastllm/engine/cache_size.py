@@ -105,8 +105,10 @@ def plan_kv_cache(
     num_blocks = max(0, min(wanted, budget // block_bytes))
     fits = num_blocks * block_size
     if num_blocks < blocks_per_seq:
-        if max_model_len_is_explicit or kv_cache_memory_bytes is not None or fits < max(
-            MIN_CACHE_TOKENS, block_size
+        if (
+            max_model_len_is_explicit
+            or kv_cache_memory_bytes is not None
+            or fits < max(MIN_CACHE_TOKENS, block_size)
         ):
             raise ValueError(
                 f"the KV cache ({source}: {num_blocks} blocks of {block_size} tokens) cannot "

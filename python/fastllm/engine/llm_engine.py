@@ -9,7 +9,7 @@ import random
 import re
 import time
 
-from fastllm.config import EngineConfig, resolve_dtype
+from fastllm.config import EngineConfig, ModelConfig, resolve_dtype
 from fastllm.engine.output_processor import OutputProcessor
 from fastllm.engine.request import Request
 from fastllm.outputs import RequestOutput
@@ -53,6 +53,22 @@ def resolve_model_folder(
     raise ValueError(f"model folder not found: {model!r}")
 
 
+def _check_architecture(mc: ModelConfig, folder: str) -> None:
+    """A clear error, before any weight is read, for an architecture fastllm cannot run."""
+    from fastllm.models import ARCHITECTURES
+
+    if mc.architecture in ARCHITECTURES:
+        return
+    supported = ", ".join(ARCHITECTURES)
+    if "auto_map" in mc.hf:
+        raise ValueError(
+            f"{os.path.join(folder, 'config.json')}: architecture {mc.architecture!r} comes "
+            f"with its own remote code (auto_map), and fastllm runs no remote code, "
+            f"trust_remote_code or not; supported architectures: {supported}"
+        )
+    raise ValueError(f"Unsupported architecture {mc.architecture!r}; supported: {supported}")
+
+
 class RequestError(ValueError):
     """A request the engine cannot run; ``field`` names what to change."""
 
@@ -73,7 +89,6 @@ class LLMEngine:
 
         import torch
 
-        from fastllm.config import ModelConfig
         from fastllm.engine.cache_size import plan_kv_cache
         from fastllm.engine.kv_cache_manager import KVCacheManager
         from fastllm.engine.model_runner import ModelRunner
@@ -85,12 +100,20 @@ class LLMEngine:
         self.config = config
         self.folder = folder
         self.model_config = mc = ModelConfig.from_pretrained(folder)
+        _check_architecture(mc, folder)
         tok_folder = (
             resolve_model_folder(config.tokenizer, config.tokenizer_revision, config.download_dir)
             if config.tokenizer
             else folder
         )
-        self.tokenizer = Tokenizer(tok_folder)
+        # Without a tokenizer (vLLM's skip_tokenizer_init, or random weights from a
+        # folder that holds only config.json) prompts are token ids and outputs
+        # carry no text.
+        no_tokenizer = config.skip_tokenizer_init or (
+            config.load_format == "dummy"
+            and not os.path.isfile(os.path.join(tok_folder, "tokenizer.json"))
+        )
+        self.tokenizer: Tokenizer | None = None if no_tokenizer else Tokenizer(tok_folder)
         self.device = device
         self.dtype = resolve_dtype(config.dtype, device, mc.torch_dtype)
         limit = mc.max_position_embeddings
@@ -110,7 +133,7 @@ class LLMEngine:
                 f"max_num_seqs ({config.max_num_seqs})"
             )
         eos = set(mc.eos_token_ids)
-        if not eos and self.tokenizer.eos_token_id is not None:
+        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
 
@@ -222,9 +245,24 @@ class LLMEngine:
         req = Request(
             rid, prompt, list(prompt_token_ids), params, arrival_time or time.time(), seed
         )
+        if params.bad_words:
+            req.seqs[0].bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         self.output_processor.add_request(req)
         self.scheduler.add(req.seqs[0])
         return req
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as tokens, written alone and after a space (as it appears
+        mid-text), as vLLM bans them."""
+        if self.tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs a tokenizer; this engine has none")
+        out: list[list[int]] = []
+        for w in words:
+            for text in (w.lstrip(), " " + w.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stops a request now; its blocks return to the pool."""

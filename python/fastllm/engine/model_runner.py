@@ -94,6 +94,7 @@ class ModelRunner:
         if sampled:
             if len(rows) != logits.shape[0]:
                 logits = logits[torch.tensor(rows, device=logits.device)]
+            _apply_logit_rules(logits, seqs)
             tokens, lps, ranks, tops = self.sample(logits, seqs, seeds, suppress)
             drawn = iter(map(SampledToken, tokens, lps, ranks, tops))
             samples = [[next(drawn) for _ in range(e.num_samples)] for e in sampled]
@@ -232,6 +233,23 @@ class ModelRunner:
                 return tokens, lps, ranks, _top_logprobs(logits, [p.logprobs or 0 for p in params])
             logits = logits.cpu()
         return _core.sample(logits, *rows, [p.logprobs or 0 for p in params])
+
+
+def _apply_logit_rules(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """SamplingParams.logit_bias and allowed_token_ids, in place on each row."""
+    vocab = logits.shape[1]
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if p.allowed_token_ids is not None:
+            allowed = [t for t in p.allowed_token_ids if t < vocab]
+            keep = logits[i, allowed].clone()
+            logits[i] = float("-inf")
+            logits[i, allowed] = keep
+        if p.logit_bias:
+            ids = [t for t in p.logit_bias if t < vocab]
+            if ids:
+                bias = torch.tensor([p.logit_bias[t] for t in ids], dtype=logits.dtype)
+                logits[i, ids] += bias.to(logits.device)
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ from fastllm.tokenizer import IncrementalDetokenizer, Tokenizer
 class _Text:
     """The text side of one sequence, and how much of it a delta output has sent."""
 
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: no text (detokenize=False, no tokenizer)
     text: str = ""
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
@@ -36,7 +36,7 @@ class _Text:
 class OutputProcessor:
     """Holds the engine's requests and the text state of their sequences."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, Request] = {}
         self._texts: dict[int, _Text] = {}
@@ -56,9 +56,11 @@ class OutputProcessor:
     def _text(self, seq: Sequence) -> _Text:
         state = self._texts.get(seq.seq_id)
         if state is None:
-            detok = IncrementalDetokenizer(
-                self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens
-            )
+            detok = None
+            if self.tokenizer is not None and seq.params.detokenize:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens
+                )
             state = self._texts[seq.seq_id] = _Text(detok)
         return state
 
@@ -90,12 +92,13 @@ class OutputProcessor:
             for i, (t, v) in enumerate(sample.top):
                 if t not in entry:
                     entry[t] = Logprob(v, i + 1)
-            self._decode_logprob_tokens([entry])
+            if state.detokenizer is not None:
+                self._decode_logprob_tokens([entry])
             state.logprobs.append(entry)
         # The scheduler has applied the token rules: "stop" here means EOS or a
         # stop token, whose text is shown only with include_stop_str_in_output.
         stopped_by_token = seq.finish_reason == "stop"
-        if stopped_by_token and not p.include_stop_str_in_output:
+        if state.detokenizer is None or (stopped_by_token and not p.include_stop_str_in_output):
             return None
         delta = state.detokenizer.add(sample.token)
         state.text += delta
@@ -120,6 +123,8 @@ class OutputProcessor:
             req.prompt_logprobs.extend(entries)
 
     def _decode_logprob_tokens(self, entries: list[dict[int, Logprob]]) -> None:
+        if self.tokenizer is None:
+            return
         for d in entries:
             for t, lp in d.items():
                 lp.decoded_token = self.tokenizer.decode([t], skip_special_tokens=False)

@@ -253,13 +253,20 @@ class Scheduler:
             self.stop(seq, "length")
 
     def _suppressed_tokens(self, seq: Sequence) -> list[int]:
-        """Tokens ``seq`` may not produce next: EOS and stop tokens before ``min_tokens``."""
+        """Tokens ``seq`` may not produce next: EOS and stop tokens before
+        ``min_tokens``, and the token that would complete one of its bad words."""
         p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
-            return []
-        toks = list(p.stop_token_ids)
-        if not p.ignore_eos:
-            toks.extend(self.eos_token_ids)
+        toks: list[int] = []
+        if seq.num_output_tokens < p.min_tokens:
+            toks.extend(p.stop_token_ids)
+            if not p.ignore_eos:
+                toks.extend(self.eos_token_ids)
+        if seq.bad_words_token_ids:
+            out = seq.output_token_ids
+            for word in seq.bad_words_token_ids:
+                head = word[:-1]
+                if not head or (len(out) >= len(head) and out[len(out) - len(head) :] == head):
+                    toks.append(word[-1])
         return toks
 
     def stop(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:

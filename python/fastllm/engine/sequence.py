@@ -50,12 +50,16 @@ class Sequence:
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None  # "stop", "length" or "abort"
         self.stop_reason: int | str | None = None
+        # SamplingParams.bad_words as token ids (set by the engine, which has the tokenizer).
+        self.bad_words_token_ids: list[list[int]] = []
 
     def fork(self, index: int, seed: int) -> Sequence:
         """A sibling completion of the same prompt (no blocks yet: ``KVCacheManager.fork``)."""
-        return Sequence(
+        child = Sequence(
             self.request_id, self.token_ids[: self.num_prompt_tokens], self.params, seed, index
         )
+        child.bad_words_token_ids = self.bad_words_token_ids
+        return child
 
     @property
     def prompt_token_ids(self) -> list[int]:
