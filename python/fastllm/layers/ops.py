@@ -177,37 +177,29 @@ RUST_OPS = LayerOps(
 # ---- CUDA kernels (torch when they are off) --------------------------------
 
 
-def rms_norm_cuda(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm by the CUDA kernel, or torch."""
-    from fastllm.layers import cuda_ops
+def _cuda_or_torch(
+    kernel: str, fallback: Callable[..., Tensor], usable: Callable[..., bool]
+) -> Callable[..., Tensor]:
+    """An op that runs ``cuda_ops.<kernel>`` and, when the kernels are off or
+    fail (``None``), the torch ``fallback`` on the same arguments."""
 
-    if weight.dtype == x.dtype and cuda_ops.enabled():
-        out = cuda_ops.rms_norm(x, weight, eps)
-        if out is not None:
-            return out
-    return rms_norm_torch(x, weight, eps)
+    def op(*args):
+        from fastllm.layers import cuda_ops
 
+        if usable(*args) and cuda_ops.enabled():
+            out = getattr(cuda_ops, kernel)(*args)
+            if out is not None:
+                return out
+        return fallback(*args)
 
-def silu_and_mul_cuda(x: Tensor) -> Tensor:
-    """SiLU-and-mul by the CUDA kernel, or torch."""
-    from fastllm.layers import cuda_ops
-
-    if cuda_ops.enabled():
-        out = cuda_ops.silu_and_mul(x)
-        if out is not None:
-            return out
-    return silu_and_mul_torch(x)
+    op.__name__ = f"{kernel}_cuda"
+    op.__doc__ = f"``cuda_ops.{kernel}``, or ``{fallback.__name__}``."
+    return op
 
 
-def rotary_cuda(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary by the CUDA kernel, or torch."""
-    from fastllm.layers import cuda_ops
-
-    if cos.dtype == x.dtype and cuda_ops.enabled():
-        out = cuda_ops.rotary(x, cos, sin)
-        if out is not None:
-            return out
-    return rotary_torch(x, cos, sin)
+rms_norm_cuda = _cuda_or_torch("rms_norm", rms_norm_torch, lambda x, w, eps: w.dtype == x.dtype)
+silu_and_mul_cuda = _cuda_or_torch("silu_and_mul", silu_and_mul_torch, lambda x: True)
+rotary_cuda = _cuda_or_torch("rotary", rotary_torch, lambda x, cos, sin: cos.dtype == x.dtype)
 
 
 def attention_cuda(
