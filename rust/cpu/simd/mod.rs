@@ -39,6 +39,7 @@ pub const ROW: usize = 32;
 /// # Safety
 /// The methods may only run inside that ISA's entry point (`dispatch`), and
 /// their pointers must be valid as each one says.
+#[allow(clippy::missing_safety_doc)] // one Safety section, above, for all
 pub trait Simd: Copy + 'static {
     /// The path this implementation serves.
     const PATH: Path;
