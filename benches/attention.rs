@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use fastllm::attention::{paged_attention, BatchLayout, CacheElement, CacheShape};
+use fastllm::attention::{paged_attention, BatchLayout, CacheShape, Element};
 use half::bf16;
 
 const HEADS: usize = 14;
@@ -38,7 +38,7 @@ fn noise(n: usize, seed: u64) -> impl Iterator<Item = f32> {
     })
 }
 
-fn setup<T: CacheElement>(batch: usize, ctx: usize, q_len: usize) -> Setup<T> {
+fn setup<T: Element>(batch: usize, ctx: usize, q_len: usize) -> Setup<T> {
     let max_blocks = ctx.div_ceil(BLOCK);
     let shape = CacheShape {
         num_blocks: batch * max_blocks,
@@ -76,7 +76,7 @@ fn gcd(a: usize, b: usize) -> usize {
     }
 }
 
-fn run<T: CacheElement>(s: &Setup<T>, out: &mut [T]) {
+fn run<T: Element>(s: &Setup<T>, out: &mut [T]) {
     let batch = BatchLayout {
         block_tables: &s.block_tables,
         max_blocks_per_seq: s.max_blocks,

@@ -1,8 +1,8 @@
-//! The packed-weight GEMM (`rust/gemm.rs`) on the benchmark model's shapes
+//! The packed-weight GEMM (`rust/gemm/`) on the benchmark model's shapes
 //! (Qwen2.5-0.5B: hidden 896, intermediate 4864, vocab 151936) at M = 1
 //! (batch-1 decode), 64 (a batch-64 decode step) and 512 (a prefill chunk),
 //! bf16 weights and x, and the model's CPU elementwise layers
-//! (`rust/layers.rs`). Throughput is multiply-adds for the GEMM (criterion's
+//! (`rust/layers/`). Throughput is multiply-adds for the GEMM (criterion's
 //! "elements": divide by 1e9 for GMAC/s, x2 for GFLOPS).
 //!
 //! `cargo bench --bench gemm -- --warm-up-time 1 --measurement-time 2`
@@ -13,9 +13,9 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use fastllm::cpu::{available_paths, Dst, Path, Src};
 use fastllm::gemm::{gemm_with_path, PackedWeight};
 use fastllm::layers::{rms_norm, silu_and_mul};
-use fastllm::linear::{available_paths, Dst, Path, Src};
 use half::bf16;
 
 /// (name, N, K) of the model's matrix products.

@@ -1,8 +1,9 @@
 //! fastllm's Rust core: the CUDA probe and driver loading, the paged KV-cache
-//! block pool, CPU paged attention, the batched sampler, the decode-time
-//! linear kernels and the packed-weight GEMM.
+//! block pool, CPU paged attention, the batched sampler, the packed-weight
+//! GEMM and the elementwise layers, over the CPU features and threads of
+//! `cpu/`.
 //!
-//! Nothing here knows Python except `py.rs`, which is compiled only with the
+//! Nothing here knows Python except `py/`, which is compiled only with the
 //! `python` feature (maturin turns it on). Kernels take plain slices and
 //! return `Result<_, CoreError>`; no panic is meant to cross the FFI boundary.
 
@@ -13,9 +14,7 @@ pub mod error;
 pub mod gemm;
 pub mod kv;
 pub mod layers;
-pub mod linear;
 pub mod sampling;
-pub mod threads;
 
 #[cfg(feature = "python")]
 mod py;

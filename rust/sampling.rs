@@ -276,7 +276,7 @@ fn check_history(
 /// Samples one token per row (in parallel over rows on the private pool).
 pub fn sample_batch(batch: &Batch<'_>) -> CoreResult<Vec<Sample>> {
     batch.validate()?;
-    Ok(crate::threads::install(|| {
+    Ok(crate::cpu::threads::install(|| {
         (0..batch.rows())
             .into_par_iter()
             .map_init(Scratch::default, |s, r| sample_row(&batch.row(r), s))
@@ -288,7 +288,7 @@ pub fn sample_batch(batch: &Batch<'_>) -> CoreResult<Vec<Sample>> {
 /// the set the sampler draws from. For tests and debugging.
 pub fn support_batch(batch: &Batch<'_>) -> CoreResult<Vec<Vec<u32>>> {
     batch.validate()?;
-    Ok(crate::threads::install(|| {
+    Ok(crate::cpu::threads::install(|| {
         (0..batch.rows())
             .into_par_iter()
             .map_init(Scratch::default, |s, r| support_row(&batch.row(r), s))

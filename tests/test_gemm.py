@@ -17,7 +17,7 @@ from hypothesis import strategies as st  # noqa: E402
 from fastllm import _core  # noqa: E402
 
 # avx512bf16 runs the AVX-512F kernel for the GEMM; listing it too is harmless.
-PATHS = _core.linear_paths()
+PATHS = _core.gemm_paths()
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
 
 
@@ -198,3 +198,16 @@ def test_qkv_rotary_rejects_bad_shapes():
         _core.qkv_rotary(q, k, v, qkv, cs, torch.zeros(2, 3))
     with pytest.raises(ValueError, match="cos"):
         _core.qkv_rotary(q, k, v, qkv, torch.zeros(2, 5), torch.zeros(2, 5))
+
+
+def test_conversions_propagate_a_pending_interrupt():
+    class Interrupting:
+        @property
+        def dtype(self):
+            raise KeyboardInterrupt
+
+    x = torch.zeros(2, 4)
+    with pytest.raises(KeyboardInterrupt):
+        _core.rms_norm(Interrupting(), x, torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="out: expected a torch.Tensor"):
+        _core.rms_norm(object(), x, torch.ones(4), 1e-6)

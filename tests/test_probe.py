@@ -496,3 +496,11 @@ def test_env_console_script_help():
         timeout=60,
     )
     assert proc.returncode == 0 and "--json" in proc.stdout
+
+
+def test_stream_triad_reports_bandwidth():
+    from fastllm import _core
+
+    assert _core.stream_triad_gbs(4_000_000, 1) > 0.0
+    with pytest.raises(ValueError, match="bytes"):
+        _core.stream_triad_gbs(0, 1)

@@ -242,31 +242,7 @@ def cuda_sample(
     outputs int32 / float32 / int32 [B]: token, its raw logprob, its rank.
     """
 
-# ---- linear ----
-
-def linear(
-    out: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    path: str | None = None,
-) -> None:
-    """Writes ``x @ weight.T (+ bias)`` into ``out``: x [M, K], weight [N, K], bias [N], out [M, N].
-
-    bf16 or f32 tensors, contiguous, on the CPU; ``out`` has x's dtype; f32
-    accumulation. ``path`` forces a kernel (one of ``linear_paths()``); by
-    default ``FASTLLM_LINEAR_PATH`` or the fastest one. Releases the GIL.
-    """
-
-def linear_paths() -> list[str]:
-    """Names of the linear kernel paths this CPU runs (subset of scalar, avx2, avx512, avx512bf16)."""
-
-def linear_default_path(m: int = 1, x_bf16: bool = True) -> str:
-    """The path ``linear`` uses when none is named, for ``m`` rows of bf16 (or f32) x.
-
-    ``FASTLLM_LINEAR_PATH`` if set; else avx512bf16 for up to 4 rows of bf16 x
-    (memory-bound), avx512 beyond, or the best path this CPU has.
-    """
+# ---- platform: memory bandwidth ----
 
 def stream_triad_gbs(bytes: int = 200_000_000, repeats: int = 5) -> float:
     """STREAM-triad bandwidth in GB/s (best pass) over f32 arrays of ``bytes`` each, on the Rust pool."""
@@ -278,7 +254,7 @@ class PackedLinear:
 
     ``weight`` [out_features, in_features] and ``bias`` [out_features]: bf16 or
     f32, contiguous, on the CPU; bf16 weights stay bf16. ``path`` names a
-    kernel (one of ``linear_paths()``; avx512bf16 runs the avx512 kernel);
+    kernel (one of ``gemm_paths()``; avx512bf16 runs the avx512 kernel);
     default: ``gemm_default_path()``. Packing releases the GIL.
     """
 
@@ -294,6 +270,9 @@ class PackedLinear:
     def forward(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """Writes ``x @ weight.T + bias`` into ``out`` [M, out_features] (bf16 or
         f32, any mix with x's dtype); x [M, in_features]. Releases the GIL."""
+
+def gemm_paths() -> list[str]:
+    """Names of the GEMM kernel paths this CPU runs (subset of scalar, avx2, avx512, avx512bf16)."""
 
 def gemm_default_path() -> str:
     """The kernel ``PackedLinear`` runs when none is named: the fastest this CPU has."""

@@ -1,4 +1,5 @@
-//! What this CPU, and the operating system, let the kernels use.
+//! What this CPU, and the operating system, let the kernels use: the only
+//! place in the crate that detects CPU or OS features.
 //!
 //! SIMD paths are chosen at run time from these flags, never from compile-time
 //! target features, so one wheel runs everywhere without an illegal
@@ -17,6 +18,12 @@ pub struct CpuFeatures {
     pub fma: bool,
     /// AVX-512 Foundation (with OS support for the ZMM state).
     pub avx512f: bool,
+    /// AVX-512 byte and word instructions.
+    pub avx512bw: bool,
+    /// AVX-512 vector-length extensions (the 128/256-bit forms).
+    pub avx512vl: bool,
+    /// AVX-512 VNNI: int8 dot products (`vpdpbusd`).
+    pub avx512vnni: bool,
     /// AVX512-BF16: native bf16 dot products.
     pub avx512bf16: bool,
     /// CPUID reports AMX tiles.
@@ -28,6 +35,16 @@ pub struct CpuFeatures {
 }
 
 impl CpuFeatures {
+    /// AVX2 with FMA: what the `Avx2` kernels need.
+    pub fn avx2_fma(&self) -> bool {
+        self.avx2 && self.fma
+    }
+
+    /// AVX-512F/BW/VL with AVX2 and FMA: what the `Avx512` kernels need.
+    pub fn avx512(&self) -> bool {
+        self.avx512f && self.avx512bw && self.avx512vl && self.avx2_fma()
+    }
+
     /// AMX bf16 tiles can actually be executed by this process.
     pub fn amx_usable(&self) -> bool {
         self.amx_tile && self.amx_bf16 && self.amx_permitted
@@ -71,6 +88,9 @@ fn detect() -> CpuFeatures {
         avx2: std::is_x86_feature_detected!("avx2"),
         fma: std::is_x86_feature_detected!("fma"),
         avx512f: std::is_x86_feature_detected!("avx512f"),
+        avx512bw: std::is_x86_feature_detected!("avx512bw"),
+        avx512vl: std::is_x86_feature_detected!("avx512vl"),
+        avx512vnni: std::is_x86_feature_detected!("avx512vnni"),
         avx512bf16: std::is_x86_feature_detected!("avx512bf16"),
         amx_tile,
         amx_bf16,
@@ -151,6 +171,9 @@ mod tests {
         assert_eq!(f.avx2, has("avx2"));
         assert_eq!(f.fma, has("fma"));
         assert_eq!(f.avx512f, has("avx512f"));
+        assert_eq!(f.avx512bw, has("avx512bw"));
+        assert_eq!(f.avx512vl, has("avx512vl"));
+        assert_eq!(f.avx512vnni, has("avx512_vnni"));
         assert_eq!(f.avx512bf16, has("avx512_bf16"));
         assert_eq!(f.amx_tile, has("amx_tile"));
         assert_eq!(f.amx_bf16, has("amx_bf16"));

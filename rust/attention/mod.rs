@@ -13,55 +13,19 @@
 //! range is cut into partitions whose partial softmax states are merged.
 //!
 //! The inner loops are written over fixed 16-lane chunks so LLVM vectorises
-//! them; they are compiled three times (AVX-512, AVX2+FMA, portable) and the
-//! variant is chosen at run time from what the CPU reports.
+//! them; the body (`kernel.rs`) is written once over `cpu::simd::Simd` and
+//! compiled for AVX-512, AVX2+FMA and portable code, chosen at run time from
+//! what the CPU reports (`cpu::features`).
 
-use half::bf16;
+mod kernel;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
 use rayon::prelude::*;
 
+pub use crate::cpu::Element;
+use crate::cpu::{simd, Path};
 use crate::error::{CoreError, CoreResult};
-
-/// An element type of the KV cache, queries and outputs.
-pub trait CacheElement: Copy + Send + Sync + 'static {
-    /// Widens to f32.
-    fn to_f32(self) -> f32;
-    /// Rounds an f32 to this type (round to nearest even).
-    fn from_f32(v: f32) -> Self;
-    /// The slice itself when the type already is f32 (no copy needed).
-    fn as_f32_slice(s: &[Self]) -> Option<&[f32]>;
-}
-
-impl CacheElement for f32 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        self
-    }
-    #[inline(always)]
-    fn from_f32(v: f32) -> Self {
-        v
-    }
-    #[inline(always)]
-    fn as_f32_slice(s: &[Self]) -> Option<&[f32]> {
-        Some(s)
-    }
-}
-
-impl CacheElement for bf16 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        // Exact: a bf16 is the upper half of an f32. Written as a shift so the
-        // widening loops vectorise.
-        f32::from_bits((self.to_bits() as u32) << 16)
-    }
-    #[inline(always)]
-    fn from_f32(v: f32) -> Self {
-        bf16::from_f32(v)
-    }
-    #[inline(always)]
-    fn as_f32_slice(_: &[Self]) -> Option<&[f32]> {
-        None
-    }
-}
 
 /// Shape of one paged cache tensor: `[num_blocks, num_kv_heads, block_size, head_size]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -98,7 +62,7 @@ pub struct BatchLayout<'a> {
 
 /// Stores `key[t]` / `value[t]` (`[num_tokens, num_kv_heads, head_size]`) into
 /// cache slot `slot_mapping[t]`; a negative slot skips the token.
-pub fn reshape_and_cache<T: CacheElement>(
+pub fn reshape_and_cache<T: Element>(
     key: &[T],
     value: &[T],
     key_cache: &mut [T],
@@ -173,54 +137,19 @@ impl Plan {
             rows_target: 32,
             min_partition: 256,
             tasks_per_thread: 4,
-            threads: crate::threads::num_threads(),
+            threads: crate::cpu::threads::num_threads(),
         }
     }
 }
 
-/// Instruction-set variant of the inner loops.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum SimdLevel {
-    Portable,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
-}
-
-impl SimdLevel {
-    /// The best variant this CPU (and OS) supports.
-    pub(crate) fn detect() -> SimdLevel {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-            {
-                return SimdLevel::Avx512;
-            }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                return SimdLevel::Avx2;
-            }
-        }
-        SimdLevel::Portable
-    }
-
-    /// Every variant this CPU can run (for tests).
-    #[cfg(test)]
-    pub(crate) fn available() -> Vec<SimdLevel> {
-        let mut v = vec![SimdLevel::Portable];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                v.push(SimdLevel::Avx2);
-            }
-            if SimdLevel::detect() == SimdLevel::Avx512 {
-                v.push(SimdLevel::Avx512);
-            }
-        }
-        v
-    }
+/// The SIMD paths attention runs on: the scalar code, AVX2 and AVX-512
+/// (an AVX512-BF16 CPU runs the AVX-512 code).
+#[cfg(test)]
+fn available_paths() -> Vec<Path> {
+    crate::cpu::available_paths()
+        .into_iter()
+        .filter(|p| p.simd() == *p)
+        .collect()
 }
 
 /// Attention of the packed new tokens over the paged cache, written into `out`.
@@ -229,7 +158,7 @@ impl SimdLevel {
 /// multiplies the scores; `sliding_window > 0` restricts a query at position
 /// `p` to keys in `(p - sliding_window, p]`.
 #[allow(clippy::too_many_arguments)]
-pub fn paged_attention<T: CacheElement>(
+pub fn paged_attention<T: Element>(
     out: &mut [T],
     query: &[T],
     key_cache: &[T],
@@ -251,7 +180,7 @@ pub fn paged_attention<T: CacheElement>(
         scale,
         sliding_window,
         Plan::production(),
-        SimdLevel::detect(),
+        crate::cpu::best_path(),
     )
 }
 
@@ -289,7 +218,7 @@ struct Problem<'a, T> {
     group: usize,
     scale: f32,
     window: usize,
-    level: SimdLevel,
+    path: Path,
 }
 
 /// The output pointer shared by the items; each (token, head) row is written
@@ -308,7 +237,7 @@ unsafe impl<T: Send> Sync for OutPtr<T> {}
 const SERIAL_WORK: usize = 1 << 18;
 
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn paged_attention_with<T: CacheElement>(
+pub(crate) fn paged_attention_with<T: Element>(
     out: &mut [T],
     query: &[T],
     key_cache: &[T],
@@ -319,7 +248,7 @@ pub(crate) fn paged_attention_with<T: CacheElement>(
     scale: f32,
     sliding_window: i64,
     plan: Plan,
-    level: SimdLevel,
+    path: Path,
 ) -> CoreResult<()> {
     let seqs = validate(out, query, key_cache, value_cache, shape, num_heads, batch)?;
     let d = shape.head_size;
@@ -344,7 +273,7 @@ pub(crate) fn paged_attention_with<T: CacheElement>(
         group,
         scale,
         window,
-        level,
+        path,
     };
     let out_ptr = OutPtr(out.as_mut_ptr());
     let problem = &problem;
@@ -381,7 +310,7 @@ pub(crate) fn paged_attention_with<T: CacheElement>(
     if work < SERIAL_WORK || plan.threads <= 1 {
         items.iter().for_each(|item| run_item(item, false));
     } else {
-        crate::threads::install(|| {
+        crate::cpu::threads::install(|| {
             items.par_iter().for_each(|item| run_item(item, true));
         });
     }
@@ -628,7 +557,7 @@ impl PartialState {
 /// `out` must point to `[num_tokens, num_heads, head_size]` elements, and no
 /// other thread may write the rows of this item (tokens `row_lo..row_hi` of its
 /// sequence, query heads of its KV head) at the same time.
-unsafe fn write_rows<T: CacheElement>(
+unsafe fn write_rows<T: Element>(
     p: &Problem<'_, T>,
     item: &Item,
     state: &PartialState,
@@ -649,496 +578,32 @@ unsafe fn write_rows<T: CacheElement>(
     }
 }
 
-/// Runs one item over keys `key_lo..key_hi`, in the best variant the CPU has.
-fn attend<T: CacheElement>(
+/// Runs one item over keys `key_lo..key_hi`, on the problem's path.
+fn attend<T: Element>(
     p: &Problem<'_, T>,
     item: &Item,
     key_lo: usize,
     key_hi: usize,
     state: &mut PartialState,
 ) {
-    match p.level {
-        // SAFETY: `SimdLevel::detect` only returns these when the CPU has the features.
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx512 => unsafe { attend_avx512(p, item, key_lo, key_hi, state) },
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => unsafe { attend_avx2(p, item, key_lo, key_hi, state) },
-        SimdLevel::Portable => attend_generic::<T, Plain>(p, item, key_lo, key_hi, state),
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn attend_avx512<T: CacheElement>(
-    p: &Problem<'_, T>,
-    item: &Item,
-    key_lo: usize,
-    key_hi: usize,
-    state: &mut PartialState,
-) {
-    attend_generic::<T, X86>(p, item, key_lo, key_hi, state)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn attend_avx2<T: CacheElement>(
-    p: &Problem<'_, T>,
-    item: &Item,
-    key_lo: usize,
-    key_hi: usize,
-    state: &mut PartialState,
-) {
-    attend_generic::<T, X86>(p, item, key_lo, key_hi, state)
-}
-
-/// What an instruction-set variant provides to the generic kernel body.
-trait MulAdd {
-    /// `a * b + c`: fused where the variant has FMA (a plain `mul_add`
-    /// without it would become a slow library call).
-    fn mul_add(a: f32, b: f32, c: f32) -> f32;
-
-    /// Scores of 8 consecutive key rows at once, if the variant has a
-    /// dedicated path for this head size; `false` means "use `dot4`".
-    #[inline(always)]
-    fn scores8(_q: &[f32], _keys: &[f32], _out: &mut [f32]) -> bool {
-        false
-    }
-}
-
-struct Plain;
-/// AVX2 / AVX-512 variants: fused multiply-add and the explicit score kernel.
-#[cfg(target_arch = "x86_64")]
-struct X86;
-
-impl MulAdd for Plain {
-    #[inline(always)]
-    fn mul_add(a: f32, b: f32, c: f32) -> f32 {
-        a * b + c
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-impl MulAdd for X86 {
-    #[inline(always)]
-    fn mul_add(a: f32, b: f32, c: f32) -> f32 {
-        a.mul_add(b, c)
-    }
-
-    #[inline(always)]
-    fn scores8(q: &[f32], keys: &[f32], out: &mut [f32]) -> bool {
-        let d = q.len();
-        if !d.is_multiple_of(8) || keys.len() < 8 * d || out.len() < 8 {
-            return false;
-        }
-        // SAFETY: only instantiated inside `attend_avx2` / `attend_avx512`,
-        // which run only when the CPU has AVX2 and FMA; lengths checked above.
-        unsafe { x86::scores8(q.as_ptr(), keys.as_ptr(), d, out.as_mut_ptr()) };
-        true
-    }
-}
-
-/// Explicit AVX2 + FMA code for the query-key products, where the portable
-/// formulation spends most of its time in horizontal sums. (AVX2 rather than
-/// AVX-512 intrinsics: the latter need a newer compiler than the crate's MSRV.)
-#[cfg(target_arch = "x86_64")]
-mod x86 {
-    use std::arch::x86_64::*;
-
-    /// `out[t] = q . keys[t]` for 8 key rows of length `d` (a multiple of 8).
-    ///
-    /// Each row's products accumulate in its own register; the 8 registers
-    /// are then summed in one transposing tree, ~2.4 instructions per row
-    /// instead of a full horizontal sum each.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and FMA; `q` has `d` elements, `keys`
-    /// `8 * d`, `out` 8.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn scores8(q: *const f32, keys: *const f32, d: usize, out: *mut f32) {
-        let mut acc = [_mm256_setzero_ps(); 8];
-        let mut i = 0;
-        while i < d {
-            let qv = _mm256_loadu_ps(q.add(i));
-            for (t, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys.add(t * d + i)), *a);
-            }
-            i += 8;
-        }
-        // Four rows -> one register holding, in each 128-bit half, the four
-        // rows' partial sums over that half.
-        let quad = |a: __m256, b: __m256, c: __m256, e: __m256| {
-            let ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
-            let ce = _mm256_add_ps(_mm256_unpacklo_ps(c, e), _mm256_unpackhi_ps(c, e));
-            let lo = _mm256_castpd_ps(_mm256_unpacklo_pd(
-                _mm256_castps_pd(ab),
-                _mm256_castps_pd(ce),
-            ));
-            let hi = _mm256_castpd_ps(_mm256_unpackhi_pd(
-                _mm256_castps_pd(ab),
-                _mm256_castps_pd(ce),
-            ));
-            _mm256_add_ps(lo, hi)
-        };
-        let u0 = quad(acc[0], acc[1], acc[2], acc[3]);
-        let u1 = quad(acc[4], acc[5], acc[6], acc[7]);
-        // Add the two halves, rows 0-3 then 4-7.
-        let r = _mm256_add_ps(
-            _mm256_permute2f128_ps::<0x20>(u0, u1),
-            _mm256_permute2f128_ps::<0x31>(u0, u1),
-        );
-        _mm256_storeu_ps(out, r);
-    }
-}
-
-const LANES: usize = 16;
-
-/// Sum of 16 lanes as a balanced tree (vectorises; a left fold would not).
-#[inline(always)]
-fn hsum(a: &[f32; LANES]) -> f32 {
-    let mut h8 = [0.0f32; 8];
-    for i in 0..8 {
-        h8[i] = a[i] + a[i + 8];
-    }
-    let mut h4 = [0.0f32; 4];
-    for i in 0..4 {
-        h4[i] = h8[i] + h8[i + 4];
-    }
-    (h4[0] + h4[2]) + (h4[1] + h4[3])
-}
-
-/// Dot products of `q` with four key rows at once (one load of `q` per chunk).
-#[inline(always)]
-fn dot4<M: MulAdd>(q: &[f32], k: [&[f32]; 4]) -> [f32; 4] {
-    let n = q.len() / LANES * LANES;
-    let mut acc = [[0.0f32; LANES]; 4];
-    let mut i = 0;
-    while i < n {
-        let qc = &q[i..i + LANES];
-        for (a, kr) in acc.iter_mut().zip(&k) {
-            let kc = &kr[i..i + LANES];
-            for l in 0..LANES {
-                a[l] = M::mul_add(qc[l], kc[l], a[l]);
-            }
-        }
-        i += LANES;
-    }
-    let mut res = [hsum(&acc[0]), hsum(&acc[1]), hsum(&acc[2]), hsum(&acc[3])];
-    for j in n..q.len() {
-        for (r, kr) in res.iter_mut().zip(&k) {
-            *r = M::mul_add(q[j], kr[j], *r);
-        }
-    }
-    res
-}
-
-/// Dot product of two rows.
-#[inline(always)]
-fn dot1<M: MulAdd>(q: &[f32], k: &[f32]) -> f32 {
-    let n = q.len() / LANES * LANES;
-    let mut acc = [0.0f32; LANES];
-    let mut i = 0;
-    while i < n {
-        let (qc, kc) = (&q[i..i + LANES], &k[i..i + LANES]);
-        for l in 0..LANES {
-            acc[l] = M::mul_add(qc[l], kc[l], acc[l]);
-        }
-        i += LANES;
-    }
-    let mut res = hsum(&acc);
-    for j in n..q.len() {
-        res = M::mul_add(q[j], k[j], res);
-    }
-    res
-}
-
-/// `acc += w[0] * v[0] + .. + w[3] * v[3]`, one pass over `acc`.
-#[inline(always)]
-fn axpy4<M: MulAdd>(acc: &mut [f32], w: [f32; 4], v: [&[f32]; 4]) {
-    let d = acc.len();
-    let (v0, v1, v2, v3) = (&v[0][..d], &v[1][..d], &v[2][..d], &v[3][..d]);
-    for j in 0..d {
-        let mut a = acc[j];
-        a = M::mul_add(w[0], v0[j], a);
-        a = M::mul_add(w[1], v1[j], a);
-        a = M::mul_add(w[2], v2[j], a);
-        a = M::mul_add(w[3], v3[j], a);
-        acc[j] = a;
-    }
-}
-
-/// `acc += w * v`.
-#[inline(always)]
-fn axpy1<M: MulAdd>(acc: &mut [f32], w: f32, v: &[f32]) {
-    let v = &v[..acc.len()];
-    for (a, &x) in acc.iter_mut().zip(v) {
-        *a = M::mul_add(w, x, *a);
-    }
-}
-
-/// `e^x` for `x <= 0` (scores minus their running max), ~1 ulp, written
-/// without branches or library calls so a loop over it vectorises. Inputs
-/// below -87 (including -inf) give 0.
-#[inline(always)]
-fn exp_nonpos<M: MulAdd>(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer.
-    const ROUND: f32 = 12_582_912.0;
-    let xc = if x < -87.0 { -87.0 } else { x };
-    let n = (xc * LOG2E + ROUND) - ROUND;
-    let r = M::mul_add(n, -LN2_LO, M::mul_add(n, -LN2_HI, xc));
-    let mut p = 1.987_569_1e-4f32;
-    p = M::mul_add(p, r, 1.398_199_9e-3);
-    p = M::mul_add(p, r, 8.333_452e-3);
-    p = M::mul_add(p, r, 4.166_579_6e-2);
-    p = M::mul_add(p, r, 1.666_666_5e-1);
-    p = M::mul_add(p, r, 0.5);
-    let r2 = r * r;
-    let e = M::mul_add(p, r2, r) + 1.0;
-    let scale = f32::from_bits((((n as i32) + 127) as u32) << 23);
-    if x < -87.0 {
-        0.0
-    } else {
-        e * scale
-    }
-}
-
-/// Replaces each score by `e^(s - max)` and returns their sum.
-#[inline(always)]
-fn exp_shift_sum<M: MulAdd>(s: &mut [f32], max: f32) -> f32 {
-    let mut sums = [0.0f32; LANES];
-    let mut chunks = s.chunks_exact_mut(LANES);
-    for c in &mut chunks {
-        for l in 0..LANES {
-            c[l] = exp_nonpos::<M>(c[l] - max);
-            sums[l] += c[l];
-        }
-    }
-    let mut total = hsum(&sums);
-    for x in chunks.into_remainder() {
-        *x = exp_nonpos::<M>(*x - max);
-        total += *x;
-    }
-    total
-}
-
-/// Largest element (scores are never NaN: inputs are finite); written over
-/// 16 lanes with plain comparisons so it vectorises.
-#[inline(always)]
-fn max_of(s: &[f32]) -> f32 {
-    let mut m = [f32::NEG_INFINITY; LANES];
-    let mut chunks = s.chunks_exact(LANES);
-    for c in &mut chunks {
-        for l in 0..LANES {
-            m[l] = if c[l] > m[l] { c[l] } else { m[l] };
-        }
-    }
-    // A balanced tree over the lanes: a left fold would be a 16-deep chain.
-    let mut width = LANES / 2;
-    while width > 0 {
-        for l in 0..width {
-            m[l] = if m[l + width] > m[l] {
-                m[l + width]
-            } else {
-                m[l]
-            };
-        }
-        width /= 2;
-    }
-    let mut best = m[0];
-    for &x in chunks.remainder() {
-        best = if x > best { x } else { best };
-    }
-    best
-}
-
-/// Hints the CPU to bring `data` into the cache.
-#[inline(always)]
-fn prefetch<T>(data: &[T]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let bytes = std::mem::size_of_val(data);
-        let ptr = data.as_ptr() as *const i8;
-        let mut off = 0;
-        while off < bytes {
-            // SAFETY: a prefetch never faults, and `ptr + off` stays inside `data`.
-            #[allow(unused_unsafe)]
-            unsafe {
-                _mm_prefetch::<_MM_HINT_T0>(ptr.add(off))
-            };
-            off += 64;
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = data;
-}
-
-/// Widens `src` into `dst` (same length).
-#[inline(always)]
-fn widen<T: CacheElement>(src: &[T], dst: &mut [f32]) {
-    for (o, &x) in dst.iter_mut().zip(src) {
-        *o = x.to_f32();
-    }
-}
-
-/// The kernel body: one item's rows over keys `key_lo..key_hi`, one cache
-/// block (tile) at a time, with the softmax state updated per tile.
-#[inline(always)]
-fn attend_generic<T: CacheElement, M: MulAdd>(
-    p: &Problem<'_, T>,
-    item: &Item,
-    key_lo: usize,
-    key_hi: usize,
-    state: &mut PartialState,
-) {
-    let d = p.shape.head_size;
-    let bs = p.shape.block_size;
-    let g = p.group;
-    let nrows = item.row_hi - item.row_lo;
-    let ctx_start = item.seq.seq_len - item.seq.q_len;
-
-    // Queries of the item, pre-scaled, as f32: row (r, head) at (r * g + head) * d.
-    let mut q = vec![0.0f32; nrows * g * d];
-    for r in 0..nrows {
-        let token = item.seq.q_start + item.row_lo + r;
-        let src = &p.query[(token * p.num_heads + item.kv_head * g) * d..][..g * d];
-        for (o, &x) in q[r * g * d..(r + 1) * g * d].iter_mut().zip(src) {
-            *o = x.to_f32() * p.scale;
-        }
-    }
-    // Visible key range [lo, hi) of each query row.
-    let vis: Vec<(usize, usize)> = (0..nrows)
-        .map(|r| {
-            let pos = ctx_start + item.row_lo + r;
-            let lo = if p.window > 0 {
-                (pos + 1).saturating_sub(p.window)
-            } else {
-                0
-            };
-            (lo, pos + 1)
-        })
-        .collect();
-
-    let mut kbuf = vec![
-        0.0f32;
-        if T::as_f32_slice(p.key_cache).is_some() {
-            0
-        } else {
-            bs * d
-        }
-    ];
-    let mut vbuf = kbuf.clone();
-    let mut scores = vec![0.0f32; bs];
-    let table = &p.block_tables[item.seq.seq * p.max_blocks..][..p.max_blocks];
-
-    let mut t0 = key_lo;
-    while t0 < key_hi {
-        let block_idx = t0 / bs;
-        let t1 = ((block_idx + 1) * bs).min(key_hi);
-        let off0 = t0 - block_idx * bs;
-        let n = t1 - t0;
-        // Validated: the block id is in range for every block below seq_len.
-        let block = table[block_idx] as usize;
-        let base = ((block * p.shape.num_kv_heads + item.kv_head) * bs + off0) * d;
-        if t1 < key_hi {
-            // The next block is elsewhere in the pool (the hardware prefetcher
-            // cannot guess it): ask for it while this one is computed.
-            let next = table[t1 / bs] as usize;
-            let next_base = (next * p.shape.num_kv_heads + item.kv_head) * bs * d;
-            let next_n = (key_hi - t1).min(bs) * d;
-            prefetch(&p.key_cache[next_base..next_base + next_n]);
-            prefetch(&p.value_cache[next_base..next_base + next_n]);
-        }
-        let kraw = &p.key_cache[base..base + n * d];
-        let vraw = &p.value_cache[base..base + n * d];
-        let (keys, values): (&[f32], &[f32]) = match (T::as_f32_slice(kraw), T::as_f32_slice(vraw))
-        {
-            (Some(k), Some(v)) => (k, v),
-            _ => {
-                widen(kraw, &mut kbuf[..n * d]);
-                widen(vraw, &mut vbuf[..n * d]);
-                (&kbuf[..n * d], &vbuf[..n * d])
-            }
-        };
-
-        for (r, &(vlo, vhi)) in vis.iter().enumerate() {
-            let a = vlo.max(t0);
-            let b = vhi.min(t1);
-            if a >= b {
-                continue;
-            }
-            let (ka, kb) = (a - t0, b - t0);
-            for h in 0..g {
-                let row = r * g + h;
-                let qrow = &q[row * d..(row + 1) * d];
-                let s = &mut scores[..kb - ka];
-                let mut j = 0;
-                while j + 8 <= s.len() && M::scores8(qrow, &keys[(ka + j) * d..], &mut s[j..j + 8])
-                {
-                    j += 8;
-                }
-                while j + 4 <= s.len() {
-                    let t = ka + j;
-                    let k4 = [
-                        &keys[t * d..(t + 1) * d],
-                        &keys[(t + 1) * d..(t + 2) * d],
-                        &keys[(t + 2) * d..(t + 3) * d],
-                        &keys[(t + 3) * d..(t + 4) * d],
-                    ];
-                    let r4 = dot4::<M>(qrow, k4);
-                    s[j..j + 4].copy_from_slice(&r4);
-                    j += 4;
-                }
-                while j < s.len() {
-                    let t = ka + j;
-                    s[j] = dot1::<M>(qrow, &keys[t * d..(t + 1) * d]);
-                    j += 1;
-                }
-                let tile_max = max_of(s);
-                let old_max = state.max[row];
-                let acc = &mut state.acc[row * d..(row + 1) * d];
-                let new_max = if tile_max > old_max {
-                    if old_max > f32::NEG_INFINITY {
-                        let alpha = exp_nonpos::<M>(old_max - tile_max);
-                        state.sum[row] *= alpha;
-                        for x in acc.iter_mut() {
-                            *x *= alpha;
-                        }
-                    }
-                    state.max[row] = tile_max;
-                    tile_max
-                } else {
-                    old_max
-                };
-                state.sum[row] += exp_shift_sum::<M>(s, new_max);
-                let mut j = 0;
-                while j + 4 <= s.len() {
-                    let t = ka + j;
-                    let v4 = [
-                        &values[t * d..(t + 1) * d],
-                        &values[(t + 1) * d..(t + 2) * d],
-                        &values[(t + 2) * d..(t + 3) * d],
-                        &values[(t + 3) * d..(t + 4) * d],
-                    ];
-                    axpy4::<M>(acc, [s[j], s[j + 1], s[j + 2], s[j + 3]], v4);
-                    j += 4;
-                }
-                while j < s.len() {
-                    let t = ka + j;
-                    axpy1::<M>(acc, s[j], &values[t * d..(t + 1) * d]);
-                    j += 1;
-                }
-            }
-        }
-        t0 = t1;
-    }
+    let op = kernel::Attend {
+        p,
+        item,
+        key_lo,
+        key_hi,
+        state,
+    };
+    simd::dispatch(p.path, op);
 }
 
 #[cfg(test)]
 mod tests {
+    use super::kernel::exp_nonpos;
     use super::*;
+    #[cfg(target_arch = "x86_64")]
+    use crate::cpu::simd::Avx2;
+    use crate::cpu::simd::Scalar;
+    use half::bf16;
 
     /// Deterministic pseudo-random numbers in [-1, 1) (xorshift).
     struct Rng(u64);
@@ -1266,13 +731,7 @@ mod tests {
         out
     }
 
-    fn run<T: CacheElement>(
-        case: &Case,
-        data: &Data,
-        scale: f32,
-        plan: Plan,
-        level: SimdLevel,
-    ) -> Vec<f32> {
+    fn run<T: Element>(case: &Case, data: &Data, scale: f32, plan: Plan, path: Path) -> Vec<f32> {
         let conv = |v: &[f32]| v.iter().map(|&x| T::from_f32(x)).collect::<Vec<T>>();
         let (q, kc, vc) = (conv(&data.query), conv(&data.kc), conv(&data.vc));
         let mut out = vec![T::from_f32(f32::NAN); q.len()];
@@ -1293,7 +752,7 @@ mod tests {
             scale,
             case.window,
             plan,
-            level,
+            path,
         )
         .unwrap();
         out.iter().map(|x| x.to_f32()).collect()
@@ -1362,13 +821,13 @@ mod tests {
             let data = make(&case, &mut rng);
             let scale = 1.0 / (case.shape.head_size as f32).sqrt();
             let want = reference(&case, &data, scale);
-            for level in SimdLevel::available() {
+            for path in available_paths() {
                 for plan in plans() {
-                    let got = run::<f32>(&case, &data, scale, plan, level);
+                    let got = run::<f32>(&case, &data, scale, plan, path);
                     for (i, (a, b)) in got.iter().zip(&want).enumerate() {
                         assert!(
                             (a - b).abs() <= 2e-5 + 1e-5 * b.abs(),
-                            "{level:?} {plan:?} [{i}]: {a} vs {b}"
+                            "{path:?} {plan:?} [{i}]: {a} vs {b}"
                         );
                     }
                 }
@@ -1389,13 +848,13 @@ mod tests {
             }
             let scale = 0.125;
             let want = reference(&case, &data, scale);
-            for level in SimdLevel::available() {
-                let got = run::<bf16>(&case, &data, scale, plans()[1], level);
+            for path in available_paths() {
+                let got = run::<bf16>(&case, &data, scale, plans()[1], path);
                 for (a, b) in got.iter().zip(&want) {
                     // Only the final rounding to bf16 (half an ulp, 2^-9 relative) differs.
                     assert!(
                         (a - b).abs() <= 1e-5 + b.abs() / 256.0,
-                        "{level:?}: {a} vs {b}"
+                        "{path:?}: {a} vs {b}"
                     );
                 }
             }
@@ -1407,7 +866,7 @@ mod tests {
         let mut x = -90.0f32;
         while x <= 0.0 {
             let want = (x as f64).exp();
-            for got in [exp_nonpos::<Plain>(x) as f64, exp_nonpos::<X86>(x) as f64] {
+            for got in [exp_nonpos::<Scalar>(x) as f64, exp_nonpos::<Avx2>(x) as f64] {
                 if x < -87.0 {
                     assert_eq!(got, 0.0);
                 } else {
@@ -1419,8 +878,8 @@ mod tests {
             }
             x += 0.0137;
         }
-        assert_eq!(exp_nonpos::<Plain>(f32::NEG_INFINITY), 0.0);
-        assert_eq!(exp_nonpos::<Plain>(0.0), 1.0);
+        assert_eq!(exp_nonpos::<Scalar>(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_nonpos::<Scalar>(0.0), 1.0);
     }
 
     #[test]

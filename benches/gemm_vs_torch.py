@@ -1,5 +1,5 @@
-"""The Rust linear kernels (``_core.linear`` per path, and the packed-weight
-GEMM ``_core.PackedLinear`` the model runs) against torch's bf16 ``F.linear``, side by side.
+"""The packed-weight GEMM the model runs (``_core.PackedLinear``, per kernel
+path) against torch's bf16 ``F.linear``, side by side.
 
 Prints, for the benchmark model's matrix products (Qwen2.5-0.5B shapes) and
 several M (rows of x: sequences in a decode step), the time per call and the
@@ -10,8 +10,8 @@ the last-level cache, as in a real decode step. Rust and torch alternate
 within every repeat and the medians are reported, so that load from other
 processes hits both alike.
 
-    PYTHONPATH=python python benches/linear_vs_torch.py [--ms 1,4,16,64] [--repeats 5] [--threads N]
-        [--paths avx512,avx512bf16] [--shapes qkv,o_proj,gate_up,down,lm_head]
+    PYTHONPATH=python python benches/gemm_vs_torch.py [--ms 1,4,16,64] [--repeats 5] [--threads N]
+        [--paths avx512,avx2] [--shapes qkv,o_proj,gate_up,down,lm_head]
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--min-bytes", type=int, default=512 << 20, help="weights per shape")
     ap.add_argument(
-        "--paths", default="avx512,avx512bf16", help="Rust paths to time (those this CPU runs)"
+        "--paths", default="", help="GEMM paths to time (default: gemm_default_path())"
     )
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     ap.add_argument(
@@ -61,11 +61,11 @@ def main() -> None:
     ms = [int(v) for v in args.ms.split(",")]
     threads = _core.num_threads()
     torch.set_num_threads(threads)
-    paths = [p for p in args.paths.split(",") if p in _core.linear_paths()]
-    paths = paths or [_core.linear_default_path(1)]
+    paths = [p for p in args.paths.split(",") if p in _core.gemm_paths()]
+    paths = paths or [_core.gemm_default_path()]
     print(
-        f"threads={threads}  rust paths={paths}  torch {torch.__version__}  default path: "
-        + ", ".join(f"M={m}: {_core.linear_default_path(m)}" for m in ms)
+        f"threads={threads}  rust paths={paths}  torch {torch.__version__}  "
+        f"default path: {_core.gemm_default_path()}"
     )
     triads = [_core.stream_triad_gbs(200_000_000, 3) for _ in range(3)]
     triad = statistics.median(triads)
@@ -74,30 +74,22 @@ def main() -> None:
         f"(runs: {', '.join(f'{t:.1f}' for t in triads)})"
     )
 
-    def rust(path):
+    def torch_linear(x, w, b):
+        return torch.nn.functional.linear(x, w, b)
+
+    # One PackedLinear per path and copy of the weights, built per shape below.
+    packed: dict[tuple[str, int], object] = {}
+
+    def packed_linear(path):
         def call(x, w, b):
-            out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
-            _core.linear(out, x, w, b, path=path)
+            layer = packed[(path, id(w))]
+            out = torch.empty(x.shape[0], layer.out_features, dtype=x.dtype)
+            layer.forward(out, x)
             return out
 
         return call
 
-    def torch_linear(x, w, b):
-        return torch.nn.functional.linear(x, w, b)
-
-    # The packed-weight GEMM the model runs (rust/gemm.rs), one PackedLinear
-    # per copy of the weights, built per shape below.
-    packed: dict[int, object] = {}
-
-    def packed_linear(x, w, b):
-        layer = packed[id(w)]
-        out = torch.empty(x.shape[0], layer.out_features, dtype=x.dtype)
-        layer.forward(out, x)
-        return out
-
-    fns = {p: rust(p) for p in paths}
-    fns["packed"] = packed_linear
-    paths = [*paths, "packed"]
+    fns = {p: packed_linear(p) for p in paths}
     fns["torch"] = torch_linear
     cols = "".join(f" | {p[:10]:>10} ms  GB/s %triad" for p in fns)
     header = f"{'shape':8} {'N':>6} {'K':>5} {'M':>3}{cols} | torch/rust | spread"
@@ -119,7 +111,13 @@ def main() -> None:
             for _ in range(copies)
         ]
         packed.clear()
-        packed.update({id(w): _core.PackedLinear(w, b) for w, b in zip(weights, biases)})
+        packed.update(
+            {
+                (p, id(w)): _core.PackedLinear(w, b, path=p)
+                for p in paths
+                for w, b in zip(weights, biases)
+            }
+        )
         crossover[name] = None
         for m in ms:
             x = torch.randn(m, k, generator=g).to(torch.bfloat16)

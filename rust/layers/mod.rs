@@ -8,12 +8,18 @@
 //! element type, then multiplies by the weight (`weight * x_hat.to(dtype)`);
 //! SiLU rounds `silu(gate)` before multiplying by `up`.
 //!
-//! The loops are written to vectorise (an exp built from a polynomial and
-//! exponent bits, no libm call) and compiled three times: AVX-512F, AVX2 +
-//! FMA and baseline x86-64, chosen at run time.
+//! The loops (`kernels.rs`) are written to vectorise (an exp built from a
+//! polynomial and exponent bits, no libm call) and compiled through
+//! `cpu::simd` for AVX-512, AVX2 + FMA and baseline x86-64, chosen at run time.
 
+mod kernels;
+
+use kernels::{Act, Norm, Rotate};
+
+use crate::cpu::elem::SharedOut;
+use crate::cpu::simd::dispatch;
+use crate::cpu::{best_path, Dst, Element, Src};
 use crate::error::{CoreError, CoreResult};
-use crate::linear::{Dst, OutElem, SharedOut, Src};
 
 /// Elements below which a call runs on the calling thread.
 const SERIAL_ELEMS: usize = 1 << 16;
@@ -21,13 +27,13 @@ const SERIAL_ELEMS: usize = 1 << 16;
 /// Splits `rows` rows over the team in chunks (or runs them here when the
 /// call is small) and hands each chunk's row range to `f`.
 fn for_row_chunks(rows: usize, dim: usize, f: impl Fn(usize, usize) + Sync) -> CoreResult<()> {
-    let threads = crate::threads::num_threads();
+    let threads = crate::cpu::threads::num_threads();
     if threads <= 1 || rows < 2 || rows * dim < SERIAL_ELEMS {
         f(0, rows);
         return Ok(());
     }
     let chunks = (4 * threads).min(rows);
-    crate::threads::team_run(chunks, &|c| f(c * rows / chunks, (c + 1) * rows / chunks))
+    crate::cpu::threads::team_run(chunks, &|c| f(c * rows / chunks, (c + 1) * rows / chunks))
 }
 
 /// `out[r] = weight * round(x[r] / rms(x[r]))` over rows of `dim` elements.
@@ -149,7 +155,7 @@ pub fn qkv_rotary(
 }
 
 #[allow(clippy::too_many_arguments)]
-fn rotary_rows<T: Elem>(
+fn rotary_rows<T: Element>(
     q: &mut [T],
     k: &mut [T],
     v: &mut [T],
@@ -166,6 +172,7 @@ fn rotary_rows<T: Elem>(
         half,
     } = shape;
     let width = (heads + 2 * kv_heads) * d;
+    let path = best_path();
     let (qp, kp, vp) = (
         SharedOut(q.as_mut_ptr()),
         SharedOut(k.as_mut_ptr()),
@@ -189,70 +196,32 @@ fn rotary_rows<T: Elem>(
             );
             let (xq, rest) = row.split_at(heads * d);
             let (xk, xv) = rest.split_at(kv_heads * d);
-            simd::dispatch_rotate(qr, xq, c, s, d);
-            simd::dispatch_rotate(kr, xk, c, s, d);
+            dispatch(
+                path,
+                Rotate {
+                    out: qr,
+                    x: xq,
+                    cos: c,
+                    sin: s,
+                    d,
+                },
+            );
+            dispatch(
+                path,
+                Rotate {
+                    out: kr,
+                    x: xk,
+                    cos: c,
+                    sin: s,
+                    d,
+                },
+            );
             vr.copy_from_slice(xv);
         }
     })
 }
 
-/// Rotates every head (`d` features) of `x` into `out` with one token's
-/// `cos` / `sin`.
-#[inline(always)]
-fn rotate_body<T: Elem>(out: &mut [T], x: &[T], cos: &[T], sin: &[T], d: usize) {
-    let half = cos.len();
-    for (o, xh) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
-        let (o1, o_rest) = o.split_at_mut(half);
-        let (o2, o3) = o_rest.split_at_mut(half);
-        let (x1, x_rest) = xh.split_at(half);
-        let (x2, x3) = x_rest.split_at(half);
-        for i in 0..half {
-            let (a, b) = (x1[i].to_f32(), x2[i].to_f32());
-            let (c, s) = (cos[i].to_f32(), sin[i].to_f32());
-            o1[i] = T::from_f32_rne(T::round(a * c) - T::round(b * s));
-            o2[i] = T::from_f32_rne(T::round(b * c) + T::round(a * s));
-        }
-        o3.copy_from_slice(x3);
-    }
-}
-
-/// An element type the layer kernels read and write.
-pub(crate) trait Elem: OutElem {
-    fn to_f32(self) -> f32;
-    /// `v` rounded to nearest even, without branches (so loops vectorise).
-    fn from_f32_rne(v: f32) -> Self;
-    /// `v` rounded to this type and back (identity for f32).
-    #[inline(always)]
-    fn round(v: f32) -> f32 {
-        Self::from_f32_rne(v).to_f32()
-    }
-}
-
-impl Elem for f32 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        self
-    }
-
-    #[inline(always)]
-    fn from_f32_rne(v: f32) -> Self {
-        v
-    }
-}
-
-impl Elem for half::bf16 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        f32::from_bits((self.to_bits() as u32) << 16)
-    }
-
-    #[inline(always)]
-    fn from_f32_rne(v: f32) -> Self {
-        crate::linear::bf16_rne(v)
-    }
-}
-
-fn norm_rows<T: Elem>(
+fn norm_rows<T: Element>(
     out: &mut [T],
     x: &[T],
     w: &[T],
@@ -266,149 +235,34 @@ fn norm_rows<T: Elem>(
         // rows * dim elements (checked by the caller).
         let o =
             unsafe { std::slice::from_raw_parts_mut(shared.ptr().add(r0 * dim), (r1 - r0) * dim) };
-        simd::dispatch_norm(o, &x[r0 * dim..r1 * dim], w, eps, dim);
+        let x = &x[r0 * dim..r1 * dim];
+        dispatch(
+            best_path(),
+            Norm {
+                out: o,
+                x,
+                w,
+                eps,
+                dim,
+            },
+        );
     })
 }
 
-fn act_rows<T: Elem>(out: &mut [T], x: &[T], d: usize, rows: usize) -> CoreResult<()> {
+fn act_rows<T: Element>(out: &mut [T], x: &[T], d: usize, rows: usize) -> CoreResult<()> {
     let shared = SharedOut(out.as_mut_ptr());
     for_row_chunks(rows, 2 * d, |r0, r1| {
         // SAFETY: rows r0..r1 of out belong to this chunk only; out holds
         // rows * d elements (checked by the caller).
         let o = unsafe { std::slice::from_raw_parts_mut(shared.ptr().add(r0 * d), (r1 - r0) * d) };
-        simd::dispatch_act(o, &x[r0 * 2 * d..r1 * 2 * d], d);
+        let x = &x[r0 * 2 * d..r1 * 2 * d];
+        dispatch(best_path(), Act { out: o, x, d });
     })
-}
-
-/// `e^x` for the SiLU: relative error below 2e-7 over the f32 range, 0 below
-/// -87.3, and written without branches or libm so that it vectorises. (The
-/// attention kernel's `exp_nonpos` covers only x <= 0 and keeps a saturating
-/// int cast; a SiLU built on it measured 2.2x slower in `cargo bench --bench
-/// gemm -- layers/silu`.)
-#[inline(always)]
-#[allow(clippy::manual_clamp)] // clamp does not vectorise here
-pub(crate) fn exp_f32(x: f32) -> f32 {
-    // max/min, not clamp: they vectorise (a NaN x is lost here, but the
-    // SiLU's numerator keeps it).
-    let x = x.max(-87.3).min(88.3);
-    let t = x * std::f32::consts::LOG2_E;
-    // Round to nearest by the 1.5 * 2^23 trick (no libm call).
-    let n = (t + 12_582_912.0) - 12_582_912.0;
-    // y = x - n ln2 in two steps (Cody-Waite): ln2's high part has few
-    // bits, so n * LN2_HI is exact and large |x| keeps full precision.
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    let y = (x - n * LN2_HI) - n * LN2_LO;
-    // e^y on |y| <= ln2 / 2, Taylor to degree 7.
-    let p = 1.0
-        + y * (1.0
-            + y * (0.5
-                + y * (1.0 / 6.0
-                    + y * (1.0 / 24.0
-                        + y * (1.0 / 120.0 + y * (1.0 / 720.0 + y * (1.0 / 5040.0)))))));
-    // SAFETY: |n| <= 128 after the clamp, so it fits an i32.
-    let n = unsafe { n.to_int_unchecked::<i32>() };
-    let scale = f32::from_bits(((n + 127) as u32) << 23);
-    p * scale
-}
-
-#[inline(always)]
-fn silu(g: f32) -> f32 {
-    g / (1.0 + exp_f32(-g))
-}
-
-#[inline(always)]
-fn norm_body<T: Elem>(out: &mut [T], x: &[T], w: &[T], eps: f32, dim: usize) {
-    for (o, xr) in out.chunks_exact_mut(dim).zip(x.chunks_exact(dim)) {
-        // Sixteen partial sums: vectorisable, and close to torch's blocked sum.
-        let mut acc = [0f32; 16];
-        let mut it = xr.chunks_exact(16);
-        for c in &mut it {
-            for (a, &v) in acc.iter_mut().zip(c) {
-                let v = v.to_f32();
-                *a += v * v;
-            }
-        }
-        let mut s: f32 = it
-            .remainder()
-            .iter()
-            .map(|&v| v.to_f32() * v.to_f32())
-            .sum();
-        s += acc.iter().sum::<f32>();
-        let r = 1.0 / (s / dim as f32 + eps).sqrt();
-        for ((d, &v), &wv) in o.iter_mut().zip(xr).zip(w) {
-            *d = T::from_f32_rne(wv.to_f32() * T::round(v.to_f32() * r));
-        }
-    }
-}
-
-#[inline(always)]
-fn act_body<T: Elem>(out: &mut [T], x: &[T], d: usize) {
-    for (o, xr) in out.chunks_exact_mut(d).zip(x.chunks_exact(2 * d)) {
-        let (g, u) = xr.split_at(d);
-        for ((dst, &gv), &uv) in o.iter_mut().zip(g).zip(u) {
-            *dst = T::from_f32_rne(T::round(silu(gv.to_f32())) * uv.to_f32());
-        }
-    }
-}
-
-mod simd {
-    use super::{act_body, norm_body, rotate_body, Elem};
-
-    macro_rules! variants {
-        ($name:ident, $body:ident, ($($arg:ident: $ty:ty),*)) => {
-            #[cfg(target_arch = "x86_64")]
-            #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-            unsafe fn avx512<T: Elem>($($arg: $ty),*) {
-                $body($($arg),*)
-            }
-
-            #[cfg(target_arch = "x86_64")]
-            #[target_feature(enable = "avx2,fma")]
-            unsafe fn avx2<T: Elem>($($arg: $ty),*) {
-                $body($($arg),*)
-            }
-
-            pub(in crate::layers) fn $name<T: Elem>($($arg: $ty),*) {
-                #[cfg(target_arch = "x86_64")]
-                {
-                    use crate::linear::Path;
-                    // SAFETY: each variant runs only where its features exist.
-                    if Path::Avx512.is_available() {
-                        return unsafe { avx512($($arg),*) };
-                    }
-                    if Path::Avx2.is_available() {
-                        return unsafe { avx2($($arg),*) };
-                    }
-                }
-                $body($($arg),*)
-            }
-        };
-    }
-
-    pub(super) mod norm {
-        use super::*;
-        variants!(run, norm_body, (out: &mut [T], x: &[T], w: &[T], eps: f32, dim: usize));
-    }
-
-    pub(super) mod act {
-        use super::*;
-        variants!(run, act_body, (out: &mut [T], x: &[T], d: usize));
-    }
-
-    pub(super) mod rotate {
-        use super::*;
-        variants!(run, rotate_body, (out: &mut [T], x: &[T], cos: &[T], sin: &[T], d: usize));
-    }
-
-    pub(super) use rotate::run as dispatch_rotate;
-
-    pub(super) use act::run as dispatch_act;
-    pub(super) use norm::run as dispatch_norm;
 }
 
 #[cfg(test)]
 mod tests {
+    use super::kernels::exp_f32;
     use super::*;
     use half::bf16;
 
@@ -467,33 +321,6 @@ mod tests {
                 let u = x[r * 2 * d + d + j].to_f32();
                 let s = bf16::from_f32((g / (1.0 + (-g).exp())) as f32).to_f32();
                 assert_eq!(out[r * d + j], bf16::from_f32(s * u), "row {r} col {j}");
-            }
-        }
-    }
-
-    #[test]
-    fn branch_free_bf16_rounding_matches_half() {
-        let specials = [
-            0.0f32,
-            -0.0,
-            1.0,
-            f32::MAX,
-            f32::MIN_POSITIVE,
-            1e-40,
-            f32::INFINITY,
-            -f32::INFINITY,
-        ];
-        let mut seed = 1u32;
-        let randoms = (0..100_000).map(|_| {
-            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            f32::from_bits(seed)
-        });
-        for v in specials.into_iter().chain(randoms) {
-            let ours = <bf16 as Elem>::from_f32_rne(v);
-            if v.is_nan() {
-                assert!(ours.is_nan());
-            } else {
-                assert_eq!(ours.to_bits(), bf16::from_f32(v).to_bits(), "{v:e}");
             }
         }
     }

@@ -1,0 +1,116 @@
+//! The CPU side of the core, below the kernels: what this CPU and OS allow
+//! (`features`), the kernel paths that follows from it (`Path`), the one
+//! element trait for f32/bf16 data (`elem`), the SIMD vocabulary every kernel
+//! is written in once (`simd`), and the threads the kernels run on
+//! (`threads`).
+//!
+//! Every kernel asks `features()` (through `Path`) what it may run; nothing
+//! else in the crate detects a CPU or OS feature.
+
+pub mod bandwidth;
+pub mod elem;
+pub mod features;
+pub mod simd;
+pub mod threads;
+
+pub use elem::{Dst, Element, Src};
+pub use features::{features, CpuFeatures};
+
+/// One instruction-set path of the CPU kernels, from the most portable to
+/// the fastest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Path {
+    /// Plain Rust, f32 accumulation; runs everywhere.
+    Scalar,
+    /// AVX2 + FMA, 8 f32 lanes.
+    Avx2,
+    /// AVX-512F/BW/VL (with AVX2 and FMA), 16 f32 lanes.
+    Avx512,
+    /// AVX512-BF16 CPUs. The GEMM accepts the name and runs the `Avx512`
+    /// kernel: two f32 FMAs retire per cycle against one `vdpbf16ps` per
+    /// two (see `docs/cpu-kernels.md`).
+    Avx512Bf16,
+}
+
+impl Path {
+    /// Every path, in order of the instruction sets they need.
+    pub const ALL: [Path; 4] = [Path::Scalar, Path::Avx2, Path::Avx512, Path::Avx512Bf16];
+
+    /// The name used by the `path` arguments and the Python bindings.
+    pub fn name(self) -> &'static str {
+        match self {
+            Path::Scalar => "scalar",
+            Path::Avx2 => "avx2",
+            Path::Avx512 => "avx512",
+            Path::Avx512Bf16 => "avx512bf16",
+        }
+    }
+
+    /// Parses a path name (case-insensitive).
+    pub fn parse(name: &str) -> Option<Path> {
+        let name = name.trim().to_ascii_lowercase();
+        Path::ALL.into_iter().find(|p| p.name() == name)
+    }
+
+    /// Whether this CPU (and OS) can run the path.
+    pub fn is_available(self) -> bool {
+        let f = features();
+        match self {
+            Path::Scalar => true,
+            Path::Avx2 => f.avx2_fma(),
+            Path::Avx512 => f.avx512(),
+            Path::Avx512Bf16 => f.avx512() && f.avx512bf16,
+        }
+    }
+
+    /// The SIMD code this path runs (`Avx512Bf16` runs the AVX-512 code).
+    pub fn simd(self) -> Path {
+        match self {
+            Path::Avx512Bf16 => Path::Avx512,
+            p => p,
+        }
+    }
+}
+
+/// The paths this CPU can run, in the order of `Path::ALL`.
+pub fn available_paths() -> Vec<Path> {
+    Path::ALL.into_iter().filter(|p| p.is_available()).collect()
+}
+
+/// The fastest SIMD code this CPU can run: `Avx512`, `Avx2` or `Scalar`.
+pub fn best_path() -> Path {
+    [Path::Avx512, Path::Avx2]
+        .into_iter()
+        .find(|p| p.is_available())
+        .unwrap_or(Path::Scalar)
+}
+
+/// Parses a path name and checks this CPU can run it.
+pub fn check_path(name: &str) -> Result<Path, String> {
+    let names: Vec<&str> = Path::ALL.iter().map(|p| p.name()).collect();
+    let path = Path::parse(name)
+        .ok_or_else(|| format!("unknown linear kernel path '{name}', expected one of {names:?}"))?;
+    if !path.is_available() {
+        let avail: Vec<&str> = available_paths().iter().map(|p| p.name()).collect();
+        return Err(format!(
+            "linear kernel path '{name}' is not supported by this CPU (available: {avail:?})"
+        ));
+    }
+    Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn path_names_round_trip_and_unknown_is_rejected() {
+        for p in Path::ALL {
+            assert_eq!(Path::parse(p.name()), Some(p));
+        }
+        assert_eq!(Path::parse(" AVX2 "), Some(Path::Avx2));
+        assert!(check_path("sse9").unwrap_err().contains("unknown"));
+        assert_eq!(check_path("scalar"), Ok(Path::Scalar));
+        assert!(available_paths().contains(&best_path()));
+    }
+}

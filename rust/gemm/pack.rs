@@ -1,0 +1,126 @@
+//! The panel layout of a packed weight (see the module docs of `gemm`).
+
+use rayon::prelude::*;
+
+use super::NR;
+use crate::cpu::elem::expect_matrix;
+use crate::cpu::Src;
+use crate::error::{CoreError, CoreResult};
+
+/// One 64-byte, 64-byte-aligned line of a panel.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub(super) struct Line([u8; 64]);
+
+/// A weight matrix in panel layout, with its bias.
+pub struct PackedWeight {
+    pub(super) n: usize,
+    pub(super) k: usize,
+    pub(super) bf16: bool,
+    pub(super) lines: Vec<Line>,
+    pub(super) bias: Option<Vec<f32>>,
+}
+
+impl std::fmt::Debug for PackedWeight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PackedWeight")
+            .field("n", &self.n)
+            .field("k", &self.k)
+            .field("bf16", &self.bf16)
+            .field("bias", &self.bias.is_some())
+            .finish()
+    }
+}
+
+impl PackedWeight {
+    /// Packs `weight` (`[n, k]`, row-major, torch `Linear` layout) and `bias`
+    /// (`[n]`). bf16 weights stay bf16 (two bytes per weight); f32 stay f32.
+    pub fn pack(weight: Src<'_>, bias: Option<Src<'_>>, n: usize, k: usize) -> CoreResult<Self> {
+        expect_matrix("weight", weight.len(), n, k)?;
+        if let Some(b) = &bias {
+            if b.len() != n {
+                return Err(CoreError::invalid(format!(
+                    "bias: expected {n} elements, got {}",
+                    b.len()
+                )));
+            }
+        }
+        let bf16 = matches!(weight, Src::Bf16(_));
+        let lines_per_k = if bf16 { 1 } else { 2 };
+        let panels = n.div_ceil(NR);
+        let panel_lines = k * lines_per_k;
+        let total = panels
+            .checked_mul(panel_lines)
+            .ok_or_else(|| CoreError::invalid("weight: packed size overflows"))?;
+        let mut lines: Vec<Line> = Vec::new();
+        lines
+            .try_reserve_exact(total)
+            .map_err(|_| CoreError::Exhausted(format!("weight: cannot allocate {n} x {k}")))?;
+        lines.resize(total, Line([0; 64]));
+        if panel_lines > 0 {
+            crate::cpu::threads::install(|| {
+                lines
+                    .par_chunks_mut(panel_lines)
+                    .enumerate()
+                    .for_each(|(p, panel)| pack_panel(weight, p * NR, n, k, bf16, panel));
+            });
+        }
+        let bias = bias.map(|b| (0..n).map(|j| b.get(j)).collect());
+        Ok(PackedWeight {
+            n,
+            k,
+            bf16,
+            lines,
+            bias,
+        })
+    }
+
+    /// Output features.
+    pub fn out_features(&self) -> usize {
+        self.n
+    }
+
+    /// Input features.
+    pub fn in_features(&self) -> usize {
+        self.k
+    }
+
+    /// Whether the weights are stored as bf16 (else f32).
+    pub fn is_bf16(&self) -> bool {
+        self.bf16
+    }
+
+    /// Bytes of packed weights (what one batch-1 call streams).
+    pub fn nbytes(&self) -> usize {
+        self.lines.len() * 64
+    }
+
+    pub(super) fn panels(&self) -> usize {
+        self.n.div_ceil(NR)
+    }
+
+    pub(super) fn panel_bytes(&self) -> usize {
+        self.k * if self.bf16 { 64 } else { 128 }
+    }
+}
+
+/// Fills one panel (features `n0..n0 + NR`) from the row-major weight.
+fn pack_panel(weight: Src<'_>, n0: usize, n: usize, k: usize, bf16: bool, panel: &mut [Line]) {
+    for j in 0..NR.min(n - n0) {
+        let row = (n0 + j) * k;
+        for kk in 0..k {
+            if bf16 {
+                let bits = match weight {
+                    Src::Bf16(w) => w[row + kk].to_bits(),
+                    Src::F32(_) => unreachable!("bf16 panels come from bf16 weights"),
+                };
+                let off = (j % 16) * 4 + if j < 16 { 0 } else { 2 };
+                panel[kk].0[off..off + 2].copy_from_slice(&bits.to_le_bytes());
+            } else {
+                let v = weight.get(row + kk);
+                let off = (j % 16) * 4;
+                panel[2 * kk + j / 16].0[off..off + 4].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+    }
+}

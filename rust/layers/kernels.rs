@@ -1,0 +1,147 @@
+//! The bodies of the elementwise layers, written once and compiled for each
+//! ISA through `cpu::simd` (they are plain f32 loops that LLVM vectorises
+//! for the entry point's features), with one `Kernel` per body.
+
+use crate::cpu::simd::{Kernel, Simd};
+use crate::cpu::Element;
+
+/// RMSNorm of the rows of `x` into `out`.
+pub(super) struct Norm<'a, T> {
+    pub(super) out: &'a mut [T],
+    pub(super) x: &'a [T],
+    pub(super) w: &'a [T],
+    pub(super) eps: f32,
+    pub(super) dim: usize,
+}
+
+impl<T: Element> Kernel for Norm<'_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn run<S: Simd>(self) {
+        norm_body(self.out, self.x, self.w, self.eps, self.dim)
+    }
+}
+
+/// SiLU-and-mul of the rows of `x` (`2d` each) into `out` (`d` each).
+pub(super) struct Act<'a, T> {
+    pub(super) out: &'a mut [T],
+    pub(super) x: &'a [T],
+    pub(super) d: usize,
+}
+
+impl<T: Element> Kernel for Act<'_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn run<S: Simd>(self) {
+        act_body(self.out, self.x, self.d)
+    }
+}
+
+/// Rotary embedding of the heads (`d` features) of one token.
+pub(super) struct Rotate<'a, T> {
+    pub(super) out: &'a mut [T],
+    pub(super) x: &'a [T],
+    pub(super) cos: &'a [T],
+    pub(super) sin: &'a [T],
+    pub(super) d: usize,
+}
+
+impl<T: Element> Kernel for Rotate<'_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn run<S: Simd>(self) {
+        rotate_body(self.out, self.x, self.cos, self.sin, self.d)
+    }
+}
+
+/// Rotates every head (`d` features) of `x` into `out` with one token's
+/// `cos` / `sin`.
+#[inline(always)]
+fn rotate_body<T: Element>(out: &mut [T], x: &[T], cos: &[T], sin: &[T], d: usize) {
+    let half = cos.len();
+    for (o, xh) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+        let (o1, o_rest) = o.split_at_mut(half);
+        let (o2, o3) = o_rest.split_at_mut(half);
+        let (x1, x_rest) = xh.split_at(half);
+        let (x2, x3) = x_rest.split_at(half);
+        for i in 0..half {
+            let (a, b) = (x1[i].to_f32(), x2[i].to_f32());
+            let (c, s) = (cos[i].to_f32(), sin[i].to_f32());
+            o1[i] = T::from_f32(T::round(a * c) - T::round(b * s));
+            o2[i] = T::from_f32(T::round(b * c) + T::round(a * s));
+        }
+        o3.copy_from_slice(x3);
+    }
+}
+
+/// `e^x` for the SiLU: relative error below 2e-7 over the f32 range, 0 below
+/// -87.3, and written without branches or libm so that it vectorises. (The
+/// attention kernel's `exp_nonpos` covers only x <= 0 and keeps a saturating
+/// int cast; a SiLU built on it measured 2.2x slower in `cargo bench --bench
+/// gemm -- layers/silu`.)
+#[inline(always)]
+#[allow(clippy::manual_clamp)] // clamp does not vectorise here
+pub(super) fn exp_f32(x: f32) -> f32 {
+    // max/min, not clamp: they vectorise (a NaN x is lost here, but the
+    // SiLU's numerator keeps it).
+    let x = x.max(-87.3).min(88.3);
+    let t = x * std::f32::consts::LOG2_E;
+    // Round to nearest by the 1.5 * 2^23 trick (no libm call).
+    let n = (t + 12_582_912.0) - 12_582_912.0;
+    // y = x - n ln2 in two steps (Cody-Waite): ln2's high part has few
+    // bits, so n * LN2_HI is exact and large |x| keeps full precision.
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    let y = (x - n * LN2_HI) - n * LN2_LO;
+    // e^y on |y| <= ln2 / 2, Taylor to degree 7.
+    let p = 1.0
+        + y * (1.0
+            + y * (0.5
+                + y * (1.0 / 6.0
+                    + y * (1.0 / 24.0
+                        + y * (1.0 / 120.0 + y * (1.0 / 720.0 + y * (1.0 / 5040.0)))))));
+    // SAFETY: |n| <= 128 after the clamp, so it fits an i32.
+    let n = unsafe { n.to_int_unchecked::<i32>() };
+    let scale = f32::from_bits(((n + 127) as u32) << 23);
+    p * scale
+}
+
+#[inline(always)]
+fn silu(g: f32) -> f32 {
+    g / (1.0 + exp_f32(-g))
+}
+
+#[inline(always)]
+fn norm_body<T: Element>(out: &mut [T], x: &[T], w: &[T], eps: f32, dim: usize) {
+    for (o, xr) in out.chunks_exact_mut(dim).zip(x.chunks_exact(dim)) {
+        // Sixteen partial sums: vectorisable, and close to torch's blocked sum.
+        let mut acc = [0f32; 16];
+        let mut it = xr.chunks_exact(16);
+        for c in &mut it {
+            for (a, &v) in acc.iter_mut().zip(c) {
+                let v = v.to_f32();
+                *a += v * v;
+            }
+        }
+        let mut s: f32 = it
+            .remainder()
+            .iter()
+            .map(|&v| v.to_f32() * v.to_f32())
+            .sum();
+        s += acc.iter().sum::<f32>();
+        let r = 1.0 / (s / dim as f32 + eps).sqrt();
+        for ((d, &v), &wv) in o.iter_mut().zip(xr).zip(w) {
+            *d = T::from_f32(wv.to_f32() * T::round(v.to_f32() * r));
+        }
+    }
+}
+
+#[inline(always)]
+fn act_body<T: Element>(out: &mut [T], x: &[T], d: usize) {
+    for (o, xr) in out.chunks_exact_mut(d).zip(x.chunks_exact(2 * d)) {
+        let (g, u) = xr.split_at(d);
+        for ((dst, &gv), &uv) in o.iter_mut().zip(g).zip(u) {
+            *dst = T::from_f32(T::round(silu(gv.to_f32())) * uv.to_f32());
+        }
+    }
+}

@@ -1,0 +1,210 @@
+//! CPU paged attention and the KV-cache write.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use half::bf16;
+
+use super::tensor::{DType, TensorArg};
+use crate::attention::{self, BatchLayout, CacheShape};
+
+/// Fails unless two tensors' memory ranges are disjoint (a kernel reads one while writing the other).
+fn expect_disjoint(a: &TensorArg, b: &TensorArg) -> PyResult<()> {
+    let end = |t: &TensorArg| t.ptr + t.numel() * t.dtype.size();
+    if a.numel() > 0 && b.numel() > 0 && a.ptr < end(b) && b.ptr < end(a) {
+        return Err(PyValueError::new_err(format!(
+            "{} and {} must not share memory",
+            a.name, b.name
+        )));
+    }
+    Ok(())
+}
+
+/// Fails unless `t` has the dtype of `like` (the caches fix the element type).
+fn expect_same_dtype(t: &TensorArg, like: &TensorArg) -> PyResult<()> {
+    if t.dtype != like.dtype {
+        return Err(PyValueError::new_err(format!(
+            "{}: dtype {:?} must match {} ({:?})",
+            t.name, t.dtype, like.name, like.dtype
+        )));
+    }
+    Ok(())
+}
+
+/// Checks the two cache tensors and returns their shape.
+fn cache_shape(kc: &TensorArg, vc: &TensorArg) -> PyResult<CacheShape> {
+    kc.check(&[DType::F32, DType::BF16], 4)?;
+    vc.check(&[DType::F32, DType::BF16], 4)?;
+    expect_same_dtype(vc, kc)?;
+    if kc.shape != vc.shape {
+        return Err(PyValueError::new_err(format!(
+            "value_cache: shape {:?} must match key_cache {:?}",
+            vc.shape, kc.shape
+        )));
+    }
+    expect_disjoint(kc, vc)?;
+    Ok(CacheShape {
+        num_blocks: kc.shape[0],
+        num_kv_heads: kc.shape[1],
+        block_size: kc.shape[2],
+        head_size: kc.shape[3],
+    })
+}
+
+/// Stores new K/V rows into their cache slots (a negative slot skips the token).
+#[pyfunction]
+fn reshape_and_cache(
+    py: Python<'_>,
+    key: &Bound<'_, PyAny>,
+    value: &Bound<'_, PyAny>,
+    key_cache: &Bound<'_, PyAny>,
+    value_cache: &Bound<'_, PyAny>,
+    slot_mapping: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let k = TensorArg::extract("key", key)?;
+    let v = TensorArg::extract("value", value)?;
+    let kc = TensorArg::extract("key_cache", key_cache)?;
+    let vc = TensorArg::extract("value_cache", value_cache)?;
+    let slots = TensorArg::extract("slot_mapping", slot_mapping)?;
+    let shape = cache_shape(&kc, &vc)?;
+    for t in [&k, &v] {
+        t.check(&[DType::F32, DType::BF16], 3)?;
+        expect_same_dtype(t, &kc)?;
+        t.expect_dim(1, shape.num_kv_heads, "num_kv_heads of the cache")?;
+        t.expect_dim(2, shape.head_size, "head_size of the cache")?;
+        expect_disjoint(t, &kc)?;
+        expect_disjoint(t, &vc)?;
+    }
+    v.expect_dim(0, k.shape[0], "num_tokens of key")?;
+    slots.check(&[DType::I64], 1)?;
+    slots.expect_dim(0, k.shape[0], "num_tokens of key")?;
+    // SAFETY: dtypes, shapes and contiguity are checked above; the caches are
+    // disjoint from each other and from the inputs; the tensors outlive the call.
+    unsafe {
+        let slots = slots.slice::<i64>();
+        match kc.dtype {
+            DType::BF16 => {
+                let (k, v) = (k.slice::<bf16>(), v.slice::<bf16>());
+                let (kc, vc) = (kc.slice_mut::<bf16>(), vc.slice_mut::<bf16>());
+                py.detach(|| attention::reshape_and_cache(k, v, kc, vc, slots, shape))?
+            }
+            _ => {
+                let (k, v) = (k.slice::<f32>(), v.slice::<f32>());
+                let (kc, vc) = (kc.slice_mut::<f32>(), vc.slice_mut::<f32>());
+                py.detach(|| attention::reshape_and_cache(k, v, kc, vc, slots, shape))?
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Attention of packed new tokens over the paged KV cache, written into `out`.
+#[pyfunction]
+#[pyo3(signature = (out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window = 0))]
+#[allow(clippy::too_many_arguments)]
+fn paged_attention(
+    py: Python<'_>,
+    out: &Bound<'_, PyAny>,
+    query: &Bound<'_, PyAny>,
+    key_cache: &Bound<'_, PyAny>,
+    value_cache: &Bound<'_, PyAny>,
+    block_tables: &Bound<'_, PyAny>,
+    seq_lens: &Bound<'_, PyAny>,
+    query_start_loc: &Bound<'_, PyAny>,
+    scale: f64,
+    sliding_window: i64,
+) -> PyResult<()> {
+    let o = TensorArg::extract("out", out)?;
+    let q = TensorArg::extract("query", query)?;
+    let kc = TensorArg::extract("key_cache", key_cache)?;
+    let vc = TensorArg::extract("value_cache", value_cache)?;
+    let bt = TensorArg::extract("block_tables", block_tables)?;
+    let sl = TensorArg::extract("seq_lens", seq_lens)?;
+    let qsl = TensorArg::extract("query_start_loc", query_start_loc)?;
+    let shape = cache_shape(&kc, &vc)?;
+    q.check(&[DType::F32, DType::BF16], 3)?;
+    expect_same_dtype(&q, &kc)?;
+    q.expect_dim(2, shape.head_size, "head_size of the cache")?;
+    let num_heads = q.shape[1];
+    if num_heads == 0 || num_heads % shape.num_kv_heads.max(1) != 0 {
+        return Err(PyValueError::new_err(format!(
+            "query: num_heads ({num_heads}) must be a positive multiple of the cache's num_kv_heads ({})",
+            shape.num_kv_heads
+        )));
+    }
+    o.check(&[DType::F32, DType::BF16], 3)?;
+    expect_same_dtype(&o, &kc)?;
+    if o.shape != q.shape {
+        return Err(PyValueError::new_err(format!(
+            "out: shape {:?} must match query {:?}",
+            o.shape, q.shape
+        )));
+    }
+    for t in [&q, &kc, &vc] {
+        expect_disjoint(&o, t)?;
+    }
+    bt.check(&[DType::I32], 2)?;
+    sl.check(&[DType::I32], 1)?;
+    sl.expect_dim(0, bt.shape[0], "num_seqs of block_tables")?;
+    qsl.check(&[DType::I32], 1)?;
+    qsl.expect_dim(0, bt.shape[0] + 1, "num_seqs + 1")?;
+    if !scale.is_finite() {
+        return Err(PyValueError::new_err(format!(
+            "scale: must be finite, got {scale}"
+        )));
+    }
+    // SAFETY: dtypes, shapes and contiguity are checked above; `out` is
+    // disjoint from every input; the tensors outlive the call.
+    unsafe {
+        let batch = BatchLayout {
+            block_tables: bt.slice::<i32>(),
+            max_blocks_per_seq: bt.shape[1],
+            seq_lens: sl.slice::<i32>(),
+            query_start_loc: qsl.slice::<i32>(),
+        };
+        let scale = scale as f32;
+        match kc.dtype {
+            DType::BF16 => {
+                let (o, q) = (o.slice_mut::<bf16>(), q.slice::<bf16>());
+                let (kc, vc) = (kc.slice::<bf16>(), vc.slice::<bf16>());
+                py.detach(|| {
+                    attention::paged_attention(
+                        o,
+                        q,
+                        kc,
+                        vc,
+                        shape,
+                        num_heads,
+                        batch,
+                        scale,
+                        sliding_window,
+                    )
+                })?
+            }
+            _ => {
+                let (o, q) = (o.slice_mut::<f32>(), q.slice::<f32>());
+                let (kc, vc) = (kc.slice::<f32>(), vc.slice::<f32>());
+                py.detach(|| {
+                    attention::paged_attention(
+                        o,
+                        q,
+                        kc,
+                        vc,
+                        shape,
+                        num_heads,
+                        batch,
+                        scale,
+                        sliding_window,
+                    )
+                })?
+            }
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(reshape_and_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(paged_attention, m)?)?;
+    Ok(())
+}

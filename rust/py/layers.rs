@@ -1,0 +1,144 @@
+//! The CPU elementwise layers: RMSNorm, SiLU-and-mul, QKV split + rotary.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use super::tensor::{check_no_overlap, kernel_dst, kernel_src, DType, TensorArg};
+
+/// out [rows, dim] = RMSNorm(x [rows, dim]) * weight [dim]; one dtype.
+#[pyfunction]
+fn rms_norm(
+    py: Python<'_>,
+    out: &Bound<'_, PyAny>,
+    x: &Bound<'_, PyAny>,
+    weight: &Bound<'_, PyAny>,
+    eps: f32,
+) -> PyResult<()> {
+    let x = TensorArg::extract("x", x)?;
+    x.check(&[DType::BF16, DType::F32], 2)?;
+    let dim = x.shape[1];
+    let weight = TensorArg::extract("weight", weight)?;
+    weight.check(&[x.dtype], 1)?;
+    weight.expect_dim(0, dim, "the last dimension of x")?;
+    let out = TensorArg::extract("out", out)?;
+    out.check(&[x.dtype], 2)?;
+    out.expect_dim(0, x.shape[0], "rows of x")?;
+    out.expect_dim(1, dim, "the last dimension of x")?;
+    check_no_overlap(&out, &x)?;
+    check_no_overlap(&out, &weight)?;
+    // SAFETY: all three were checked (dtype, CPU, contiguity, shape) and out
+    // shares no memory with the inputs; the caller keeps them alive.
+    let (dst, xs, ws) = unsafe {
+        let dst = kernel_dst(&out);
+        (dst, kernel_src(&x), kernel_src(&weight))
+    };
+    py.detach(move || crate::layers::rms_norm(dst, xs, ws, eps, dim))?;
+    Ok(())
+}
+
+/// out [rows, d] = silu(x[:, :d]) * x[:, d:] for x [rows, 2d]; one dtype.
+#[pyfunction]
+fn silu_and_mul(py: Python<'_>, out: &Bound<'_, PyAny>, x: &Bound<'_, PyAny>) -> PyResult<()> {
+    let x = TensorArg::extract("x", x)?;
+    x.check(&[DType::BF16, DType::F32], 2)?;
+    if x.shape[1] % 2 != 0 {
+        return Err(PyValueError::new_err(format!(
+            "x: the last dimension must be even (gate and up halves), got {}",
+            x.shape[1]
+        )));
+    }
+    let d = x.shape[1] / 2;
+    let out = TensorArg::extract("out", out)?;
+    out.check(&[x.dtype], 2)?;
+    out.expect_dim(0, x.shape[0], "rows of x")?;
+    out.expect_dim(1, d, "half the last dimension of x")?;
+    check_no_overlap(&out, &x)?;
+    // SAFETY: both were checked (dtype, CPU, contiguity, shape) and share no
+    // memory; the caller keeps them alive.
+    let (dst, xs) = unsafe {
+        let dst = kernel_dst(&out);
+        (dst, kernel_src(&x))
+    };
+    py.detach(move || crate::layers::silu_and_mul(dst, xs, d))?;
+    Ok(())
+}
+
+/// Splits qkv [T, (h + 2 kv) * d] into q [T, h, d], k [T, kv, d] and
+/// v [T, kv * d], rotating q and k with cos / sin [T, half]; one dtype.
+#[pyfunction]
+fn qkv_rotary(
+    py: Python<'_>,
+    q: &Bound<'_, PyAny>,
+    k: &Bound<'_, PyAny>,
+    v: &Bound<'_, PyAny>,
+    qkv: &Bound<'_, PyAny>,
+    cos: &Bound<'_, PyAny>,
+    sin: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let qkv = TensorArg::extract("qkv", qkv)?;
+    qkv.check(&[DType::BF16, DType::F32], 2)?;
+    let dt = [qkv.dtype];
+    let q = TensorArg::extract("q", q)?;
+    q.check(&dt, 3)?;
+    let (tokens, heads, head_dim) = (q.shape[0], q.shape[1], q.shape[2]);
+    let k = TensorArg::extract("k", k)?;
+    k.check(&dt, 3)?;
+    k.expect_dim(0, tokens, "tokens of q")?;
+    k.expect_dim(2, head_dim, "the head size of q")?;
+    let kv_heads = k.shape[1];
+    let v = TensorArg::extract("v", v)?;
+    v.check(&dt, 2)?;
+    v.expect_dim(0, tokens, "tokens of q")?;
+    v.expect_dim(1, kv_heads * head_dim, "kv heads x head size of k")?;
+    qkv.expect_dim(0, tokens, "tokens of q")?;
+    qkv.expect_dim(
+        1,
+        (heads + 2 * kv_heads) * head_dim,
+        "(q + 2 kv heads) x head size",
+    )?;
+    let cos = TensorArg::extract("cos", cos)?;
+    cos.check(&dt, 2)?;
+    cos.expect_dim(0, tokens, "tokens of q")?;
+    let half = cos.shape[1];
+    let sin = TensorArg::extract("sin", sin)?;
+    sin.check(&dt, 2)?;
+    sin.expect_dim(0, tokens, "tokens of q")?;
+    sin.expect_dim(1, half, "the width of cos")?;
+    for out in [&q, &k, &v] {
+        for input in [&qkv, &cos, &sin] {
+            check_no_overlap(out, input)?;
+        }
+    }
+    check_no_overlap(&q, &k)?;
+    check_no_overlap(&q, &v)?;
+    check_no_overlap(&k, &v)?;
+    let shape = crate::layers::QkvShape {
+        tokens,
+        heads,
+        kv_heads,
+        head_dim,
+        half,
+    };
+    // SAFETY: all six were checked (dtype, CPU, contiguity, shape); the
+    // outputs share no memory with each other or the inputs; the caller
+    // keeps them alive.
+    let (qd, kd, vd, xs, cs, ss) = unsafe {
+        (
+            kernel_dst(&q),
+            kernel_dst(&k),
+            kernel_dst(&v),
+            kernel_src(&qkv),
+            kernel_src(&cos),
+            kernel_src(&sin),
+        )
+    };
+    py.detach(move || crate::layers::qkv_rotary(qd, kd, vd, xs, cs, ss, shape))?;
+    Ok(())
+}
+
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(silu_and_mul, m)?)?;
+    m.add_function(wrap_pyfunction!(qkv_rotary, m)?)?;
+    Ok(())
+}
