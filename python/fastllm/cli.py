@@ -212,7 +212,9 @@ def add_serve_parser(sub: Any) -> None:
         "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).",
         formatter_class=fmt,
     )
-    _add_engine_args(p)
+    _add_engine_args(p, model_optional=True)
+    _add_chat_template_arg(p, "default template of /v1/chat/completions (a request's own "
+                           "chat_template still wins)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=8000, help="port to bind")
     p.add_argument(
@@ -224,13 +226,14 @@ def add_serve_parser(sub: Any) -> None:
         "--served-model-name",
         nargs="+",
         default=None,
-        help="model name(s) clients use (default: MODEL as given)",
+        help="model name(s) clients use (default: the model folder's name, for a hub "
+        "cache snapshot the repo's name; MODEL as given is accepted too)",
     )
     p.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
-        help="uvicorn log level",
+        help="log level of the server and the engine",
     )
     p.add_argument(
         "--max-body-bytes",
@@ -269,13 +272,21 @@ def add_chat_parser(sub: Any) -> None:
     p = sub.add_parser(
         "chat",
         help="chat with a model in the terminal",
-        description="Interactive chat using the model's chat template; replies stream as "
-        "they are generated. Type /exit (or send EOF, Ctrl-D) to leave.",
+        description="Interactive chat using the model's chat template (or --chat-template); "
+        "replies stream as they are generated. Ctrl-C stops a reply and returns to the prompt; "
+        "at the prompt, Ctrl-C, Ctrl-D or /exit leaves. When the conversation outgrows the "
+        "context, its oldest turns are dropped.",
         formatter_class=fmt,
     )
     _add_engine_args(p, seed_help="sampling seed (also the engine seed)", model_optional=True)
     _add_sampling_args(p, max_tokens=256)
     p.add_argument("--system", default=None, help="system message that starts the conversation")
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="keep generating past EOS and the end of turn (until --max-tokens or the context)",
+    )
+    _add_chat_template_arg(p, "chat template to use instead of the model's")
     p.set_defaults(func=cmd_chat)
 
 
@@ -336,12 +347,6 @@ def _add_engine_args(
         action="store_false",
         help="turn the prefix cache off",
     )
-    g.add_argument(
-        "--kv-cache-memory-bytes",
-        type=_size,
-        default=None,
-        help="KV-cache size, e.g. 2GiB (default: enough for max-num-seqs, at most 4 GiB)",
-    )
     g.add_argument("--seed", type=int, default=None, help=seed_help)
     g.add_argument(
         "--load-format",
@@ -349,6 +354,103 @@ def _add_engine_args(
         choices=["auto", "safetensors", "dummy"],
         help="how to read the weights",
     )
+    add_engine_settings(g)
+
+
+def add_engine_settings(g: Any) -> None:
+    """The engine settings every model-loading command shares (EngineConfig's
+    memory, logprob and hub fields), added to the parser or group ``g``."""
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="on a GPU, the fraction of its memory the engine may hold; on the CPU, the "
+        "fraction of the available memory the KV cache may take",
+    )
+    g.add_argument(
+        "--kv-cache-memory-bytes",
+        type=_size,
+        default=None,
+        help="KV-cache size, e.g. 2GiB (default: planned from --gpu-memory-utilization, "
+        "never more than max-num-seqs sequences of max-model-len tokens need)",
+    )
+    g.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="most logprobs a request may ask per token (-1: no limit)",
+    )
+    g.add_argument("--revision", default=None, help="revision of a hub id in the local cache")
+    g.add_argument(
+        "--tokenizer-revision", default=None, help="revision of the tokenizer's hub id"
+    )
+    g.add_argument(
+        "--download-dir",
+        default=None,
+        help="Hugging Face cache folder to look hub ids up in (default: the usual cache)",
+    )
+    g.add_argument(
+        "--tokenizer-mode",
+        default="auto",
+        choices=["auto", "hf", "slow"],
+        help="accepted for vLLM command lines: every mode reads tokenizer.json",
+    )
+    g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted for vLLM command lines: fastllm runs only its own model code",
+    )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="accepted for vLLM command lines; no effect (fastllm captures no graphs)",
+    )
+
+
+def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The values of ``add_engine_settings``' options, as EngineConfig / LLM keywords."""
+    return {
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "max_logprobs": args.max_logprobs,
+        "revision": args.revision,
+        "tokenizer_revision": args.tokenizer_revision,
+        "download_dir": args.download_dir,
+        "tokenizer_mode": args.tokenizer_mode,
+        "trust_remote_code": args.trust_remote_code,
+        "enforce_eager": args.enforce_eager,
+    }
+
+
+def _add_chat_template_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|STRING",
+        help=f"{what}: a file holding the Jinja template, or the template itself",
+    )
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``'s template: the contents of the file ``value`` names,
+    else ``value`` itself when it looks like a template (it has ``{``)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template: cannot read {value}: {e}") from None
+        if not text.strip():
+            raise ValueError(f"--chat-template: {value} is empty")
+        return text
+    if "{" not in value:
+        raise ValueError(
+            f"--chat-template: no such file: {value} (give a file holding the Jinja template, "
+            "or the template itself)"
+        )
+    return value
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -382,12 +484,12 @@ def _engine_config(args: argparse.Namespace):
         enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         load_format=args.load_format,
+        **engine_settings(args),
     )
 
 
-def _sampling_params(args: argparse.Namespace, **extra):
+def _sampling_params(args: argparse.Namespace, **extra: Any):
     """The SamplingParams that the sampling options describe."""
     from fastllm.sampling_params import SamplingParams
 
@@ -424,6 +526,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name,
             log_level=args.log_level,
             max_body_bytes=args.max_body_bytes,
+            chat_template=read_chat_template(args.chat_template),
         )
     except (ValueError, FileNotFoundError) as e:
         return _fail(str(e))
@@ -465,51 +568,187 @@ def request_output_to_dict(out) -> dict:
     return asdict(out)
 
 
+def check_chat_template(tokenizer: Any, template: str | None, folder: str) -> None:
+    """A ValueError at startup, not at the first message, when there is no chat
+    template (``template`` from ``--chat-template``, else the model's) or it
+    cannot render a conversation."""
+    from jinja2.exceptions import TemplateError
+
+    if template is None and tokenizer.chat_template is None:
+        raise ValueError(
+            f"{folder} has no chat template (no chat_template in tokenizer_config.json, no "
+            "chat_template.jinja); pass --chat-template FILE|STRING"
+        )
+    try:
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}], chat_template=template, add_generation_prompt=True
+        )
+    except (ValueError, TemplateError) as e:
+        whose = "--chat-template" if template is not None else f"the chat template of {folder}"
+        raise ValueError(f"{whose} cannot render a conversation: {e}") from None
+
+
+def _check_chat_template_early(config: Any, template: str | None) -> None:
+    """``check_chat_template`` on the tokenizer alone, before any weights are read."""
+    from fastllm.engine.llm_engine import resolve_model_folder
+    from fastllm.tokenizer import Tokenizer
+
+    if config.tokenizer:
+        folder = resolve_model_folder(
+            config.tokenizer, config.tokenizer_revision, config.download_dir
+        )
+    else:
+        folder = resolve_model_folder(config.model, config.revision, config.download_dir)
+    check_chat_template(Tokenizer(folder), template, folder)
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     """Runs ``fastllm chat``."""
-    try:
-        params = _sampling_params(args)
-        from fastllm.llm import LLM
+    from dataclasses import asdict
 
-        llm = LLM(**_llm_kwargs(args))
+    try:
+        template = read_chat_template(args.chat_template)
+        params = _sampling_params(args, ignore_eos=args.ignore_eos)
+        config = _engine_config(args)
+        _check_chat_template_early(config, template)
+        from fastllm.llm import LLM, chat_stop
+
+        llm = LLM(**asdict(config))
     except (ValueError, FileNotFoundError) as e:
         return _fail(str(e))
-    tok = llm.get_tokenizer()
+    # the same stop rule as LLM.chat: the reply ends at the template's end of turn
+    params = chat_stop(params, llm.llm_engine.tokenizer, template)
     messages: list[dict] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    print("fastllm chat: type /exit or press Ctrl-D to leave.", file=sys.stderr, flush=True)
-    while True:
-        try:
-            line = input("user> ")
-        except (EOFError, KeyboardInterrupt):
-            print()
-            return 0
-        if line.strip() in ("/exit", "/quit"):
-            return 0
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line})
-        try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True)
-            ids = tok.encode(text, add_special_tokens=False)
-            llm.llm_engine.validate_prompt(ids, "conversation")
-        except ValueError as e:
-            messages.pop()
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            continue
-        reply = []
-        print("assistant> ", end="", flush=True)
-        try:
-            for out in llm.stream({"prompt": text, "prompt_token_ids": ids}, params):
-                for c in out.outputs:
-                    reply.append(c.text)
-                    sys.stdout.write(c.text)
-                    sys.stdout.flush()
-        except KeyboardInterrupt:
-            pass  # stop this reply; the stream aborts its request
+    print(
+        "fastllm chat: Ctrl-C stops a reply; /exit, Ctrl-D or Ctrl-C at the prompt leaves.",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        while True:
+            try:
+                line = input("user> ")
+            except (EOFError, KeyboardInterrupt):
+                print(flush=True)
+                return 0
+            if line.strip() in ("/exit", "/quit"):
+                return 0
+            if line.strip():
+                _chat_turn(llm, messages, line, params, template)
+    except KeyboardInterrupt:  # pressed between a reply and the prompt: as at the prompt
         print(flush=True)
-        messages.append({"role": "assistant", "content": "".join(reply)})
+        return 0
+
+
+class _StopReply:
+    """While active, Ctrl-C asks the streaming reply to stop after the engine
+    step in progress (a step is never cut halfway, so the engine stays
+    consistent for the next message); a second Ctrl-C interrupts at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self) -> _StopReply:
+        import signal
+
+        try:
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        except ValueError:  # not the main thread: Ctrl-C keeps its default meaning
+            self._previous = None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def _chat_turn(llm: Any, messages: list[dict], line: str, params: Any, template: str | None) -> None:
+    """One exchange: the user's line, then the reply streamed to the terminal.
+    Ctrl-C stops the reply (its request is aborted) and the conversation keeps
+    what was shown."""
+    messages.append({"role": "user", "content": line})
+    reply: list[str] = []
+    started = False
+    with _StopReply() as stop:
+        try:
+            fitted = _fit_conversation(llm, messages, params, template)
+            if fitted is None:
+                messages.pop()
+                return
+            prompt, turn_params = fitted
+            if stop.requested:
+                raise KeyboardInterrupt
+            print("assistant> ", end="", flush=True)
+            started = True
+            stream = llm.stream(prompt, turn_params)
+            try:
+                for out in stream:
+                    for c in out.outputs:
+                        reply.append(c.text)
+                        sys.stdout.write(c.text)
+                        sys.stdout.flush()
+                    if stop.requested:
+                        break
+            finally:
+                stream.close()  # aborts the request if it is still running
+        except KeyboardInterrupt:
+            stop.requested = True
+        if started:
+            print(flush=True)
+        if stop.requested:
+            print("[interrupted]", file=sys.stderr, flush=True)
+    text = "".join(reply)
+    if text:
+        messages.append({"role": "assistant", "content": text})
+    else:  # nothing was said: the conversation goes on as if the line was not sent
+        messages.pop()
+
+
+def _fit_conversation(
+    llm: Any, messages: list[dict], params: Any, template: str | None
+) -> tuple[dict, Any] | None:
+    """The prompt of the conversation and the reply's parameters. The oldest
+    exchanges (never the system message or the new line) are dropped while the
+    prompt leaves less than min(max_tokens, half the context) for the reply;
+    max_tokens is capped to the context left. None (after printing why) when
+    even the new line alone does not fit."""
+    engine = llm.llm_engine
+    tok = engine.tokenizer
+    limit = engine.max_model_len
+    want = params.max_tokens or limit
+    room = min(want, limit // 2)
+    first = 1 if messages and messages[0]["role"] == "system" else 0
+    dropped = 0
+    while True:
+        text = tok.apply_chat_template(messages, chat_template=template, add_generation_prompt=True)
+        ids = tok.encode(text, add_special_tokens=False)
+        if len(ids) + room <= limit or len(messages) - first <= 1:
+            break
+        del messages[first : first + 2]  # the oldest user message and its reply
+        dropped += 2
+    if dropped:
+        print(
+            f"(dropped the {dropped} oldest messages to fit the {limit}-token context)",
+            file=sys.stderr,
+            flush=True,
+        )
+    turn_params = params.clone(max_tokens=max(1, min(want, limit - len(ids))))
+    try:
+        engine.validate_request(ids, turn_params, "conversation")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return None
+    return {"prompt": text, "prompt_token_ids": ids}, turn_params
 
 
 if __name__ == "__main__":

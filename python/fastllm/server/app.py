@@ -7,6 +7,8 @@ import hmac
 import json
 import logging
 import math
+import os
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -22,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastllm.config import EngineConfig
 from fastllm.engine.llm_engine import RequestError
+from fastllm.llm import chat_stop
 from fastllm.outputs import Logprob, RequestOutput
 from fastllm.sampling_params import RequestOutputKind, SamplingParams
 from fastllm.server.engine_loop import AsyncEngine, EngineDeadError, Histogram
@@ -54,6 +57,33 @@ class ServerState:
     max_model_len: int
     max_body_bytes: int
     created: int
+    # names accepted in a request's "model" besides model_names (not listed by /v1/models)
+    aliases: tuple[str, ...] = ()
+    # default template of /v1/chat/completions (--chat-template); None: the model's
+    chat_template: str | None = None
+    api_key_required: bool = False
+
+
+def default_model_name(model: str, folder: str) -> str:
+    """The short name a model is served as: the folder's base name, or for a
+    Hugging Face cache snapshot (``.../models--org--name/snapshots/<commit>``)
+    the repo's name."""
+    path = os.path.normpath(os.path.abspath(folder))
+    parent, base = os.path.split(path)
+    grand, snapshots = os.path.split(parent)
+    repo = os.path.basename(grand)
+    if snapshots == "snapshots" and repo.startswith("models--"):
+        return repo.split("--")[-1] or base
+    return base or model
+
+
+def _hub_repo_id(folder: str) -> str | None:
+    """``org/name`` of a Hugging Face cache snapshot folder, else None."""
+    parent = os.path.dirname(os.path.normpath(os.path.abspath(folder)))
+    repo = os.path.basename(os.path.dirname(parent))
+    if os.path.basename(parent) == "snapshots" and repo.startswith("models--"):
+        return repo.removeprefix("models--").replace("--", "/")
+    return None
 
 
 def create_app(
@@ -62,28 +92,49 @@ def create_app(
     served_model_name: str | list[str] | None = None,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    chat_template: str | None = None,
 ) -> FastAPI:
     """Loads the model and returns the FastAPI app serving it (the engine thread
-    starts with the app's lifespan)."""
+    starts with the app's lifespan).
+
+    Without ``served_model_name`` the model is served under
+    ``default_model_name`` (the folder's name) and a request may also name it
+    as ``engine_args.model`` was given, by its folder or by its hub id.
+    ``chat_template`` (a Jinja template) replaces the model's as the default of
+    ``/v1/chat/completions``; a request's own ``chat_template`` still wins.
+    """
+    from fastllm.cli import check_chat_template
     from fastllm.engine.llm_engine import LLMEngine
 
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
-    engine = AsyncEngine(LLMEngine(engine_args))
+    if isinstance(served_model_name, str):
+        served_model_name = [served_model_name]
+    if served_model_name is not None and (
+        not served_model_name or not all(isinstance(n, str) and n for n in served_model_name)
+    ):
+        raise ValueError(f"served_model_name must be non-empty strings, got {served_model_name!r}")
+    llm = LLMEngine(engine_args)
+    if chat_template is not None:
+        check_chat_template(llm.tokenizer, chat_template, llm.folder)
+    aliases: list[str] = []
     if served_model_name is None:
-        names = [engine_args.model]
-    elif isinstance(served_model_name, str):
-        names = [served_model_name]
+        names = [default_model_name(engine_args.model, llm.folder)]
+        for alias in (engine_args.model, llm.folder, _hub_repo_id(llm.folder)):
+            if alias and alias not in names and alias not in aliases:
+                aliases.append(alias)
     else:
         names = list(served_model_name)
-    if not names or not all(isinstance(n, str) and n for n in names):
-        raise ValueError(f"served_model_name must be non-empty strings, got {served_model_name!r}")
+    engine = AsyncEngine(llm)
     state = ServerState(
         engine=engine,
         model_names=names,
-        max_model_len=engine.engine.max_model_len,
+        max_model_len=llm.max_model_len,
         max_body_bytes=max_body_bytes,
         created=int(time.time()),
+        aliases=tuple(aliases),
+        chat_template=chat_template,
+        api_key_required=bool(api_key),
     )
 
     @asynccontextmanager
@@ -338,7 +389,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     tok = llm.tokenizer
 
     def model_name(requested: str | None) -> str:
-        if requested is None:
+        if requested is None or requested in state.aliases:
             return state.model_names[0]
         if requested not in state.model_names:
             raise APIError(
@@ -361,10 +412,26 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             param = where.split("[")[0] if e.field == "prompt" else fields.get(e.field, e.field)
             msg = str(e)
             for ours, theirs in fields.items():
-                msg = msg.replace(f"{ours}=", f"{theirs}=").replace(f"lower {ours}", f"lower {theirs}")
+                msg = msg.replace(f"{ours}=", f"{theirs}=").replace(
+                    f"lower {ours}", f"lower {theirs}"
+                )
             raise APIError(msg, 400, param=param) from e
 
-    def render_chat(messages: list[ChatMessage], template: str | None, add_gen: bool) -> str:
+    def chat_template(requested: str | None) -> str:
+        """The template a chat request renders with: its own, else the server's
+        (--chat-template), else the model's; a 400 when there is none."""
+        template = requested or state.chat_template or tok.chat_template
+        if template is None:
+            raise APIError(
+                "this model has no chat template, so /v1/chat/completions cannot render "
+                "messages: start the server with --chat-template FILE|STRING (or send "
+                "chat_template in the request)",
+                400,
+                param="messages",
+            )
+        return template
+
+    def render_chat(messages: list[ChatMessage], template: str, add_gen: bool) -> str:
         from jinja2.exceptions import TemplateError
 
         dicts = [m.as_dict() for m in messages]
@@ -473,10 +540,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(raw: Request) -> Response:
         req = await _read_model(raw, ChatCompletionRequest, state.max_body_bytes)
         name = model_name(req.model)
-        text = render_chat(req.messages, req.chat_template, req.add_generation_prompt)
+        template = chat_template(req.chat_template)
+        text = render_chat(req.messages, template, req.add_generation_prompt)
         ids = tok.encode(text, add_special_tokens=False)
         max_tokens, field = req.requested_max_tokens()
-        params = req.to_sampling_params(max_tokens)
+        # the reply ends at the template's end of turn, as LLM.chat's does
+        params = chat_stop(req.to_sampling_params(max_tokens), tok, template)
         check_request(ids, params, "messages", {"max_tokens": field, "logprobs": "top_logprobs"})
         top_k = req.top_logprobs or 0
         cid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -533,7 +602,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of prompt and messages", 400, param="prompt")
         if req.messages is not None:
-            text = render_chat(req.messages, None, req.add_generation_prompt)
+            text = render_chat(req.messages, chat_template(None), req.add_generation_prompt)
             ids = tok.encode(text, add_special_tokens=False)
         else:
             ids = tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
@@ -802,6 +871,57 @@ def _escape(s: str) -> str:
 # ---- running -----------------------------------------------------------------
 
 
+def startup_summary(app: FastAPI, host: str, port: int) -> str:
+    """The block ``serve`` logs once before it listens: what is served, how, and where."""
+    state: ServerState = app.state.fastllm
+    llm = state.engine.engine
+    quant = getattr(llm.config, "quantization", None)
+    if state.chat_template is not None:
+        chat = "from --chat-template"
+    elif llm.tokenizer.chat_template is not None:
+        chat = "the model's"
+    else:
+        chat = "none (/v1/chat/completions answers 400; start with --chat-template)"
+    shown_host = f"[{host}]" if ":" in host else host
+    rows = [
+        ("model", llm.folder),
+        ("served as", ", ".join(state.model_names)),
+        ("device", str(llm.device)),
+        ("dtype", str(llm.dtype).removeprefix("torch.")),
+        ("quantization", quant or "none"),
+        ("max_model_len", str(state.max_model_len)),
+        ("KV cache", llm.cache.describe()),
+        ("chat template", chat),
+        ("API key", "required" if state.api_key_required else "not required"),
+        ("address", f"http://{shown_host}:{port}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"fastllm {_version()} server"]
+    lines += [f"  {k.ljust(width)}  {v}" for k, v in rows]
+    return "\n".join(lines)
+
+
+_LOG_LEVELS = {
+    "critical": logging.CRITICAL,
+    "error": logging.ERROR,
+    "warning": logging.WARNING,
+    "info": logging.INFO,
+    "debug": logging.DEBUG,
+    "trace": logging.DEBUG,
+}
+
+
+def _configure_logging(log_level: str) -> None:
+    """fastllm's own log lines (the engine's and the server's) at ``log_level``,
+    on stderr like uvicorn's, unless the program has set logging up itself."""
+    log = logging.getLogger("fastllm")
+    log.setLevel(_LOG_LEVELS.get(log_level, logging.INFO))
+    if not log.hasHandlers():
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s:  %(message)s"))
+        log.addHandler(handler)
+
+
 def serve(
     engine_args: EngineConfig,
     host: str = "127.0.0.1",
@@ -810,16 +930,21 @@ def serve(
     served_model_name: str | list[str] | None = None,
     log_level: str = "info",
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    chat_template: str | None = None,
 ) -> None:
-    """Loads the model and serves it with uvicorn until interrupted."""
+    """Loads the model, logs the startup summary and serves it with uvicorn
+    until interrupted."""
     import uvicorn
 
+    _configure_logging(log_level)
     app = create_app(
         engine_args,
         served_model_name=served_model_name,
         api_key=api_key,
         max_body_bytes=max_body_bytes,
+        chat_template=chat_template,
     )
+    logger.info("%s", startup_summary(app, host, port))
     uvicorn.run(
         app,
         host=host,

@@ -1,0 +1,253 @@
+"""README.md's examples, run as written: the Quickstart block, and the
+"Command line and server" section's `fastllm serve` command with the curl and
+`openai` examples against it (only the port number is changed, to a free one).
+Also what the README says about the notebook extra and the benchmark-model
+script."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+
+
+def code_blocks(markdown: str) -> list[tuple[str, str, str]]:
+    """Every fenced code block as (section heading, language, code)."""
+    blocks = []
+    section = ""
+    fence: str | None = None
+    lang = ""
+    lines: list[str] = []
+    for line in markdown.splitlines():
+        if fence is None:
+            m = re.match(r"^(```+|~~~+)\s*([\w+-]*)", line)
+            if m:
+                fence, lang, lines = m.group(1), m.group(2), []
+            elif line.startswith("## "):
+                section = line[3:].strip()
+        elif line.strip() == fence:
+            blocks.append((section, lang, "\n".join(lines) + "\n"))
+            fence = None
+        else:
+            lines.append(line)
+    return blocks
+
+
+def _readme_blocks(section: str) -> list[tuple[str, str]]:
+    with open(README, encoding="utf-8") as f:
+        found = [(lang, code) for sec, lang, code in code_blocks(f.read()) if sec == section]
+    assert found, f"README.md has no code block under '## {section}'"
+    return found
+
+
+def _commands(code: str) -> list[str]:
+    """The shell commands of a block: continuation lines joined, comments and blanks dropped."""
+    joined = code.replace("\\\n", " ")
+    return [ln.strip() for ln in joined.splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def _server_examples() -> dict[str, str]:
+    """The serve command, the curl command and the openai snippet of the README."""
+    blocks = _readme_blocks("Command line and server")
+    bash = [_commands(c) for lang, c in blocks if lang == "bash"]
+    serve = [cmds for cmds in bash if len(cmds) == 1 and cmds[0].startswith("fastllm serve")]
+    curl = [c for lang, c in blocks if lang == "bash" and _commands(c)[0].startswith("curl ")]
+    snippet = [c for lang, c in blocks if lang == "python" and "OpenAI(" in c]
+    assert len(serve) == 1, "expected one block holding only a `fastllm serve` command"
+    assert len(curl) == 1 and len(snippet) == 1
+    return {"serve": serve[0][0], "curl": curl[0], "python": snippet[0]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    import fastllm
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fastllm.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    env.pop("FASTLLM_API_KEY", None)
+    return env
+
+
+def _fastllm_command() -> list[str]:
+    """How to run the `fastllm` console script from this interpreter."""
+    script = os.path.join(os.path.dirname(sys.executable), "fastllm")
+    if os.path.isfile(script) and os.access(script, os.X_OK):
+        return [script]
+    return [sys.executable, "-m", "fastllm.cli"]
+
+
+def test_code_blocks_parser():
+    md = "## A\n```bash\nx \\\n  y\n```\ntext\n## B\n```python\nprint(1)\n```\n"
+    assert code_blocks(md) == [("A", "bash", "x \\\n  y\n"), ("B", "python", "print(1)\n")]
+    assert _commands("x \\\n  y\n# c\n\nz\n") == ["x    y", "z"]
+
+
+# ---- the server examples ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def readme_server(tmp_path_factory):
+    """The README's `fastllm serve ...` command, on a free port: (examples, port, log)."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    examples = _server_examples()
+    argv = shlex.split(examples["serve"], comments=True)
+    assert argv[:2] == ["fastllm", "serve"]
+    readme_port = argv[argv.index("--port") + 1]
+    port = _free_port()
+    argv[argv.index("--port") + 1] = str(port)
+    examples = {
+        k: v.replace(f":{readme_port}/", f":{port}/") for k, v in examples.items() if k != "serve"
+    }
+    log = tmp_path_factory.mktemp("readme") / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            _fastllm_command() + argv[1:], stdout=out, stderr=subprocess.STDOUT, env=_env()
+        )
+    try:
+        deadline = time.time() + 120
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                pytest.fail(f"server did not start:\n{log.read_text()}")
+            time.sleep(0.2)
+        yield examples, port, log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_readme_curl(readme_server):
+    pytest.importorskip("torch")
+    examples, port, _ = readme_server
+    assert f"127.0.0.1:{port}/" in examples["curl"]
+    r = subprocess.run(
+        ["bash", "-c", examples["curl"]], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    body = json.loads(r.stdout)
+    assert "error" not in body, body
+    request = json.loads(re.search(r"-d '(\{.*\})'", examples["curl"]).group(1))
+    assert body["model"] == request["model"] == "demo_model"
+    (choice,) = body["choices"]
+    assert choice["text"]
+
+    from fastllm import LLM, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=request["max_tokens"], temperature=request["temperature"]
+    )
+    (ref,) = LLM().generate([request["prompt"]], params, use_tqdm=False)
+    assert choice["text"] == ref.outputs[0].text
+    assert body["usage"]["completion_tokens"] == len(ref.outputs[0].token_ids)
+
+
+def test_readme_openai_snippet(readme_server):
+    pytest.importorskip("openai")
+    examples, port, _ = readme_server
+    assert f"127.0.0.1:{port}/" in examples["python"]
+    r = subprocess.run(
+        [sys.executable, "-c", examples["python"]],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip(), "the chat reply is empty"
+
+
+def test_readme_server_logs_startup_block(readme_server):
+    """One block, before the server listens, at the default log level."""
+    from fastllm.demo import demo_model_path
+
+    _, port, log = readme_server
+    text = log.read_text()
+    assert text.count(" server\n  model ") == 1, text
+    block = text[text.index(" server\n  model ") :]
+    block = block[: block.index("\n", block.index("  address "))]
+    rows = dict(re.findall(r"^  (\S[\w ]*?\S)  +(.*)$", block, re.M))
+    assert rows["model"] == demo_model_path()
+    assert rows["served as"] == "demo_model"
+    assert rows["device"] == "cpu" or rows["device"].startswith("cuda")
+    assert rows["dtype"] in ("float32", "bfloat16", "float16")
+    assert rows["quantization"] == "none"
+    assert rows["max_model_len"] == "1024"
+    assert re.match(r"\d+ blocks of 16 tokens, [\d.]+ MiB", rows["KV cache"])
+    assert rows["address"] == f"http://127.0.0.1:{port}"
+    assert rows["API key"] == "required"
+    assert text.index("  address ") < text.index("Uvicorn running on")
+
+
+# ---- the Quickstart ---------------------------------------------------------------
+
+
+def test_readme_quickstart():
+    pytest.importorskip("torch")
+    (code,) = [c for lang, c in _readme_blocks("Quickstart") if lang == "python"]
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300
+    )
+    assert r.returncode == 0, r.stderr
+    for prompt in re.findall(r'llm\.generate\(\[(.*?)\]', code)[0].split(", "):
+        assert prompt.strip('"') in r.stdout
+    assert len(r.stdout) > 200
+
+
+# ---- what the README says about files --------------------------------------------
+
+
+def test_notebook_extra():
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    names = {re.split(r"[<>=!~\[ ]", req)[0] for req in extras["notebook"]}
+    assert {"ipywidgets", "ipykernel"} <= names
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    notebook = text.index("quickstart.ipynb")
+    assert 'pip install "fastllm[notebook]"' in text[notebook - 200 : notebook + 300]
+
+
+def test_bench_model_script_is_in_the_project():
+    mentions = []
+    docs = sorted(n for n in os.listdir(os.path.join(ROOT, "docs")) if n.endswith(".md"))
+    for doc in ["README.md", *(os.path.join("docs", n) for n in docs)]:
+        with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
+            text = f.read()
+        assert "../shared" not in text, f"{doc} points outside the project"
+        mentions += [(doc, m) for m in re.findall(r"[\w./-]*make_bench_model\.py", text)]
+    assert mentions
+    for doc, path in mentions:
+        assert path in ("benches/make_bench_model.py", "../benches/make_bench_model.py"), doc
+    script = os.path.join(ROOT, "benches", "make_bench_model.py")
+    with open(script, encoding="utf-8") as f:
+        compile(f.read(), script, "exec")
