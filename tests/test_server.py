@@ -5,6 +5,7 @@ runs of the same requests."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import os
@@ -648,3 +649,155 @@ def test_metrics(server):
     assert m["fastllm_inter_token_latency_seconds_count"] > 0
     assert m["fastllm_kv_blocks_used"] + m["fastllm_kv_blocks_free"] == m["fastllm_kv_blocks_total"]
     assert 0.0 < m["fastllm_prefix_cache_hit_rate"] <= 1.0
+
+
+# ---- servers in this process: chat templates, model names, engine limits -----------
+
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}### assistant:{% endif %}"
+)
+
+
+@contextlib.contextmanager
+def _app_server(model: str, chat_template: str | None = None, **engine):
+    """create_app(...) served by uvicorn on a thread of this process:
+    (app, (host, port)); the app's engine is reachable for inspection."""
+    import threading
+
+    import uvicorn
+
+    from fastllm.config import EngineConfig
+    from fastllm.server.app import create_app
+
+    config = EngineConfig(model=model, dtype="float32", device="cpu", max_model_len=MAX_LEN, **engine)
+    app = create_app(config, chat_template=chat_template)
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not srv.started:
+        if not thread.is_alive() or time.time() > deadline:
+            pytest.fail("the in-process server did not start")
+        time.sleep(0.05)
+    try:
+        yield app, ("127.0.0.1", port)
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+
+
+def _record_params(app) -> list[SamplingParams]:
+    """The SamplingParams of every request the app hands its engine from now on."""
+    engine = app.state.fastllm.engine
+    seen: list[SamplingParams] = []
+    real = engine.generate
+
+    def generate(prompt, prompt_token_ids, params, *args, **kw):
+        seen.append(params)
+        return real(prompt, prompt_token_ids, params, *args, **kw)
+
+    engine.generate = generate
+    return seen
+
+
+@pytest.fixture(scope="module")
+def untemplated_model_dir(model_dir, tmp_path_factory) -> str:
+    """The test model without a chat template."""
+    import shutil
+
+    out = tmp_path_factory.mktemp("untemplated") / "tiny-untemplated"
+    shutil.copytree(model_dir, out)
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("chat_template")
+    cfg_path.write_text(json.dumps(cfg))
+    return str(out)
+
+
+def test_no_chat_template_names_the_server_option(untemplated_model_dir):
+    from fastllm.server.app import startup_summary
+
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    with _app_server(untemplated_model_dir, max_logprobs=2) as (app, addr):
+        for path, body in (("/v1/chat/completions", chat), ("/tokenize", {"messages": chat["messages"]})):
+            status, answer = _post(*addr, path, json.dumps(body))
+            assert status == 400, answer
+            msg = answer["error"]["message"]
+            assert "start the server with --chat-template FILE|STRING" in msg
+            assert "chat()" not in msg and "chat_template=" not in msg
+        # a request's own template still works, and completions need none
+        status, answer = _post(*addr, "/v1/chat/completions", json.dumps({**chat, "chat_template": PLAIN_TEMPLATE}))
+        assert status == 200, answer
+        status, answer = _post(*addr, "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2}))
+        assert status == 200, answer
+        # the logprobs limit is the engine's max_logprobs (--max-logprobs)
+        body = {"prompt": "x", "max_tokens": 2, "logprobs": 3}
+        status, answer = _post(*addr, "/v1/completions", json.dumps(body))
+        assert status == 400 and answer["error"]["param"] == "logprobs", answer
+        assert "max_logprobs=2" in answer["error"]["message"]
+        assert "--max-logprobs" in answer["error"]["message"]
+        body["logprobs"] = 2
+        assert _post(*addr, "/v1/completions", json.dumps(body))[0] == 200
+        body = {**chat, "chat_template": PLAIN_TEMPLATE, "logprobs": True, "top_logprobs": 3}
+        status, answer = _post(*addr, "/v1/chat/completions", json.dumps(body))
+        assert status == 400 and answer["error"]["param"] == "top_logprobs", answer
+        # served under the folder's name; the path as given is accepted too
+        status, models = _get(*addr, "/v1/models")
+        assert [m["id"] for m in json.loads(models)["data"]] == ["tiny-untemplated"]
+        for name in ("tiny-untemplated", untemplated_model_dir):
+            body = {"model": name, "prompt": "x", "max_tokens": 2}
+            status, answer = _post(*addr, "/v1/completions", json.dumps(body))
+            assert status == 200 and answer["model"] == "tiny-untemplated", answer
+        summary = startup_summary(app, "::1", 8123)
+        assert "chat template  none" in summary and "--chat-template" in summary
+        assert summary.rstrip().endswith("address        http://[::1]:8123")
+        assert "quantization   none" in summary and f"max_model_len  {MAX_LEN}" in summary
+
+
+def test_chat_template_option_and_end_of_turn(model_dir, llm):
+    """--chat-template is the default of /v1/chat/completions, a request's own
+    template wins, and a reply stops at the end-of-turn token of the template
+    it was rendered with (chat_stop, as LLM.chat)."""
+    from fastllm.tokenizer import Tokenizer
+
+    tok = Tokenizer(model_dir)
+    im_end = tok.token_to_id("<|im_end|>")
+    model_template = tok.chat_template
+    messages = [{"role": "user", "content": "hi"}]
+
+    def rendered(template: str) -> list[int]:
+        text = tok.apply_chat_template(messages, chat_template=template)
+        return tok.encode(text, add_special_tokens=False)
+
+    with _app_server(model_dir, chat_template=PLAIN_TEMPLATE) as (app, addr):
+        seen = _record_params(app)
+        status, body = _post(*addr, "/tokenize", json.dumps({"messages": messages}))
+        assert status == 200 and body["tokens"] == rendered(PLAIN_TEMPLATE)
+        chat = {"messages": messages, "max_tokens": 3}
+        status, body = _post(*addr, "/v1/chat/completions", json.dumps(chat))
+        assert status == 200, body
+        assert body["usage"]["prompt_tokens"] == len(rendered(PLAIN_TEMPLATE))
+        assert im_end not in seen[-1].stop_token_ids  # this template ends turns in plain text
+        with_own = {**chat, "chat_template": model_template}
+        status, body = _post(*addr, "/v1/chat/completions", json.dumps(with_own))
+        assert status == 200, body
+        assert body["usage"]["prompt_tokens"] == len(rendered(model_template))
+        assert im_end in seen[-1].stop_token_ids
+        status, body = _post(*addr, "/v1/chat/completions", json.dumps({**with_own, "ignore_eos": True}))
+        assert status == 200 and im_end not in seen[-1].stop_token_ids
+        conn = http.client.HTTPConnection(*addr, timeout=30)
+        try:
+            conn.request("POST", "/v1/chat/completions", json.dumps({**with_own, "stream": True}))
+            resp = conn.getresponse()
+            assert resp.status == 200 and resp.read().endswith(b"data: [DONE]\n\n")
+        finally:
+            conn.close()
+        assert im_end in seen[-1].stop_token_ids
+
+
+def test_bad_chat_template_fails_at_startup(model_dir):
+    with pytest.raises(ValueError, match="--chat-template cannot render"):
+        with _app_server(model_dir, chat_template="{% for m in messages %}"):
+            pass
