@@ -1,4 +1,4 @@
-"""``python -m fastllm.server MODEL ...``: the same as ``fastllm serve MODEL ...``."""
+"""``python -m fastllm.server [MODEL] ...``: the same as ``fastllm serve [MODEL] ...``."""
 
 import sys
 
