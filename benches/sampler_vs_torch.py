@@ -57,8 +57,8 @@ def rust_sample(logits, rows, history, penalties):
         offsets = [r * history.shape[1] for r in range(rows + 1)]
     else:
         flat, offsets = empty, [0] * (rows + 1)
-    return _core.sample(
-        logits,
+    # The batch is built in the timed call, as the engine builds one every step.
+    batch = _core.SamplingBatch(
         temperature=[0.8] * rows,
         top_k=[50] * rows,
         top_p=[0.9] * rows,
@@ -74,6 +74,7 @@ def rust_sample(logits, rows, history, penalties):
         output_offsets=offsets,
         num_logprobs=[0] * rows,
     )
+    return _core.sample(logits, batch)
 
 
 def timed(fn, repeats):

@@ -54,19 +54,19 @@ def _args(logits, prompts, outputs, **kw):
 def sample(logits, seeds, position=0, prompts=None, outputs=None, num_logprobs=0, **kw):
     rows = logits.shape[0]
     filters, history = _args(logits, prompts, outputs, **kw)
-    return _core.sample(
-        logits,
+    batch = _core.SamplingBatch(
         **filters,
         seed=_per_row(seeds, rows),
         position=_per_row(position, rows),
         **history,
         num_logprobs=_per_row(num_logprobs, rows),
     )
+    return _core.sample(logits, batch)
 
 
 def support(logits, prompts=None, outputs=None, **kw):
     filters, history = _args(logits, prompts, outputs, **kw)
-    return _core.sampling_support(logits, **filters, **history)
+    return _core.sampling_support(logits, _core.SamplingBatch(**filters, **history))
 
 
 # ---- brute-force reference ----
@@ -391,15 +391,26 @@ def test_bad_arguments_name_the_argument():
         sample(logits, seeds=[1, 2], temperature=[1.0, -2.0])
     with pytest.raises(ValueError, match=r"output_tokens\[1\]: token id 10"):
         sample(logits, seeds=[1, 2], outputs=[[1], [10]])
+    neutral = dict(
+        temperature=[1.0] * 2, top_k=[0] * 2, top_p=[1.0] * 2, min_p=[0.0] * 2,
+        repetition_penalty=[1.0] * 2, frequency_penalty=[0.0] * 2, presence_penalty=[0.0] * 2,
+        seed=[0, 0], position=[0, 0], num_logprobs=[0, 0],
+    )  # fmt: skip
     with pytest.raises(ValueError, match="prompt_offsets: offsets must be non-decreasing"):
-        _core.sample(logits, [1.0] * 2, [0] * 2, [1.0] * 2, [0.0] * 2, [1.0] * 2, [0.0] * 2, [0.0] * 2,
-                     [0, 0], [0, 0], torch.tensor([1, 2], dtype=torch.int32), [0, 2, 1],
-                     torch.tensor([], dtype=torch.int32), [0, 0, 0], [0, 0])  # fmt: skip
+        batch = _core.SamplingBatch(
+            **neutral, prompt_tokens=torch.tensor([1, 2], dtype=torch.int32),
+            prompt_offsets=[0, 2, 1], output_tokens=torch.tensor([], dtype=torch.int32),
+            output_offsets=[0, 0, 0],
+        )  # fmt: skip
+        _core.sample(logits, batch)
     with pytest.raises(ValueError, match="logits: .*dtype"):
         sample(logits.double(), seeds=[1, 2])
     with pytest.raises(ValueError, match="logits: must be contiguous"):
         sample(torch.randn(10, 2).t(), seeds=[1, 2])
     with pytest.raises(ValueError, match="prompt_tokens: expected dtype"):
-        _core.sample(logits, [1.0] * 2, [0] * 2, [1.0] * 2, [0.0] * 2, [1.0] * 2, [0.0] * 2, [0.0] * 2,
-                     [0, 0], [0, 0], torch.tensor([1], dtype=torch.int64), [0, 1, 1],
-                     torch.tensor([], dtype=torch.int32), [0, 0, 0], [0, 0])  # fmt: skip
+        _core.SamplingBatch(
+            **neutral, prompt_tokens=torch.tensor([1], dtype=torch.int64), prompt_offsets=[0, 1, 1],
+            output_tokens=torch.tensor([], dtype=torch.int32), output_offsets=[0, 0, 0],
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="batch: has 2 rows, logits has 3"):
+        _core.sample(torch.randn(3, 10), _core.SamplingBatch(**neutral))

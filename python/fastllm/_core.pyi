@@ -116,46 +116,77 @@ def paged_attention(
 
 # ---- sampling ----
 
+class SamplingBatch:
+    """One step's sampling parameters, one row per logits row, built once and read
+    by ``sample`` (and by the CUDA sampler, field by field).
+
+    Per-row lists have one value per row (``temperature`` sets the count);
+    ``prompt_tokens`` / ``output_tokens`` are flat int32 CPU tensors indexed by
+    ``rows + 1`` offsets (empty histories when omitted). Errors name the field.
+    """
+
+    def __init__(
+        self,
+        *,
+        temperature: Sequence[float],
+        top_k: Sequence[int],
+        top_p: Sequence[float],
+        min_p: Sequence[float],
+        repetition_penalty: Sequence[float],
+        frequency_penalty: Sequence[float],
+        presence_penalty: Sequence[float],
+        seed: Sequence[int] | None = None,
+        position: Sequence[int] | None = None,
+        prompt_tokens: Tensor | None = None,
+        prompt_offsets: Sequence[int] | None = None,
+        output_tokens: Tensor | None = None,
+        output_offsets: Sequence[int] | None = None,
+        num_logprobs: Sequence[int] | None = None,
+    ) -> None: ...
+    @property
+    def rows(self) -> int:
+        """Rows in the batch."""
+    @property
+    def temperature(self) -> list[float]: ...
+    @property
+    def top_k(self) -> list[int]: ...
+    @property
+    def top_p(self) -> list[float]: ...
+    @property
+    def min_p(self) -> list[float]: ...
+    @property
+    def repetition_penalty(self) -> list[float]: ...
+    @property
+    def frequency_penalty(self) -> list[float]: ...
+    @property
+    def presence_penalty(self) -> list[float]: ...
+    @property
+    def seed(self) -> list[int]: ...
+    @property
+    def position(self) -> list[int]: ...
+    @property
+    def num_logprobs(self) -> list[int]: ...
+    @property
+    def prompt_tokens(self) -> list[int]: ...
+    @property
+    def prompt_offsets(self) -> list[int]: ...
+    @property
+    def output_tokens(self) -> list[int]: ...
+    @property
+    def output_offsets(self) -> list[int]: ...
+
 def sample(
-    logits: Tensor,
-    temperature: Sequence[float],
-    top_k: Sequence[int],
-    top_p: Sequence[float],
-    min_p: Sequence[float],
-    repetition_penalty: Sequence[float],
-    frequency_penalty: Sequence[float],
-    presence_penalty: Sequence[float],
-    seed: Sequence[int],
-    position: Sequence[int],
-    prompt_tokens: Tensor,
-    prompt_offsets: Sequence[int],
-    output_tokens: Tensor,
-    output_offsets: Sequence[int],
-    num_logprobs: Sequence[int],
+    logits: Tensor, batch: SamplingBatch
 ) -> tuple[list[int], list[float], list[int], list[list[tuple[int, float]]]]:
     """Samples one token per row; returns (tokens, their raw logprobs, their ranks, top-N (id, logprob) per row).
 
-    ``logits`` is float32 ``[B, V]``, CPU, contiguous, read only. Per-row sequences have
-    length B; ``prompt_tokens`` / ``output_tokens`` are flat int32 tensors indexed by
-    ``B + 1`` offsets. Order (vLLM's): logprobs of the raw logits, penalties, greedy if
-    temperature < 1e-5, temperature, min_p, top-k, top-p, then an exponential race whose
-    randomness is a function of (seed, position, token) only.
+    ``logits`` is float32 ``[B, V]``, CPU, contiguous, read only; ``batch`` has B rows.
+    Order (vLLM's): logprobs of the raw logits, penalties, greedy if temperature < 1e-5,
+    temperature, min_p, top-k, top-p, then an exponential race whose randomness is a
+    function of (seed, position, token) only.
     """
 
-def sampling_support(
-    logits: Tensor,
-    temperature: Sequence[float],
-    top_k: Sequence[int],
-    top_p: Sequence[float],
-    min_p: Sequence[float],
-    repetition_penalty: Sequence[float],
-    frequency_penalty: Sequence[float],
-    presence_penalty: Sequence[float],
-    prompt_tokens: Tensor,
-    prompt_offsets: Sequence[int],
-    output_tokens: Tensor,
-    output_offsets: Sequence[int],
-) -> list[list[int]]:
+def sampling_support(logits: Tensor, batch: SamplingBatch) -> list[list[int]]:
     """The ascending token ids each row may draw after penalties and filters (debugging aid)."""
 
 def sampling_uniform(seed: int, position: int, token: int) -> float:

@@ -5,110 +5,213 @@ use pyo3::prelude::*;
 
 use super::tensor::{DType, TensorArg};
 
-/// Per-row sampling arguments as received from Python, checked for length.
-#[allow(clippy::too_many_arguments)]
-fn sampling_params(
-    rows: usize,
-    temperature: &[f32],
-    top_k: &[i64],
-    top_p: &[f32],
-    min_p: &[f32],
-    repetition_penalty: &[f32],
-    frequency_penalty: &[f32],
-    presence_penalty: &[f32],
-    seed: Option<&[u64]>,
-    position: Option<&[u64]>,
-    num_logprobs: Option<&[usize]>,
-) -> PyResult<Vec<crate::sampling::SamplingParams>> {
-    let check = |name: &str, len: usize| -> PyResult<()> {
-        if len != rows {
-            return Err(PyValueError::new_err(format!(
-                "{name}: expected {rows} values (one per logits row), got {len}"
-            )));
-        }
-        Ok(())
+/// One step's sampling parameters: one row per logits row, built once by the
+/// model runner and read by the CPU sampler (and, field by field, by the CUDA
+/// one). Token histories are copied in, so the batch owns everything it holds.
+#[pyclass(name = "SamplingBatch", module = "fastllm._core", frozen)]
+pub(crate) struct SamplingBatch {
+    params: Vec<crate::sampling::SamplingParams>,
+    prompt_tokens: Vec<i32>,
+    prompt_offsets: Vec<usize>,
+    output_tokens: Vec<i32>,
+    output_offsets: Vec<usize>,
+}
+
+/// A flat int32 token history (a 1-D torch tensor) copied into a `Vec`.
+fn token_history(name: &'static str, obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<i32>> {
+    let Some(obj) = obj else {
+        return Ok(Vec::new());
     };
-    check("temperature", temperature.len())?;
-    check("top_k", top_k.len())?;
-    check("top_p", top_p.len())?;
-    check("min_p", min_p.len())?;
-    check("repetition_penalty", repetition_penalty.len())?;
-    check("frequency_penalty", frequency_penalty.len())?;
-    check("presence_penalty", presence_penalty.len())?;
-    for (name, v) in [
-        ("seed", seed.map(<[u64]>::len)),
-        ("position", position.map(<[u64]>::len)),
-    ] {
-        if let Some(len) = v {
-            check(name, len)?;
+    let t = TensorArg::extract(name, obj)?;
+    t.check(&[DType::I32], 1)?;
+    // SAFETY: checked just above (CPU, int32, contiguous); copied before return.
+    Ok(unsafe { t.slice::<i32>() }.to_vec())
+}
+
+#[pymethods]
+impl SamplingBatch {
+    #[new]
+    #[pyo3(signature = (
+        *,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        repetition_penalty,
+        frequency_penalty,
+        presence_penalty,
+        seed=None,
+        position=None,
+        prompt_tokens=None,
+        prompt_offsets=None,
+        output_tokens=None,
+        output_offsets=None,
+        num_logprobs=None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        temperature: Vec<f32>,
+        top_k: Vec<i64>,
+        top_p: Vec<f32>,
+        min_p: Vec<f32>,
+        repetition_penalty: Vec<f32>,
+        frequency_penalty: Vec<f32>,
+        presence_penalty: Vec<f32>,
+        seed: Option<Vec<u64>>,
+        position: Option<Vec<u64>>,
+        prompt_tokens: Option<&Bound<'_, PyAny>>,
+        prompt_offsets: Option<Vec<usize>>,
+        output_tokens: Option<&Bound<'_, PyAny>>,
+        output_offsets: Option<Vec<usize>>,
+        num_logprobs: Option<Vec<usize>>,
+    ) -> PyResult<SamplingBatch> {
+        let rows = temperature.len();
+        let check = |name: &str, len: usize| -> PyResult<()> {
+            if len != rows {
+                return Err(PyValueError::new_err(format!(
+                    "{name}: expected {rows} values (one per row, as temperature), got {len}"
+                )));
+            }
+            Ok(())
+        };
+        check("top_k", top_k.len())?;
+        check("top_p", top_p.len())?;
+        check("min_p", min_p.len())?;
+        check("repetition_penalty", repetition_penalty.len())?;
+        check("frequency_penalty", frequency_penalty.len())?;
+        check("presence_penalty", presence_penalty.len())?;
+        for (name, v) in [
+            ("seed", seed.as_ref().map(Vec::len)),
+            ("position", position.as_ref().map(Vec::len)),
+            ("num_logprobs", num_logprobs.as_ref().map(Vec::len)),
+        ] {
+            if let Some(len) = v {
+                check(name, len)?;
+            }
         }
-    }
-    if let Some(n) = num_logprobs {
-        check("num_logprobs", n.len())?;
-    }
-    Ok((0..rows)
-        .map(|r| crate::sampling::SamplingParams {
-            temperature: temperature[r],
-            top_k: top_k[r],
-            top_p: top_p[r],
-            min_p: min_p[r],
-            repetition_penalty: repetition_penalty[r],
-            frequency_penalty: frequency_penalty[r],
-            presence_penalty: presence_penalty[r],
-            seed: seed.map_or(0, |s| s[r]),
-            position: position.map_or(0, |p| p[r]),
-            num_logprobs: num_logprobs.map_or(0, |n| n[r]),
-        })
-        .collect())
-}
-
-/// The checked logits `[B, V]` and the flat int32 token histories.
-struct SamplerTensors {
-    logits: TensorArg,
-    prompt_tokens: TensorArg,
-    output_tokens: TensorArg,
-}
-
-impl SamplerTensors {
-    fn extract(
-        logits: &Bound<'_, PyAny>,
-        prompt_tokens: &Bound<'_, PyAny>,
-        output_tokens: &Bound<'_, PyAny>,
-    ) -> PyResult<SamplerTensors> {
-        let logits = TensorArg::extract("logits", logits)?;
-        logits.check(&[DType::F32], 2)?;
-        let prompt_tokens = TensorArg::extract("prompt_tokens", prompt_tokens)?;
-        prompt_tokens.check(&[DType::I32], 1)?;
-        let output_tokens = TensorArg::extract("output_tokens", output_tokens)?;
-        output_tokens.check(&[DType::I32], 1)?;
-        Ok(SamplerTensors {
-            logits,
+        let params = (0..rows)
+            .map(|r| crate::sampling::SamplingParams {
+                temperature: temperature[r],
+                top_k: top_k[r],
+                top_p: top_p[r],
+                min_p: min_p[r],
+                repetition_penalty: repetition_penalty[r],
+                frequency_penalty: frequency_penalty[r],
+                presence_penalty: presence_penalty[r],
+                seed: seed.as_ref().map_or(0, |s| s[r]),
+                position: position.as_ref().map_or(0, |p| p[r]),
+                num_logprobs: num_logprobs.as_ref().map_or(0, |n| n[r]),
+            })
+            .collect();
+        let prompt_tokens = token_history("prompt_tokens", prompt_tokens)?;
+        let output_tokens = token_history("output_tokens", output_tokens)?;
+        Ok(SamplingBatch {
+            params,
+            prompt_offsets: prompt_offsets.unwrap_or_else(|| vec![0; rows + 1]),
+            output_offsets: output_offsets.unwrap_or_else(|| vec![0; rows + 1]),
             prompt_tokens,
             output_tokens,
         })
     }
 
+    /// Rows in the batch.
+    #[getter]
     fn rows(&self) -> usize {
-        self.logits.shape[0]
+        self.params.len()
     }
 
-    /// # Safety
-    /// The tensors were checked by `extract` and must outlive the batch.
-    unsafe fn batch<'a>(
-        &'a self,
-        params: &'a [crate::sampling::SamplingParams],
-        prompt_offsets: &'a [usize],
-        output_offsets: &'a [usize],
-    ) -> crate::sampling::Batch<'a> {
-        crate::sampling::Batch {
-            logits: self.logits.slice::<f32>(),
-            vocab: self.logits.shape[1],
-            params,
-            prompt_tokens: self.prompt_tokens.slice::<i32>(),
-            prompt_offsets,
-            output_tokens: self.output_tokens.slice::<i32>(),
-            output_offsets,
+    #[getter]
+    fn temperature(&self) -> Vec<f32> {
+        self.params.iter().map(|p| p.temperature).collect()
+    }
+
+    #[getter]
+    fn top_k(&self) -> Vec<i64> {
+        self.params.iter().map(|p| p.top_k).collect()
+    }
+
+    #[getter]
+    fn top_p(&self) -> Vec<f32> {
+        self.params.iter().map(|p| p.top_p).collect()
+    }
+
+    #[getter]
+    fn min_p(&self) -> Vec<f32> {
+        self.params.iter().map(|p| p.min_p).collect()
+    }
+
+    #[getter]
+    fn repetition_penalty(&self) -> Vec<f32> {
+        self.params.iter().map(|p| p.repetition_penalty).collect()
+    }
+
+    #[getter]
+    fn frequency_penalty(&self) -> Vec<f32> {
+        self.params.iter().map(|p| p.frequency_penalty).collect()
+    }
+
+    #[getter]
+    fn presence_penalty(&self) -> Vec<f32> {
+        self.params.iter().map(|p| p.presence_penalty).collect()
+    }
+
+    #[getter]
+    fn seed(&self) -> Vec<u64> {
+        self.params.iter().map(|p| p.seed).collect()
+    }
+
+    #[getter]
+    fn position(&self) -> Vec<u64> {
+        self.params.iter().map(|p| p.position).collect()
+    }
+
+    #[getter]
+    fn num_logprobs(&self) -> Vec<usize> {
+        self.params.iter().map(|p| p.num_logprobs).collect()
+    }
+
+    #[getter]
+    fn prompt_tokens(&self) -> Vec<i32> {
+        self.prompt_tokens.clone()
+    }
+
+    #[getter]
+    fn prompt_offsets(&self) -> Vec<usize> {
+        self.prompt_offsets.clone()
+    }
+
+    #[getter]
+    fn output_tokens(&self) -> Vec<i32> {
+        self.output_tokens.clone()
+    }
+
+    #[getter]
+    fn output_offsets(&self) -> Vec<usize> {
+        self.output_offsets.clone()
+    }
+}
+
+impl SamplingBatch {
+    /// The kernel's view of this batch over `logits` [rows, vocab] (checked here).
+    fn over<'a>(&'a self, logits: &'a TensorArg) -> PyResult<crate::sampling::Batch<'a>> {
+        logits.check(&[DType::F32], 2)?;
+        if logits.shape[0] != self.params.len() {
+            return Err(PyValueError::new_err(format!(
+                "batch: has {} rows, logits has {}",
+                self.params.len(),
+                logits.shape[0]
+            )));
         }
+        Ok(crate::sampling::Batch {
+            // SAFETY: checked just above; `logits` outlives the returned view.
+            logits: unsafe { logits.slice::<f32>() },
+            vocab: logits.shape[1],
+            params: &self.params,
+            prompt_tokens: &self.prompt_tokens,
+            prompt_offsets: &self.prompt_offsets,
+            output_tokens: &self.output_tokens,
+            output_offsets: &self.output_offsets,
+        })
     }
 }
 
@@ -117,43 +220,15 @@ type SampleOutput = (Vec<u32>, Vec<f32>, Vec<u32>, Vec<Vec<(u32, f32)>>);
 
 /// Samples one token per row of float32 logits `[B, V]` (see `_core.pyi`).
 #[pyfunction]
-#[allow(clippy::too_many_arguments)]
 fn sample(
     py: Python<'_>,
     logits: &Bound<'_, PyAny>,
-    temperature: Vec<f32>,
-    top_k: Vec<i64>,
-    top_p: Vec<f32>,
-    min_p: Vec<f32>,
-    repetition_penalty: Vec<f32>,
-    frequency_penalty: Vec<f32>,
-    presence_penalty: Vec<f32>,
-    seed: Vec<u64>,
-    position: Vec<u64>,
-    prompt_tokens: &Bound<'_, PyAny>,
-    prompt_offsets: Vec<usize>,
-    output_tokens: &Bound<'_, PyAny>,
-    output_offsets: Vec<usize>,
-    num_logprobs: Vec<usize>,
+    batch: &Bound<'_, SamplingBatch>,
 ) -> PyResult<SampleOutput> {
-    let tensors = SamplerTensors::extract(logits, prompt_tokens, output_tokens)?;
-    let params = sampling_params(
-        tensors.rows(),
-        &temperature,
-        &top_k,
-        &top_p,
-        &min_p,
-        &repetition_penalty,
-        &frequency_penalty,
-        &presence_penalty,
-        Some(&seed),
-        Some(&position),
-        Some(&num_logprobs),
-    )?;
-    // SAFETY: checked by `SamplerTensors::extract`; the tensors are borrowed
-    // from the call's arguments and stay alive until it returns.
-    let batch = unsafe { tensors.batch(&params, &prompt_offsets, &output_offsets) };
-    let samples = py.detach(|| crate::sampling::sample_batch(&batch))?;
+    let logits = TensorArg::extract("logits", logits)?;
+    let batch = batch.get();
+    let view = batch.over(&logits)?;
+    let samples = py.detach(|| crate::sampling::sample_batch(&view))?;
     let mut out: SampleOutput = (
         Vec::with_capacity(samples.len()),
         Vec::with_capacity(samples.len()),
@@ -171,39 +246,15 @@ fn sample(
 
 /// The token ids each row may draw after penalties and filters (a debugging aid).
 #[pyfunction]
-#[allow(clippy::too_many_arguments)]
 fn sampling_support(
     py: Python<'_>,
     logits: &Bound<'_, PyAny>,
-    temperature: Vec<f32>,
-    top_k: Vec<i64>,
-    top_p: Vec<f32>,
-    min_p: Vec<f32>,
-    repetition_penalty: Vec<f32>,
-    frequency_penalty: Vec<f32>,
-    presence_penalty: Vec<f32>,
-    prompt_tokens: &Bound<'_, PyAny>,
-    prompt_offsets: Vec<usize>,
-    output_tokens: &Bound<'_, PyAny>,
-    output_offsets: Vec<usize>,
+    batch: &Bound<'_, SamplingBatch>,
 ) -> PyResult<Vec<Vec<u32>>> {
-    let tensors = SamplerTensors::extract(logits, prompt_tokens, output_tokens)?;
-    let params = sampling_params(
-        tensors.rows(),
-        &temperature,
-        &top_k,
-        &top_p,
-        &min_p,
-        &repetition_penalty,
-        &frequency_penalty,
-        &presence_penalty,
-        None,
-        None,
-        None,
-    )?;
-    // SAFETY: as in `sample`.
-    let batch = unsafe { tensors.batch(&params, &prompt_offsets, &output_offsets) };
-    Ok(py.detach(|| crate::sampling::support_batch(&batch))?)
+    let logits = TensorArg::extract("logits", logits)?;
+    let batch = batch.get();
+    let view = batch.over(&logits)?;
+    Ok(py.detach(|| crate::sampling::support_batch(&view))?)
 }
 
 /// The sampler's uniform draw in (0, 1) for `(seed, position, token)`.
@@ -213,6 +264,7 @@ fn sampling_uniform(seed: u64, position: u64, token: u32) -> f64 {
 }
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<SamplingBatch>()?;
     m.add_function(wrap_pyfunction!(sample, m)?)?;
     m.add_function(wrap_pyfunction!(sampling_support, m)?)?;
     m.add_function(wrap_pyfunction!(sampling_uniform, m)?)?;

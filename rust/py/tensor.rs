@@ -57,11 +57,13 @@ impl TensorArg {
         // Only "this object has no dtype" means "not a tensor"; any other
         // exception (a KeyboardInterrupt raised by a signal handler during the
         // lookup, a MemoryError) propagates unchanged.
-        let dtype_name: String = obj
+        let dtype_obj = obj
             .getattr("dtype")
-            .and_then(|d| d.str())
-            .map_err(|err| not_a_tensor(name, obj.py(), err))?
-            .to_string();
+            .map_err(|err| not_a_tensor(name, obj.py(), err))?;
+        // `extract`, not `Display`: Display would swallow an exception raised
+        // while the text is made (printing "<unprintable ...>") instead of
+        // returning it.
+        let dtype_name: String = dtype_obj.str()?.extract()?;
         let dtype = DType::from_torch(&dtype_name).ok_or_else(|| {
             PyValueError::new_err(format!("{name}: unsupported dtype {dtype_name}"))
         })?;

@@ -241,13 +241,18 @@ def test_sampler_matches_the_cpu_sampler(ops, vocab):
     output = torch.randint(0, vocab, (rows * 6,), generator=gen, dtype=torch.int32)
     p_off = [12 * r for r in range(rows + 1)]
     o_off = [6 * r for r in range(rows + 1)]
-    args = [p[k] for k in ("temperature", "top_k", "top_p", "min_p")] + [
-        p[k] for k in ("repetition_penalty", "frequency_penalty", "presence_penalty")
-    ]
-    cpu_tokens, cpu_lps, cpu_ranks, _ = _core.sample(
-        logits.clone(), *args, seeds, positions, prompt, p_off, output, o_off, [0] * rows
+    batch = _core.SamplingBatch(
+        **p,
+        seed=seeds,
+        position=positions,
+        prompt_tokens=prompt,
+        prompt_offsets=p_off,
+        output_tokens=output,
+        output_offsets=o_off,
+        num_logprobs=[0] * rows,
     )
-    got = ops.sample(logits.cuda(), *args, seeds, positions, prompt, p_off, output, o_off)
+    cpu_tokens, cpu_lps, cpu_ranks, _ = _core.sample(logits.clone(), batch)
+    got = ops.sample(logits.cuda(), batch)
     check_enabled(ops)
     assert got is not None
     tokens, lps, ranks = got
@@ -260,14 +265,16 @@ def test_seeded_draws_follow_the_softmax(ops):
     """Across positions, a seeded row's draws have the softmax's frequencies."""
     vocab, rows = 8, 4000
     logits = torch.log(torch.tensor([0.4, 0.2, 0.15, 0.1, 0.08, 0.04, 0.02, 0.01])).repeat(rows, 1)
+    from fastllm import _core
+
     ones = [1.0] * rows
     zeros = [0.0] * rows
-    empty = torch.zeros(0, dtype=torch.int32)
-    offs = [0] * (rows + 1)
-    got = ops.sample(
-        logits.cuda(), ones, [0] * rows, ones, zeros, ones, zeros, zeros,
-        [1234] * rows, list(range(rows)), empty, offs, empty, offs,
+    batch = _core.SamplingBatch(
+        temperature=ones, top_k=[0] * rows, top_p=ones, min_p=zeros, repetition_penalty=ones,
+        frequency_penalty=zeros, presence_penalty=zeros, seed=[1234] * rows,
+        position=list(range(rows)),
     )  # fmt: skip
+    got = ops.sample(logits.cuda(), batch)
     check_enabled(ops)
     counts = torch.bincount(torch.tensor(got[0]), minlength=vocab).double() / rows
     torch.testing.assert_close(counts, logits[0].exp().double(), atol=0.03, rtol=0)
@@ -281,19 +288,16 @@ def test_greedy_batch_without_workspaces(ops):
     logits[2, 10] = logits[2, 20] = logits[2].max() + 1  # a tie: the lower id wins
     rows = logits.shape[0]
     zeros, ones = [0.0] * rows, [1.0] * rows
-    empty = torch.zeros(0, dtype=torch.int32)
-    offs = [0] * (rows + 1)
-    got = ops.sample(
-        logits.cuda(), zeros, [0] * rows, ones, zeros, ones, zeros, zeros,
-        [0] * rows, [0] * rows, empty, offs, empty, offs,
+    batch = _core.SamplingBatch(
+        temperature=zeros, top_k=[0] * rows, top_p=ones, min_p=zeros, repetition_penalty=ones,
+        frequency_penalty=zeros, presence_penalty=zeros, seed=[0] * rows, position=[0] * rows,
+        num_logprobs=[0] * rows,
     )  # fmt: skip
+    got = ops.sample(logits.cuda(), batch)
     check_enabled(ops)
     assert got[0] == logits.argmax(dim=1).tolist()
     assert got[0][2] == 10 and got[2] == [1] * rows
     if hasattr(_core, "sample"):
-        cpu = _core.sample(
-            logits.clone(), zeros, [0] * rows, ones, zeros, ones, zeros, zeros,
-            [0] * rows, [0] * rows, empty, offs, empty, offs, [0] * rows,
-        )  # fmt: skip
+        cpu = _core.sample(logits.clone(), batch)
         assert got[0] == cpu[0]
         torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(cpu[1]), atol=1e-4, rtol=0)

@@ -189,50 +189,52 @@ class ModelRunner:
             if toks:
                 logits[i, toks] = float("-inf")
         logits = logits.contiguous()
-        params = [s.params for s in seqs]
-        penalised = [
-            p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-            for p in params
-        ]
-        prompt_off = [0]
-        output_off = [0]
-        prompt_chunks: list[list[int]] = []
-        output_chunks: list[list[int]] = []
-        for s, pen in zip(seqs, penalised):
-            if pen:
-                prompt_chunks.append(s.token_ids[: s.num_prompt_tokens])
-                output_chunks.append(s.output_token_ids)
-            else:
-                prompt_chunks.append([])
-                output_chunks.append([])
-            prompt_off.append(prompt_off[-1] + len(prompt_chunks[-1]))
-            output_off.append(output_off[-1] + len(output_chunks[-1]))
-        prompt_tokens = _flat_int32(prompt_chunks, prompt_off[-1])
-        output_tokens = _flat_int32(output_chunks, output_off[-1])
-        rows = (
-            [p.temperature for p in params],
-            [p.top_k for p in params],
-            [p.top_p for p in params],
-            [p.min_p for p in params],
-            [p.repetition_penalty for p in params],
-            [p.frequency_penalty for p in params],
-            [p.presence_penalty for p in params],
-            seeds,
-            [s.num_tokens for s in seqs],
-            prompt_tokens,
-            prompt_off,
-            output_tokens,
-            output_off,
-        )
+        batch = sampling_batch(seqs, seeds)
         if logits.is_cuda:
             from fastllm.layers import cuda_ops
 
-            drawn = cuda_ops.sample(logits, *rows)
+            drawn = cuda_ops.sample(logits, batch)
             if drawn is not None:
                 tokens, lps, ranks = drawn
-                return tokens, lps, ranks, _top_logprobs(logits, [p.logprobs or 0 for p in params])
+                return tokens, lps, ranks, _top_logprobs(logits, batch.num_logprobs)
             logits = logits.cpu()
-        return _core.sample(logits, *rows, [p.logprobs or 0 for p in params])
+        return _core.sample(logits, batch)
+
+
+def sampling_batch(seqs: list[Sequence], seeds: list[int]) -> _core.SamplingBatch:
+    """The step's sampling parameters as the one structure the samplers read:
+    row i samples for ``seqs[i]`` with ``seeds[i]`` at its next position; token
+    histories only for the rows with penalties."""
+    params = [s.params for s in seqs]
+    prompt_off = [0]
+    output_off = [0]
+    prompt_chunks: list[list[int]] = []
+    output_chunks: list[list[int]] = []
+    for s, p in zip(seqs, params):
+        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            prompt_chunks.append(s.token_ids[: s.num_prompt_tokens])
+            output_chunks.append(s.output_token_ids)
+        else:
+            prompt_chunks.append([])
+            output_chunks.append([])
+        prompt_off.append(prompt_off[-1] + len(prompt_chunks[-1]))
+        output_off.append(output_off[-1] + len(output_chunks[-1]))
+    return _core.SamplingBatch(
+        temperature=[p.temperature for p in params],
+        top_k=[p.top_k for p in params],
+        top_p=[p.top_p for p in params],
+        min_p=[p.min_p for p in params],
+        repetition_penalty=[p.repetition_penalty for p in params],
+        frequency_penalty=[p.frequency_penalty for p in params],
+        presence_penalty=[p.presence_penalty for p in params],
+        seed=seeds,
+        position=[s.num_tokens for s in seqs],
+        prompt_tokens=_flat_int32(prompt_chunks, prompt_off[-1]),
+        prompt_offsets=prompt_off,
+        output_tokens=_flat_int32(output_chunks, output_off[-1]),
+        output_offsets=output_off,
+        num_logprobs=[p.logprobs or 0 for p in params],
+    )
 
 
 def _apply_logit_rules(logits: torch.Tensor, seqs: list[Sequence]) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch
@@ -173,57 +173,38 @@ def _u64_as_i64(v: int) -> int:
 
 
 def sample(
-    logits: torch.Tensor,
-    temperature: Sequence[float],
-    top_k: Sequence[int],
-    top_p: Sequence[float],
-    min_p: Sequence[float],
-    repetition_penalty: Sequence[float],
-    frequency_penalty: Sequence[float],
-    presence_penalty: Sequence[float],
-    seed: Sequence[int],
-    position: Sequence[int],
-    prompt_tokens: torch.Tensor,
-    prompt_offsets: Sequence[int],
-    output_tokens: torch.Tensor,
-    output_offsets: Sequence[int],
+    logits: torch.Tensor, batch: _core.SamplingBatch
 ) -> tuple[list[int], list[float], list[int]] | None:
     """One token per row of float32 CUDA ``logits`` [B, V] with the CPU sampler's semantics.
 
     Returns (tokens, their raw logprobs, their ranks), or None if the kernels are off.
     The draw is the CPU sampler's counter-based race, so a seeded row given
-    identical logits draws the same token as ``_core.sample``.
+    identical logits draws the same token as ``_core.sample`` on the same batch.
     """
     rows, vocab = logits.shape
+    if batch.rows != rows:
+        raise ValueError(f"batch: has {batch.rows} rows, logits has {rows}")
     dev = logits.device
+    temperature, rep = batch.temperature, batch.repetition_penalty
+    freq, pres = batch.frequency_penalty, batch.presence_penalty
     fparams = torch.tensor(
-        [
-            [
-                temperature[r],
-                top_p[r],
-                min_p[r],
-                repetition_penalty[r],
-                frequency_penalty[r],
-                presence_penalty[r],
-            ]
-            for r in range(rows)
-        ],
-        dtype=torch.float32,
-    ).reshape(rows, 6)
-    iparams = torch.tensor(
-        [[int(top_k[r]), _u64_as_i64(int(seed[r])), int(position[r])] for r in range(rows)],
-        dtype=torch.int64,
-    ).reshape(rows, 3)
-    offsets = torch.tensor([list(prompt_offsets), list(output_offsets)], dtype=torch.int64)
-    fparams_d = fparams.to(dev)
-    iparams_d = iparams.to(dev)
+        [temperature, batch.top_p, batch.min_p, rep, freq, pres], dtype=torch.float32
+    ).T.reshape(rows, 6)
+    seeds = [_u64_as_i64(s) for s in batch.seed]
+    iparams = torch.tensor([batch.top_k, seeds, batch.position], dtype=torch.int64).T.reshape(
+        rows, 3
+    )
+    prompt_offsets, output_offsets = batch.prompt_offsets, batch.output_offsets
+    offsets = torch.tensor([prompt_offsets, output_offsets], dtype=torch.int64)
+    fparams_d = fparams.contiguous().to(dev)
+    iparams_d = iparams.contiguous().to(dev)
     offsets_d = offsets.to(dev)
-    prompt_d = _tokens_on(prompt_tokens, dev)
-    output_d = _tokens_on(output_tokens, dev)
+    prompt_d = _tokens_on(batch.prompt_tokens, dev)
+    output_d = _tokens_on(batch.output_tokens, dev)
     logits = logits.float().contiguous()
     # Workspaces only when some row uses them (they are [rows, vocab] each).
     penalised = [
-        (repetition_penalty[r] != 1.0 or frequency_penalty[r] != 0.0 or presence_penalty[r] != 0.0)
+        (rep[r] != 1.0 or freq[r] != 0.0 or pres[r] != 0.0)
         and (prompt_offsets[r + 1] > prompt_offsets[r] or output_offsets[r + 1] > output_offsets[r])
         for r in range(rows)
     ]
@@ -257,8 +238,6 @@ def sample(
     return _run("sample", launch)
 
 
-def _tokens_on(tokens: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    t = tokens.to(torch.int32)
-    if t.numel() == 0:
-        t = torch.zeros(1, dtype=torch.int32)
-    return t.to(dev)
+def _tokens_on(tokens: list[int], dev: torch.device) -> torch.Tensor:
+    """A flat token history on the device (one dummy id when empty: no null pointer)."""
+    return torch.tensor(tokens or [0], dtype=torch.int32).to(dev)
