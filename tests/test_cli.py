@@ -306,7 +306,9 @@ def _scripted_input(monkeypatch, lines):
     monkeypatch.setattr("builtins.input", fake_input)
 
 
-TEMPLATE = "{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}### assistant:"
+TEMPLATE = (
+    "{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}### assistant:"
+)
 
 
 def test_chat_with_chat_template(untemplated_model_dir, monkeypatch, capsys, tmp_path):
@@ -391,3 +393,32 @@ def test_chat_ctrl_c_stops_a_reply_and_returns_to_the_prompt():
     finally:
         child.close(force=True)
     assert child.exitstatus == 0, child.before
+
+
+def test_bench_passes_engine_settings_to_its_llm(monkeypatch):
+    import fastllm
+    from fastllm import benchmark
+    from fastllm.cli import build_parser
+
+    seen = {}
+
+    def fake_llm(model, **kw):
+        seen.update(kw, model=model)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(fastllm, "LLM", fake_llm)
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "throughput",
+            "some/model",
+            "--gpu-memory-utilization",
+            "0.4",
+            "--max-logprobs",
+            "7",
+        ]
+    )
+    with pytest.raises(RuntimeError, match="stop here"):
+        benchmark._llm(args)
+    assert seen["model"] == "some/model"
+    assert seen["gpu_memory_utilization"] == 0.4 and seen["max_logprobs"] == 7

@@ -102,3 +102,20 @@ def test_progress_bar_shows_token_rates_before_any_request_finishes(capsys):
     assert len(moving) >= 5, frames[:5]  # updated every step while nothing has finished
     assert "est. speed input:" in moving[0]
     assert " 2/2" in frames[-1]
+
+
+@pytest.mark.parametrize("configure", ["1", "0"])
+def test_the_chosen_cache_is_logged_without_any_logging_setup(configure):
+    env = {**__import__("os").environ, "FASTLLM_CONFIGURE_LOGGING": configure}
+    out = subprocess.run(
+        [sys.executable, "-c", "from fastllm import LLM; LLM(device='cpu')"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env=env,
+    )
+    logged = "KV cache: " in out.stderr and "blocks of 16 tokens" in out.stderr
+    assert logged == (configure == "1"), out.stderr
+    if logged:
+        assert "longest sequence 1024 tokens" in out.stderr

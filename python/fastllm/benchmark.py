@@ -59,9 +59,12 @@ def random_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[lis
 
 def _llm(args: Any):
     from fastllm import LLM
+    from fastllm.cli import engine_settings
 
+    settings = engine_settings(args) if hasattr(args, "gpu_memory_utilization") else {}
     return LLM(
         args.model,
+        **settings,
         dtype=args.dtype,
         device=args.device,
         max_num_seqs=args.batch,

@@ -196,6 +196,7 @@ def add_bench_parser(sub: Any) -> None:
         formatter_class=_HelpFormatter,
     )
     benchmark.add_arguments(p)
+    add_engine_settings(p.add_argument_group("engine"))
     p.set_defaults(func=benchmark.run)
 
 
@@ -213,8 +214,9 @@ def add_serve_parser(sub: Any) -> None:
         formatter_class=fmt,
     )
     _add_engine_args(p, model_optional=True)
-    _add_chat_template_arg(p, "default template of /v1/chat/completions (a request's own "
-                           "chat_template still wins)")
+    _add_chat_template_arg(
+        p, "default template of /v1/chat/completions (a request's own chat_template still wins)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=8000, help="port to bind")
     p.add_argument(
@@ -381,9 +383,7 @@ def add_engine_settings(g: Any) -> None:
         help="most logprobs a request may ask per token (-1: no limit)",
     )
     g.add_argument("--revision", default=None, help="revision of a hub id in the local cache")
-    g.add_argument(
-        "--tokenizer-revision", default=None, help="revision of the tokenizer's hub id"
-    )
+    g.add_argument("--tokenizer-revision", default=None, help="revision of the tokenizer's hub id")
     g.add_argument(
         "--download-dir",
         default=None,
@@ -672,7 +672,9 @@ class _StopReply:
             signal.signal(signal.SIGINT, self._previous)
 
 
-def _chat_turn(llm: Any, messages: list[dict], line: str, params: Any, template: str | None) -> None:
+def _chat_turn(
+    llm: Any, messages: list[dict], line: str, params: Any, template: str | None
+) -> None:
     """One exchange: the user's line, then the reply streamed to the terminal.
     Ctrl-C stops the reply (its request is aborted) and the conversation keeps
     what was shown."""

@@ -12,6 +12,7 @@ import time
 from fastllm.config import EngineConfig, ModelConfig, resolve_dtype
 from fastllm.engine.output_processor import OutputProcessor
 from fastllm.engine.request import Request
+from fastllm.logs import configure_logging
 from fastllm.outputs import RequestOutput
 from fastllm.sampling_params import SamplingParams
 
@@ -81,6 +82,7 @@ class LLMEngine:
     """Owns the tokenizer, model runner and scheduler; advances requests step by step."""
 
     def __init__(self, config: EngineConfig) -> None:
+        configure_logging()
         config.validate()
         from fastllm.platform import resolve_device
 

@@ -8,7 +8,6 @@ import json
 import logging
 import math
 import os
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -25,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastllm.config import EngineConfig
 from fastllm.engine.llm_engine import RequestError
 from fastllm.llm import chat_stop
+from fastllm.logs import configure_logging
 from fastllm.outputs import Logprob, RequestOutput
 from fastllm.sampling_params import RequestOutputKind, SamplingParams
 from fastllm.server.engine_loop import AsyncEngine, EngineDeadError, Histogram
@@ -901,27 +901,6 @@ def startup_summary(app: FastAPI, host: str, port: int) -> str:
     return "\n".join(lines)
 
 
-_LOG_LEVELS = {
-    "critical": logging.CRITICAL,
-    "error": logging.ERROR,
-    "warning": logging.WARNING,
-    "info": logging.INFO,
-    "debug": logging.DEBUG,
-    "trace": logging.DEBUG,
-}
-
-
-def _configure_logging(log_level: str) -> None:
-    """fastllm's own log lines (the engine's and the server's) at ``log_level``,
-    on stderr like uvicorn's, unless the program has set logging up itself."""
-    log = logging.getLogger("fastllm")
-    log.setLevel(_LOG_LEVELS.get(log_level, logging.INFO))
-    if not log.hasHandlers():
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)s:  %(message)s"))
-        log.addHandler(handler)
-
-
 def serve(
     engine_args: EngineConfig,
     host: str = "127.0.0.1",
@@ -936,7 +915,7 @@ def serve(
     until interrupted."""
     import uvicorn
 
-    _configure_logging(log_level)
+    configure_logging(log_level)
     app = create_app(
         engine_args,
         served_model_name=served_model_name,
