@@ -115,3 +115,17 @@ def make_model(tmp_path_factory, tokenizer_dir):
         return cache[arch]
 
     return build
+
+
+@pytest.fixture(scope="module")
+def untemplated_model_dir(model_dir, tmp_path_factory) -> str:
+    """The module's test model (its ``model_dir``) without a chat template."""
+    import shutil
+
+    out = tmp_path_factory.mktemp("untemplated") / "tiny-untemplated"
+    shutil.copytree(model_dir, out)
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("chat_template")
+    cfg_path.write_text(json.dumps(cfg))
+    return str(out)

@@ -265,18 +265,6 @@ def test_read_chat_template(tmp_path):
         read_chat_template(str(tmp_path / "empty.jinja"))
 
 
-@pytest.fixture(scope="module")
-def untemplated_model_dir(model_dir, tmp_path_factory) -> str:
-    """The test model without a chat template."""
-    import shutil
-
-    out = tmp_path_factory.mktemp("untemplated") / "model"
-    shutil.copytree(model_dir, out)
-    cfg_path = out / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg.pop("chat_template")
-    cfg_path.write_text(json.dumps(cfg))
-    return str(out)
 
 
 def _no_input(prompt=""):

@@ -10,13 +10,12 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
+
+from server_process import free_port, running_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
@@ -69,12 +68,6 @@ def _server_examples() -> dict[str, str]:
     return {"serve": serve[0][0], "curl": curl[0], "python": snippet[0]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env() -> dict[str, str]:
     import fastllm
 
@@ -110,38 +103,14 @@ def readme_server(tmp_path_factory):
     argv = shlex.split(examples["serve"], comments=True)
     assert argv[:2] == ["fastllm", "serve"]
     readme_port = argv[argv.index("--port") + 1]
-    port = _free_port()
+    port = free_port()
     argv[argv.index("--port") + 1] = str(port)
     examples = {
         k: v.replace(f":{readme_port}/", f":{port}/") for k, v in examples.items() if k != "serve"
     }
     log = tmp_path_factory.mktemp("readme") / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            _fastllm_command() + argv[1:], stdout=out, stderr=subprocess.STDOUT, env=_env()
-        )
-    try:
-        deadline = time.time() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"server did not start:\n{log.read_text()}")
-            time.sleep(0.2)
+    with running_server(_fastllm_command() + argv[1:], port, log, _env()):
         yield examples, port, log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_readme_curl(readme_server):

@@ -10,11 +10,12 @@ import http.client
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
 
 import pytest
+
+from server_process import free_port, running_server
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -39,12 +40,6 @@ PROMPTS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _python_path() -> str:
     import fastllm
 
@@ -60,7 +55,7 @@ def model_dir(make_model) -> str:
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     """One server process for the whole module: (host, port)."""
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [
         sys.executable,
@@ -87,30 +82,8 @@ def server(model_dir, tmp_path_factory):
     ]
     env = dict(os.environ, PYTHONPATH=_python_path())
     env.pop("FASTLLM_API_KEY", None)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.time() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                status, _ = _get("127.0.0.1", port, "/health")
-                if status == 200:
-                    break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"server did not start:\n{log.read_text()}")
-            time.sleep(0.2)
+    with running_server(cmd, port, log, env):
         yield "127.0.0.1", port
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -672,7 +645,7 @@ def _app_server(model: str, chat_template: str | None = None, **engine):
 
     config = EngineConfig(model=model, dtype="float32", device="cpu", max_model_len=MAX_LEN, **engine)
     app = create_app(config, chat_template=chat_template)
-    port = _free_port()
+    port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -702,18 +675,6 @@ def _record_params(app) -> list[SamplingParams]:
     return seen
 
 
-@pytest.fixture(scope="module")
-def untemplated_model_dir(model_dir, tmp_path_factory) -> str:
-    """The test model without a chat template."""
-    import shutil
-
-    out = tmp_path_factory.mktemp("untemplated") / "tiny-untemplated"
-    shutil.copytree(model_dir, out)
-    cfg_path = out / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg.pop("chat_template")
-    cfg_path.write_text(json.dumps(cfg))
-    return str(out)
 
 
 def test_no_chat_template_names_the_server_option(untemplated_model_dir):
