@@ -605,22 +605,7 @@ mod tests {
     use crate::cpu::simd::Scalar;
     use half::bf16;
 
-    /// Deterministic pseudo-random numbers in [-1, 1) (xorshift).
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn uniform(&mut self) -> f32 {
-            (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        }
-        fn below(&mut self, n: usize) -> usize {
-            (self.next() % n as u64) as usize
-        }
-    }
+    use crate::cpu::elem::tests::Rng;
 
     struct Case {
         shape: CacheShape,
@@ -644,10 +629,10 @@ mod tests {
         let s = case.shape;
         let num_tokens: usize = case.q_lens.iter().sum();
         let query = (0..num_tokens * case.num_heads * s.head_size)
-            .map(|_| rng.uniform() * 2.0)
+            .map(|_| rng.f32() * 2.0)
             .collect();
-        let kc = (0..s.numel()).map(|_| rng.uniform() * 2.0).collect();
-        let vc = (0..s.numel()).map(|_| rng.uniform()).collect();
+        let kc = (0..s.numel()).map(|_| rng.f32() * 2.0).collect();
+        let vc = (0..s.numel()).map(|_| rng.f32()).collect();
         let max_blocks = case
             .seq_lens
             .iter()

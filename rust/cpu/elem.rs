@@ -164,6 +164,10 @@ pub(crate) mod tests {
         pub(crate) fn f32(&mut self) -> f32 {
             (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
         }
+        /// A uniform index in `0..n`.
+        pub(crate) fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
     }
 
     /// f64 reference over the same (already rounded) inputs; also returns
