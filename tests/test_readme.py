@@ -130,9 +130,7 @@ def test_readme_curl(readme_server):
 
     from fastllm import LLM, SamplingParams
 
-    params = SamplingParams(
-        max_tokens=request["max_tokens"], temperature=request["temperature"]
-    )
+    params = SamplingParams(max_tokens=request["max_tokens"], temperature=request["temperature"])
     (ref,) = LLM().generate([request["prompt"]], params, use_tqdm=False)
     assert choice["text"] == ref.outputs[0].text
     assert body["usage"]["completion_tokens"] == len(ref.outputs[0].token_ids)
@@ -185,9 +183,33 @@ def test_readme_quickstart():
         [sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300
     )
     assert r.returncode == 0, r.stderr
-    for prompt in re.findall(r'llm\.generate\(\[(.*?)\]', code)[0].split(", "):
+    for prompt in re.findall(r"llm\.generate\(\[(.*?)\]", code)[0].split(", "):
         assert prompt.strip('"') in r.stdout
     assert len(r.stdout) > 200
+
+
+def test_readme_overview_commands_run_as_written():
+    """The command overview's one-shot commands on the demo model (not the
+    interactive chat, the long-running serve, nor a placeholder MODEL)."""
+    pytest.importorskip("torch")
+    blocks = [c for lang, c in _readme_blocks("Command line and server") if lang == "bash"]
+    overview = next(c for c in blocks if "fastllm env" in c)
+    lines = [ln.split("  #")[0].strip() for ln in _commands(overview)]
+    runnable = [ln for ln in lines if " MODEL" not in ln and ln.split()[1] not in ("chat", "serve")]
+    assert [ln.split()[1] for ln in runnable] == ["env", "generate"]
+    for line in runnable:
+        argv = shlex.split(line)
+        r = subprocess.run(
+            _fastllm_command() + argv[1:], capture_output=True, text=True, env=_env(), timeout=300
+        )
+        assert r.returncode == 0, (line, r.stderr)
+        assert r.stdout.strip(), line
+    assert (
+        "CPU features"
+        in subprocess.run(
+            _fastllm_command() + ["env"], capture_output=True, text=True, env=_env(), timeout=120
+        ).stdout
+    )
 
 
 # ---- what the README says about files --------------------------------------------
