@@ -762,3 +762,32 @@ def test_bad_chat_template_fails_at_startup(model_dir):
     with pytest.raises(ValueError, match="--chat-template cannot render"):
         with _app_server(model_dir, chat_template="{% for m in messages %}"):
             pass
+
+
+def test_logit_bias_and_vllm_token_fields_match_offline(client, llm, server):
+    tok = llm.get_tokenizer()
+    forced = tok.encode(" return", add_special_tokens=False)[0]
+    kw = dict(temperature=0.0, max_tokens=5, extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=NAME, prompt=PROMPTS[0], logit_bias={str(forced): 100}, **kw
+    )
+    ref = _offline(
+        llm, PROMPTS[0], temperature=0.0, max_tokens=5, ignore_eos=True,
+        logit_bias={forced: 100.0},
+    )  # fmt: skip
+    assert r.choices[0].text == ref.outputs[0].text == tok.decode([forced] * 5)
+    allowed = [forced, forced + 1]
+    r = client.completions.create(
+        model=NAME, prompt=PROMPTS[1], temperature=1.0, seed=3, max_tokens=6,
+        extra_body={"ignore_eos": True, "allowed_token_ids": allowed},
+    )  # fmt: skip
+    ref = _offline(
+        llm, PROMPTS[1], temperature=1.0, seed=3, max_tokens=6, ignore_eos=True,
+        allowed_token_ids=allowed,
+    )  # fmt: skip
+    assert r.choices[0].text == ref.outputs[0].text
+    status, body = _post(
+        *server, "/v1/completions",
+        json.dumps({"model": NAME, "prompt": "x", "logit_bias": {"-4": 1}}),
+    )  # fmt: skip
+    assert status == 400 and body["error"]["param"] == "logit_bias", body

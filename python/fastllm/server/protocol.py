@@ -113,10 +113,10 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def _sampling_kwargs(self) -> dict[str, Any]:
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported", 400, param="logit_bias")
         if isinstance(self.n, int) and self.n > MAX_N:
             raise APIError(f"n must be at most {MAX_N}, got {self.n}", 400, param="n")
         kw: dict[str, Any] = {
@@ -128,6 +128,9 @@ class _Common(BaseModel):
             "stop_token_ids": self.stop_token_ids,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
+            "logit_bias": self.logit_bias or None,
+            "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
         }
         optional = {
             "temperature": self.temperature,
