@@ -234,3 +234,117 @@ def test_killed_replica_is_replaced_and_its_batch_retried(cluster, model_dir, re
     assert sorted(r["id"] for r in seen) == list(range(120))
     for r in seen:
         assert list(r["generated_token_ids"]) == want[r["id"]], r["id"]
+
+
+# ---- Ray Serve -----------------------------------------------------------------
+
+API_KEY = "ray-secret"
+
+
+@pytest.fixture(scope="module")
+def served(cluster, model_dir):
+    """The Serve deployment of the test model, 2 replicas; yields its base URL."""
+    import socket
+
+    from ray import serve
+
+    import fastllm.ray
+    from fastllm.config import EngineConfig
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = fastllm.ray.build_app(
+        EngineConfig(model=model_dir, **ENGINE),
+        num_replicas=2,
+        num_cpus_per_replica=1,
+        api_key=API_KEY,
+        served_model_name="tiny",
+    )
+    fastllm.ray.run(app, port=port, blocking=False)
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    import openai
+
+    return openai.OpenAI(base_url=f"{served}/v1", api_key=API_KEY, max_retries=0)
+
+
+def _get(url: str, headers: dict | None = None) -> tuple[int, bytes]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {})) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_serve_health_models_and_api_key(served):
+    import json
+
+    assert _get(f"{served}/health") == (200, b'{"status":"ok"}')
+    assert _get(f"{served}/v1/models")[0] == 401
+    status, body = _get(f"{served}/v1/models", {"Authorization": f"Bearer {API_KEY}"})
+    assert status == 200
+    (model,) = json.loads(body)["data"]
+    assert model["id"] == "tiny" and model["max_model_len"] == ENGINE["max_model_len"]
+    status, body = _get(f"{served}/metrics")
+    assert status == 200 and b"fastllm_prefix_cache_hit_rate" in body
+
+
+def test_serve_completions_chat_streaming_n2_equal_llm(client, reference):
+    from fastllm import SamplingParams
+
+    prompt = _prompt(5)
+    want = reference.generate(prompt, SamplingParams(n=2, seed=7, max_tokens=12), use_tqdm=False)[
+        0
+    ].outputs
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, seed=7, n=2)
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [c.text for c in want]
+    assert got.usage.completion_tokens == sum(len(c.token_ids) for c in want)
+
+    stream = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=12, seed=7, stream=True
+    )
+    one = reference.generate(prompt, SamplingParams(seed=7, max_tokens=12), use_tqdm=False)[0]
+    assert "".join(ch.choices[0].text for ch in stream if ch.choices) == one.outputs[0].text
+
+    conv = [{"role": "user", "content": _prompt(9)}]
+    chat = reference.chat(conv, SamplingParams(seed=3, max_tokens=10), use_tqdm=False)[0]
+    got = client.chat.completions.create(model="tiny", messages=conv, max_tokens=10, seed=3)
+    assert got.choices[0].message.content == chat.outputs[0].text
+    stream = client.chat.completions.create(
+        model="tiny", messages=conv, max_tokens=10, seed=3, stream=True
+    )
+    text = "".join((ch.choices[0].delta.content or "") for ch in stream if ch.choices)
+    assert text == chat.outputs[0].text
+
+
+def test_serve_32_concurrent_seeded_streams_equal_solo(client, reference):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastllm import SamplingParams
+
+    prompts = [_prompt(i) for i in range(32)]
+    want = [
+        o.outputs[0].text
+        for o in reference.generate(
+            prompts,
+            [SamplingParams(seed=50 + i, max_tokens=10) for i in range(32)],
+            use_tqdm=False,
+        )
+    ]
+
+    def one(i: int) -> str:
+        stream = client.completions.create(
+            model="tiny", prompt=prompts[i], max_tokens=10, seed=50 + i, stream=True
+        )
+        return "".join(ch.choices[0].text for ch in stream if ch.choices)
+
+    with ThreadPoolExecutor(32) as pool:
+        assert list(pool.map(one, range(32))) == want

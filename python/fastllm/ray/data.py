@@ -200,7 +200,9 @@ class LLMPredictor:
             if not isinstance(value, str):
                 raise ValueError(f"row {i}: prompt must be a string, got {type(value).__name__}")
             return value, self.llm._tokenizer().encode(value), False
-        raise ValueError(f"row {i} has no prompt: give a 'prompt', 'prompt_token_ids' or 'messages'")
+        raise ValueError(
+            f"row {i} has no prompt: give a 'prompt', 'prompt_token_ids' or 'messages'"
+        )
 
 
 def _columns(batch: Any) -> tuple[dict[str, list[Any]], Any]:
