@@ -108,6 +108,29 @@ def test_missing_ray_says_how_to_install():
     assert 'pip install "fastllm[ray]"' in r.stdout
 
 
+def test_cli_serve_replicas_starts_a_local_ray(tmp_path, model_dir, reference):
+    """``fastllm serve MODEL --replicas 2``: one command, Ray started locally
+    (a cluster of its own, before this module's cluster exists)."""
+    import openai
+
+    from fastllm import SamplingParams
+    from server_process import free_port, running_server
+
+    if ray.is_initialized():
+        pytest.skip("this module's Ray cluster is already running")
+    port = free_port()
+    cmd = [sys.executable, "-m", "fastllm.cli", "serve", model_dir, "--replicas", "2"]
+    cmd += ["--port", str(port), "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"])]
+    cmd += ["--max-model-len", str(ENGINE["max_model_len"]), "--served-model-name", "tiny"]
+    env = {**os.environ, "PYTHONPATH": PYTHON_DIR}
+    env.pop("FASTLLM_API_KEY", None)
+    with running_server(cmd, port, tmp_path / "serve.log", env):
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        got = c.completions.create(model="tiny", prompt=_prompt(3), max_tokens=8, seed=4)
+        want = reference.generate(_prompt(3), SamplingParams(seed=4, max_tokens=8), use_tqdm=False)
+        assert got.choices[0].text == want[0].outputs[0].text
+
+
 # ---- the predictor in this process ---------------------------------------------
 
 
@@ -348,3 +371,77 @@ def test_serve_32_concurrent_seeded_streams_equal_solo(client, reference):
 
     with ThreadPoolExecutor(32) as pool:
         assert list(pool.map(one, range(32))) == want
+
+
+def _serve_replica_pids() -> list[int]:
+    """The processes of the fastllm deployment's Serve replicas."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                title = f.read().decode(errors="replace").split("\0")[0]
+        except OSError:
+            continue
+        if title.startswith("ray::ServeReplica:fastllm"):
+            pids.append(int(entry))
+    return pids
+
+
+def _running_replicas() -> int:
+    from ray import serve
+
+    app = serve.status().applications["fastllm"]
+    return app.deployments["fastllm"].replica_states.get("RUNNING", 0)
+
+
+def test_serve_killed_replica_is_replaced_while_the_other_answers(client, reference):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from fastllm import SamplingParams
+
+    pids = _serve_replica_pids()
+    assert len(pids) == 2 and _running_replicas() == 2
+    prompts = [_prompt(i) for i in range(24)]
+    want = [
+        o.outputs[0].text
+        for o in reference.generate(
+            prompts,
+            [SamplingParams(seed=90 + i, max_tokens=24) for i in range(24)],
+            use_tqdm=False,
+        )
+    ]
+
+    def one(i: int) -> str | None:
+        try:
+            stream = client.completions.create(
+                model="tiny", prompt=prompts[i], max_tokens=24, seed=90 + i, stream=True
+            )
+            return "".join(ch.choices[0].text for ch in stream if ch.choices)
+        except (openai.APIError, openai.APIConnectionError):
+            return None  # a clean error: retried below
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, i) for i in range(24)]
+        time.sleep(0.3)
+        os.kill(pids[0], signal.SIGKILL)
+        got = [f.result() for f in futures]
+    errors = [i for i, g in enumerate(got) if g is None]
+    for i, g in enumerate(got):
+        assert g is None or g == want[i], i
+    deadline = time.monotonic() + 120
+    for i in errors:  # a retry completes (on the surviving replica, or the new one)
+        while True:
+            g = one(i)
+            if g is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert g == want[i], i
+    while _running_replicas() < 2 or len(_serve_replica_pids()) < 2:
+        assert time.monotonic() < deadline, "the deployment did not get back to 2 replicas"
+        time.sleep(0.5)
+    assert set(_serve_replica_pids()) != set(pids)  # the dead one was replaced
+    assert [one(i) for i in range(4)] == want[:4]

@@ -115,24 +115,35 @@ def run(
     """Runs ``app`` (from ``build_app``) on Ray Serve, listening on
     ``host:port``: on the Ray cluster at ``address`` (``"auto"``: the one
     this machine belongs to), or on a local one started here when None.
-    With ``blocking`` it serves until interrupted, then shuts Serve down."""
+    With ``blocking`` it serves until interrupted (Ctrl-C or SIGTERM), then
+    shuts Serve down, and the local Ray cluster if it started one."""
+    import signal
+    import threading
     import time
 
     from ray import serve
 
+    started = False
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False if address is None else None)
+        started = True
     serve.start(http_options={"host": host, "port": port})
     handle = serve.run(app, name=name, route_prefix="/", blocking=False)
     shown = f"[{host}]" if ":" in host else host
     logger.info("fastllm on Ray Serve: application %r at http://%s:%d", name, shown, port)
     if not blocking:
         return handle
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        while True:
-            time.sleep(1)
+        while not stop.is_set():
+            time.sleep(0.5)
     except KeyboardInterrupt:
         pass
     finally:
+        logger.info("fastllm on Ray Serve: shutting down")
         serve.shutdown()
+        if started:
+            ray.shutdown()
     return handle
