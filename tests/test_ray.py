@@ -131,6 +131,37 @@ def test_cli_serve_replicas_starts_a_local_ray(tmp_path, model_dir, reference):
         assert got.choices[0].text == want[0].outputs[0].text
 
 
+def _doc_blocks() -> list[str]:
+    """The Python blocks of docs/ray.md."""
+    import re
+
+    path = os.path.join(os.path.dirname(PYTHON_DIR), "docs", "ray.md")
+    with open(path, encoding="utf-8") as f:
+        return re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
+
+
+def test_docs_offline_example_runs(tmp_path, model_dir):
+    """docs/ray.md's laptop example, run as written (with the test model and
+    an output folder of this test), in a process of its own."""
+    import pyarrow.parquet as pq
+
+    if ray.is_initialized():
+        pytest.skip("this module's Ray cluster is already running")
+    code = _doc_blocks()[0]
+    assert "fastllm.ray.generate(" in code
+    code = code.replace('"path/to/model"', repr(model_dir))
+    code = code.replace('"/tmp/stories"', repr(str(tmp_path / "stories")))
+    r = _python(code)
+    assert r.returncode == 0, r.stderr[-4000:]
+    table = pq.read_table(tmp_path / "stories")
+    assert sorted(table.column("id").to_pylist()) == list(range(200))
+    assert set(table.column("num_generated_tokens").to_pylist()) <= set(range(65))
+    import pyarrow as pa
+
+    token_type = table.schema.field("generated_token_ids").type
+    assert pa.types.is_list(token_type) and token_type.value_type == pa.int64()
+
+
 # ---- the predictor in this process ---------------------------------------------
 
 
