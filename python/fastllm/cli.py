@@ -7,6 +7,7 @@ arguments and one ``cmd_<name>`` function that runs it; ``main`` wires them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform as _os_platform
@@ -242,6 +243,33 @@ def add_serve_parser(sub: Any) -> None:
         type=_size,
         default=4 << 20,
         help="largest request body accepted (larger ones get 413)",
+    )
+    r = p.add_argument_group(
+        'replicas on Ray Serve (needs the ray extra: pip install "fastllm[ray]")'
+    )
+    r.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="serve with N engine replicas on Ray Serve (default: one engine, no Ray)",
+    )
+    r.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to join ('auto': the one this machine belongs to; "
+        "default: start a local one)",
+    )
+    r.add_argument(
+        "--num-cpus-per-replica",
+        type=float,
+        default=1,
+        help="CPUs each replica asks Ray for (its kernel threads)",
+    )
+    r.add_argument(
+        "--num-gpus-per-replica",
+        type=float,
+        default=0,
+        help="GPUs each replica asks Ray for (1 for a GPU replica)",
     )
     p.set_defaults(func=cmd_serve)
 
@@ -516,6 +544,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from fastllm.server.app import serve
 
     api_key = args.api_key if args.api_key is not None else os.environ.get("FASTLLM_API_KEY")
+    if args.replicas is not None or args.address is not None:
+        return _serve_on_ray(args, api_key or None)
     try:
         config = _engine_config(args)
         serve(
@@ -528,6 +558,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             chat_template=read_chat_template(args.chat_template),
         )
+    except (ValueError, FileNotFoundError) as e:
+        return _fail(str(e))
+    return 0
+
+
+def _serve_on_ray(args: argparse.Namespace, api_key: str | None) -> int:
+    """``fastllm serve --replicas N [--address ADDR]``: the same app on Ray Serve."""
+    from fastllm.logs import configure_logging
+
+    replicas = 1 if args.replicas is None else args.replicas
+    if replicas < 1:
+        return _fail(f"--replicas must be at least 1, got {replicas}")
+    try:
+        import fastllm.ray
+    except ImportError as e:
+        return _fail(str(e))
+    configure_logging(args.log_level)
+    try:
+        config = _engine_config(args)
+        if not os.path.isabs(config.model) and os.path.exists(config.model):
+            # replicas may run in other folders (or on other nodes with the same path)
+            config = dataclasses.replace(config, model=os.path.abspath(config.model))
+        app = fastllm.ray.build_app(
+            config,
+            num_replicas=replicas,
+            num_cpus_per_replica=args.num_cpus_per_replica,
+            num_gpus_per_replica=args.num_gpus_per_replica,
+            served_model_name=args.served_model_name,
+            api_key=api_key,
+            max_body_bytes=args.max_body_bytes,
+            chat_template=read_chat_template(args.chat_template),
+        )
+        fastllm.ray.run(app, host=args.host, port=args.port, address=args.address)
     except (ValueError, FileNotFoundError) as e:
         return _fail(str(e))
     return 0
