@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
 import subprocess
 import time
@@ -11,6 +12,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+
+def default_sigint() -> None:
+    """For ``preexec_fn``: the child starts with SIGINT's default disposition, as
+    from a terminal. A shell without job control starts background commands
+    with SIGINT ignored, the ignored disposition is inherited, and Python then
+    never turns SIGINT into KeyboardInterrupt: tests of Ctrl-C would hang."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def free_port() -> int:

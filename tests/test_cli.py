@@ -11,6 +11,7 @@ import time
 import pytest
 
 from fastllm.cli import main
+from server_process import default_sigint
 
 ENGINE = ["--dtype", "float32", "--device", "cpu", "--max-model-len", "256"]
 SETTINGS = (
@@ -126,7 +127,9 @@ def _spawn_chat(model_dir: str, *extra: str):
     pexpect = pytest.importorskip("pexpect")
     env = dict(os.environ, PYTHONPATH=_python_path(), TERM="dumb")
     args = ["-m", "fastllm.cli", "chat", model_dir, *ENGINE, "--max-tokens", "8", *extra]
-    return pexpect.spawn(sys.executable, args, env=env, encoding="utf-8", timeout=120)
+    return pexpect.spawn(
+        sys.executable, args, env=env, encoding="utf-8", timeout=120, preexec_fn=default_sigint
+    )
 
 
 def _reply(child) -> str:
@@ -358,7 +361,9 @@ def test_chat_ctrl_c_stops_a_reply_and_returns_to_the_prompt():
     env = dict(os.environ, PYTHONPATH=_python_path(), TERM="dumb")
     args = ["-m", "fastllm.cli", "chat", "--max-tokens", "2000", "--temperature", "1.0"]
     args += ["--ignore-eos", "--seed", "1"]
-    child = pexpect.spawn(sys.executable, args, env=env, encoding="utf-8", timeout=120)
+    child = pexpect.spawn(
+        sys.executable, args, env=env, encoding="utf-8", timeout=120, preexec_fn=default_sigint
+    )
     rng = random.Random(0)
     try:
         child.expect_exact("user> ")

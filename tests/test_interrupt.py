@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
+
+from server_process import default_sigint
 
 pytest.importorskip("torch")
 
@@ -56,28 +59,42 @@ for line in sys.stdin:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_sigint_at_random_moments_is_always_keyboard_interrupt(make_model, dtype):
+def test_sigint_at_random_moments_is_always_keyboard_interrupt(make_model, dtype, tmp_path):
     folder = make_model("llama")
     env = dict(os.environ, FASTLLM_NUM_THREADS="2")
+    log = tmp_path / "child.log"
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, folder, dtype],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
+        stderr=open(log, "w"),  # noqa: SIM115 - closed with the process
         text=True,
         env=env,
+        preexec_fn=default_sigint,
     )
+
+    def reply(timeout: float = 60.0) -> dict:
+        ready, _, _ = select.select([child.stdout], [], [], timeout)
+        if not ready:
+            child.kill()
+            pytest.fail(f"the child stopped answering (a lost SIGINT?):\n{log.read_text()}")
+        line = child.stdout.readline()
+        if not line:
+            pytest.fail(f"the child died:\n{log.read_text()}")
+        return json.loads(line)
+
     rng = random.Random(1234)
     bad = []
     try:
-        assert json.loads(child.stdout.readline()) == {"ready": True}
+        assert reply(300) == {"ready": True}
         for trial in range(TRIALS):
             mode = "stream" if trial % 3 == 0 else "generate"
             child.stdin.write(mode + "\n")
             child.stdin.flush()
-            assert json.loads(child.stdout.readline()) == {"started": True}
+            assert reply() == {"started": True}
             time.sleep(rng.uniform(0.0, 0.03))
             child.send_signal(signal.SIGINT)
-            result = json.loads(child.stdout.readline())
+            result = reply()
             expected = {"outcome": "KeyboardInterrupt", "usable": True, "idle": True}
             expected["blocks_back"] = True
             if result != expected:
@@ -88,4 +105,4 @@ def test_sigint_at_random_moments_is_always_keyboard_interrupt(make_model, dtype
             child.wait(30)
         except subprocess.TimeoutExpired:
             child.kill()
-    assert not bad, f"{len(bad)} of {TRIALS} trials went wrong, e.g. {bad[:5]}"
+    assert not bad, f"{len(bad)} of {TRIALS} trials went wrong, e.g. {bad[:5]}\n{log.read_text()}"
