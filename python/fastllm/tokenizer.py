@@ -38,6 +38,7 @@ class Tokenizer:
         self.eos_token_id = self.token_to_id(self.eos_token) if self.eos_token else None
         self.bos_token_id = self.token_to_id(self.bos_token) if self.bos_token else None
         self.add_bos_token = bool(self.config.get("add_bos_token", False))
+        self._end_of_turn: dict[str, list[int]] = {}  # template -> its end-of-turn ids
         self.all_special_ids = {
             i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
         }
@@ -120,6 +121,14 @@ class Tokenizer:
         template = chat_template or self.chat_template
         if template is None:
             return []
+        cached = self._end_of_turn.get(template)
+        if cached is None:
+            if len(self._end_of_turn) >= 32:  # templates sent in requests: keep it small
+                self._end_of_turn.clear()
+            cached = self._end_of_turn[template] = self._probe_end_of_turn(template)
+        return list(cached)
+
+    def _probe_end_of_turn(self, template: str) -> list[int]:
         marker = "fastllm-end-of-turn-probe"
         try:
             text = self.apply_chat_template(

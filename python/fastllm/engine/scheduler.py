@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from fastllm.engine.kv_cache_manager import KVCacheManager
 from fastllm.engine.sequence import Sequence, SequenceStatus
@@ -52,9 +53,10 @@ class SchedulerOutput:
         """Tokens computed this step."""
         return sum(s.num_new_tokens for s in self.scheduled)
 
-    @property
+    @cached_property
     def sampled(self) -> list[ScheduledSeq]:
-        """The entries that sample this step, in order."""
+        """The entries that sample this step, in order (read by the runner and
+        by postprocess; computed once, after ``scheduled`` is laid out)."""
         return [s for s in self.scheduled if s.num_samples]
 
 
