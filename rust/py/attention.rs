@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use half::bf16;
 
 use super::tensor::{DType, TensorArg};
-use crate::attention::{self, BatchLayout, CacheShape};
+use crate::attention::{self, BatchLayout, CacheShape, Element};
 
 /// Fails unless two tensors' memory ranges are disjoint (a kernel reads one while writing the other).
 fn expect_disjoint(a: &TensorArg, b: &TensorArg) -> PyResult<()> {
@@ -81,20 +81,30 @@ fn reshape_and_cache(
     // SAFETY: dtypes, shapes and contiguity are checked above; the caches are
     // disjoint from each other and from the inputs; the tensors outlive the call.
     unsafe {
-        let slots = slots.slice::<i64>();
         match kc.dtype {
-            DType::BF16 => {
-                let (k, v) = (k.slice::<bf16>(), v.slice::<bf16>());
-                let (kc, vc) = (kc.slice_mut::<bf16>(), vc.slice_mut::<bf16>());
-                py.detach(|| attention::reshape_and_cache(k, v, kc, vc, slots, shape))?
-            }
-            _ => {
-                let (k, v) = (k.slice::<f32>(), v.slice::<f32>());
-                let (kc, vc) = (kc.slice_mut::<f32>(), vc.slice_mut::<f32>());
-                py.detach(|| attention::reshape_and_cache(k, v, kc, vc, slots, shape))?
-            }
+            DType::BF16 => cache_rows::<bf16>(py, &k, &v, &kc, &vc, &slots, shape),
+            _ => cache_rows::<f32>(py, &k, &v, &kc, &vc, &slots, shape),
         }
     }
+}
+
+/// `reshape_and_cache` on the checked tensors, for one element type.
+///
+/// # Safety
+/// As `TensorArg::slice`: the arguments were checked to hold `T`, contiguous,
+/// the caches disjoint from everything else.
+unsafe fn cache_rows<T: Element>(
+    py: Python<'_>,
+    k: &TensorArg,
+    v: &TensorArg,
+    kc: &TensorArg,
+    vc: &TensorArg,
+    slots: &TensorArg,
+    shape: CacheShape,
+) -> PyResult<()> {
+    let (k, v, slots) = (k.slice::<T>(), v.slice::<T>(), slots.slice::<i64>());
+    let (kc, vc) = (kc.slice_mut::<T>(), vc.slice_mut::<T>());
+    py.detach(|| attention::reshape_and_cache(k, v, kc, vc, slots, shape))?;
     Ok(())
 }
 
@@ -162,44 +172,31 @@ fn paged_attention(
             seq_lens: sl.slice::<i32>(),
             query_start_loc: qsl.slice::<i32>(),
         };
-        let scale = scale as f32;
+        let args = (shape, num_heads, batch, scale as f32, sliding_window);
         match kc.dtype {
-            DType::BF16 => {
-                let (o, q) = (o.slice_mut::<bf16>(), q.slice::<bf16>());
-                let (kc, vc) = (kc.slice::<bf16>(), vc.slice::<bf16>());
-                py.detach(|| {
-                    attention::paged_attention(
-                        o,
-                        q,
-                        kc,
-                        vc,
-                        shape,
-                        num_heads,
-                        batch,
-                        scale,
-                        sliding_window,
-                    )
-                })?
-            }
-            _ => {
-                let (o, q) = (o.slice_mut::<f32>(), q.slice::<f32>());
-                let (kc, vc) = (kc.slice::<f32>(), vc.slice::<f32>());
-                py.detach(|| {
-                    attention::paged_attention(
-                        o,
-                        q,
-                        kc,
-                        vc,
-                        shape,
-                        num_heads,
-                        batch,
-                        scale,
-                        sliding_window,
-                    )
-                })?
-            }
+            DType::BF16 => attend::<bf16>(py, &o, &q, &kc, &vc, args),
+            _ => attend::<f32>(py, &o, &q, &kc, &vc, args),
         }
     }
+}
+
+/// `paged_attention` on the checked tensors, for one element type; `args` are
+/// (cache shape, query heads, batch layout, scale, sliding window).
+///
+/// # Safety
+/// As `TensorArg::slice`: the tensors were checked to hold `T`, contiguous,
+/// `o` disjoint from the others.
+unsafe fn attend<T: Element>(
+    py: Python<'_>,
+    o: &TensorArg,
+    q: &TensorArg,
+    kc: &TensorArg,
+    vc: &TensorArg,
+    (shape, num_heads, batch, scale, window): (CacheShape, usize, BatchLayout<'_>, f32, i64),
+) -> PyResult<()> {
+    let (o, q) = (o.slice_mut::<T>(), q.slice::<T>());
+    let (kc, vc) = (kc.slice::<T>(), vc.slice::<T>());
+    py.detach(|| attention::paged_attention(o, q, kc, vc, shape, num_heads, batch, scale, window))?;
     Ok(())
 }
 
