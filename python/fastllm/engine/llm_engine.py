@@ -56,18 +56,15 @@ def resolve_model_folder(
 
 def _check_architecture(mc: ModelConfig, folder: str) -> None:
     """A clear error, before any weight is read, for an architecture fastllm cannot run."""
-    from fastllm.models import ARCHITECTURES
+    from fastllm.models import ARCHITECTURES, get_model_class
 
-    if mc.architecture in ARCHITECTURES:
-        return
-    supported = ", ".join(ARCHITECTURES)
-    if "auto_map" in mc.hf:
+    if mc.architecture not in ARCHITECTURES and "auto_map" in mc.hf:
         raise ValueError(
             f"{os.path.join(folder, 'config.json')}: architecture {mc.architecture!r} comes "
             f"with its own remote code (auto_map), and fastllm runs no remote code, "
-            f"trust_remote_code or not; supported architectures: {supported}"
+            f"trust_remote_code or not; supported architectures: {', '.join(ARCHITECTURES)}"
         )
-    raise ValueError(f"Unsupported architecture {mc.architecture!r}; supported: {supported}")
+    get_model_class(mc.architecture)  # the usual error for any other unknown architecture
 
 
 class RequestError(ValueError):
