@@ -14,6 +14,7 @@ pub mod error;
 pub mod gemm;
 pub mod kv;
 pub mod layers;
+pub mod quant;
 pub mod sampling;
 
 #[cfg(feature = "python")]

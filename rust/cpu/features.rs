@@ -24,6 +24,10 @@ pub struct CpuFeatures {
     pub avx512vl: bool,
     /// AVX-512 VNNI: int8 dot products (`vpdpbusd`).
     pub avx512vnni: bool,
+    /// AVX-VNNI: the same int8 dot products on 256-bit vectors (VEX encoded).
+    pub avxvnni: bool,
+    /// F16C: half-precision conversions (the quantized kernels' scales).
+    pub f16c: bool,
     /// AVX512-BF16: native bf16 dot products.
     pub avx512bf16: bool,
     /// CPUID reports AMX tiles.
@@ -51,11 +55,13 @@ impl CpuFeatures {
     }
 
     /// The flags as `(name, value)` pairs, in a fixed order.
-    pub fn as_pairs(&self) -> [(&'static str, bool); 8] {
+    pub fn as_pairs(&self) -> [(&'static str, bool); 10] {
         [
             ("avx2", self.avx2),
             ("fma", self.fma),
             ("avx512f", self.avx512f),
+            ("avx512vnni", self.avx512vnni),
+            ("avxvnni", self.avxvnni),
             ("avx512bf16", self.avx512bf16),
             ("amx_tile", self.amx_tile),
             ("amx_bf16", self.amx_bf16),
@@ -91,6 +97,8 @@ fn detect() -> CpuFeatures {
         avx512bw: std::is_x86_feature_detected!("avx512bw"),
         avx512vl: std::is_x86_feature_detected!("avx512vl"),
         avx512vnni: std::is_x86_feature_detected!("avx512vnni"),
+        avxvnni: std::is_x86_feature_detected!("avxvnni"),
+        f16c: std::is_x86_feature_detected!("f16c"),
         avx512bf16: std::is_x86_feature_detected!("avx512bf16"),
         amx_tile,
         amx_bf16,
@@ -152,7 +160,7 @@ mod tests {
         assert_eq!(f.amx_usable(), f.amx_tile && f.amx_bf16 && f.amx_permitted);
         assert!(!f.amx_permitted || f.amx_tile);
         let names: Vec<_> = f.as_pairs().iter().map(|(n, _)| *n).collect();
-        assert_eq!(names.len(), 8);
+        assert_eq!(names.len(), 10);
         assert!(names.contains(&"avx512bf16"));
     }
 
@@ -174,6 +182,8 @@ mod tests {
         assert_eq!(f.avx512bw, has("avx512bw"));
         assert_eq!(f.avx512vl, has("avx512vl"));
         assert_eq!(f.avx512vnni, has("avx512_vnni"));
+        assert_eq!(f.avxvnni, has("avx_vnni"));
+        assert_eq!(f.f16c, has("f16c"));
         assert_eq!(f.avx512bf16, has("avx512_bf16"));
         assert_eq!(f.amx_tile, has("amx_tile"));
         assert_eq!(f.amx_bf16, has("amx_bf16"));

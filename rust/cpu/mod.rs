@@ -99,6 +99,95 @@ pub fn check_path(name: &str) -> Result<Path, String> {
     Ok(path)
 }
 
+/// One instruction-set path of the integer (quantized-weight) kernels: how
+/// int8 dot products are computed, from the most portable to the fastest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum IntPath {
+    /// Plain Rust; runs everywhere.
+    Scalar,
+    /// AVX2 (with FMA and F16C): `vpmaddubsw` + `vpmaddwd` on 256 bits.
+    Avx2,
+    /// AVX-VNNI: `vpdpbusd` on 256 bits.
+    AvxVnni,
+    /// AVX-512BW: `vpmaddubsw` + `vpmaddwd` on 512 bits.
+    Avx512,
+    /// AVX512-VNNI: `vpdpbusd` on 512 bits.
+    Avx512Vnni,
+}
+
+impl IntPath {
+    /// Every path, in order of the instruction sets they need.
+    pub const ALL: [IntPath; 5] = [
+        IntPath::Scalar,
+        IntPath::Avx2,
+        IntPath::AvxVnni,
+        IntPath::Avx512,
+        IntPath::Avx512Vnni,
+    ];
+
+    /// The name used by the `path` arguments and the Python bindings.
+    pub fn name(self) -> &'static str {
+        match self {
+            IntPath::Scalar => "scalar",
+            IntPath::Avx2 => "avx2",
+            IntPath::AvxVnni => "avxvnni",
+            IntPath::Avx512 => "avx512",
+            IntPath::Avx512Vnni => "avx512vnni",
+        }
+    }
+
+    /// Whether this CPU (and OS) can run the path.
+    pub fn is_available(self) -> bool {
+        let f = features();
+        let avx2 = f.avx2_fma() && f.f16c;
+        match self {
+            IntPath::Scalar => true,
+            IntPath::Avx2 => avx2,
+            IntPath::AvxVnni => avx2 && f.avxvnni,
+            IntPath::Avx512 => avx2 && f.avx512(),
+            IntPath::Avx512Vnni => avx2 && f.avx512() && f.avx512vnni,
+        }
+    }
+
+    /// The paths this CPU can run, in the order of `ALL`.
+    pub fn available() -> Vec<IntPath> {
+        IntPath::ALL.into_iter().filter(|p| p.is_available()).collect()
+    }
+
+    /// The fastest path this CPU can run: VNNI before the two-instruction
+    /// dot products, 512 bits before 256.
+    pub fn best() -> IntPath {
+        [
+            IntPath::Avx512Vnni,
+            IntPath::AvxVnni,
+            IntPath::Avx512,
+            IntPath::Avx2,
+        ]
+        .into_iter()
+        .find(|p| p.is_available())
+        .unwrap_or(IntPath::Scalar)
+    }
+
+    /// Parses a path name and checks this CPU can run it.
+    pub fn check(name: &str) -> Result<IntPath, String> {
+        let names: Vec<&str> = IntPath::ALL.iter().map(|p| p.name()).collect();
+        let wanted = name.trim().to_ascii_lowercase();
+        let path = IntPath::ALL
+            .into_iter()
+            .find(|p| p.name() == wanted)
+            .ok_or_else(|| {
+                format!("unknown quantized kernel path '{name}', expected one of {names:?}")
+            })?;
+        if !path.is_available() {
+            let avail: Vec<&str> = IntPath::available().iter().map(|p| p.name()).collect();
+            return Err(format!(
+                "quantized kernel path '{name}' is not supported by this CPU (available: {avail:?})"
+            ));
+        }
+        Ok(path)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -112,5 +201,8 @@ mod tests {
         assert!(check_path("sse9").unwrap_err().contains("unknown"));
         assert_eq!(check_path("scalar"), Ok(Path::Scalar));
         assert!(available_paths().contains(&best_path()));
+        assert!(IntPath::available().contains(&IntPath::best()));
+        assert!(IntPath::check("vnni").unwrap_err().contains("unknown"));
+        assert_eq!(IntPath::check(" Scalar"), Ok(IntPath::Scalar));
     }
 }

@@ -120,11 +120,40 @@ fn run<T: Element>(
     m: usize,
 ) -> CoreResult<()> {
     let (n, k) = (w.n, w.k);
-    let mr = max_rows(path);
-    let panels = w.panels();
+    let shared = SharedOut(out.as_mut_ptr());
+    let serial = m * n * k < SERIAL_FLOPS;
+    for_each_tile(
+        m,
+        w.panels(),
+        4 * k,
+        max_rows(path),
+        serial,
+        &|tile: &mut [[f32; NR]; 12], i, rows, p| {
+            tile_dispatch(path, &x[i * k..], k, w, p, rows, tile);
+            // SAFETY: rows i..i + rows x features of panel p belong to this
+            // tile only; out holds m * n elements (checked by the caller).
+            unsafe { store_tile(shared.ptr(), &tile[..rows], w.bias.as_deref(), i, n, p) };
+        },
+    )
+}
+
+/// Splits `m` rows x `panels` panels into tasks of (block of rows, group of
+/// panels), run by the thread team, and calls `tile(scratch, i, rows, p)`
+/// for every register tile of up to `mr` rows starting at row `i`, in panel
+/// `p`; `scratch` is one per task. `row_bytes`: bytes of one row of the
+/// input as the kernel reads it (the row blocks stay in L2). `serial`: run
+/// on the calling thread (small calls).
+pub(crate) fn for_each_tile<B: Default>(
+    m: usize,
+    panels: usize,
+    row_bytes: usize,
+    mr: usize,
+    serial: bool,
+    tile: &(dyn Fn(&mut B, usize, usize, usize) + Sync),
+) -> CoreResult<()> {
     let threads = crate::cpu::threads::num_threads();
     // Rows per block: a multiple of the tile that keeps the block in L2.
-    let by_cache = ((ROW_BLOCK_BYTES / (4 * k).max(1)) / mr * mr).max(mr);
+    let by_cache = ((ROW_BLOCK_BYTES / row_bytes.max(1)) / mr * mr).max(mr);
     let row_blocks = m.div_ceil(by_cache);
     let rows_per_block = m.div_ceil(row_blocks).div_ceil(mr) * mr;
     let row_blocks = m.div_ceil(rows_per_block);
@@ -134,26 +163,22 @@ fn run<T: Element>(
     let per_thread = if m <= STREAM_ROWS { 1 } else { 4 };
     let groups = (per_thread * threads).div_ceil(row_blocks).clamp(1, panels);
     let tasks = row_blocks * groups;
-    let shared = SharedOut(out.as_mut_ptr());
     let task = |t: usize| {
         let (rb, g) = (t / groups, t % groups);
         let r0 = rb * rows_per_block;
         let r1 = (r0 + rows_per_block).min(m);
         let (p0, p1) = (g * panels / groups, (g + 1) * panels / groups);
-        let mut tile = [[0f32; NR]; 12];
+        let mut scratch = B::default();
         for p in p0..p1 {
             let mut i = r0;
             while i < r1 {
                 let rows = mr.min(r1 - i);
-                tile_dispatch(path, &x[i * k..], k, w, p, rows, &mut tile);
-                // SAFETY: rows r0..r1 x features of panel p belong to this
-                // task only; out holds m * n elements (checked by the caller).
-                unsafe { store_tile(shared.ptr(), &tile[..rows], w.bias.as_deref(), i, n, p) };
+                tile(&mut scratch, i, rows, p);
                 i += rows;
             }
         }
     };
-    if tasks == 1 || threads == 1 || m * n * k < SERIAL_FLOPS {
+    if tasks == 1 || threads == 1 || serial {
         (0..tasks).for_each(task);
         Ok(())
     } else {
@@ -166,7 +191,7 @@ fn run<T: Element>(
 /// # Safety
 /// `out` holds `[m, n]` with `i + tile.len() <= m`, and no other thread writes
 /// those elements.
-unsafe fn store_tile<T: Element>(
+pub(crate) unsafe fn store_tile<T: Element>(
     out: *mut T,
     tile: &[[f32; NR]],
     bias: Option<&[f32]>,

@@ -2,8 +2,8 @@
 
 use std::arch::x86_64::*;
 
-use super::{Kernel, Simd};
-use crate::cpu::Path;
+use super::{IntKernel, IntSimd, Kernel, Simd};
+use crate::cpu::{IntPath, Path};
 
 /// The AVX2 code of every kernel.
 #[derive(Clone, Copy, Debug)]
@@ -80,4 +80,113 @@ impl Simd for Avx2 {
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn run<K: Kernel>(kernel: K) -> K::Output {
     kernel.run::<Avx2>()
+}
+
+/// The AVX2 integer code of the quantized kernels; `V`: AVX-VNNI's
+/// `vpdpbusd` for the dot product.
+#[derive(Clone, Copy, Debug)]
+pub struct Avx2Int<const V: bool>;
+
+impl<const V: bool> IntSimd for Avx2Int<V> {
+    const PATH: IntPath = if V { IntPath::AvxVnni } else { IntPath::Avx2 };
+    const LANES: usize = 8;
+    const VNNI: bool = V;
+    type I = __m256i;
+    type F = __m256;
+
+    #[inline(always)]
+    unsafe fn load(p: *const u8) -> __m256i {
+        _mm256_load_si256(p as *const __m256i)
+    }
+    #[inline(always)]
+    unsafe fn bcast4(p: *const u8) -> __m256i {
+        _mm256_set1_epi32((p as *const i32).read_unaligned())
+    }
+    #[inline(always)]
+    unsafe fn splat_i32(v: i32) -> __m256i {
+        _mm256_set1_epi32(v)
+    }
+    #[inline(always)]
+    unsafe fn dot(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        if V {
+            _mm256_dpbusd_avx_epi32(acc, u, s)
+        } else {
+            let pairs = _mm256_maddubs_epi16(u, s);
+            _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+        }
+    }
+    #[inline(always)]
+    unsafe fn sign(w: __m256i, x: __m256i) -> __m256i {
+        _mm256_sign_epi8(w, x)
+    }
+    #[inline(always)]
+    unsafe fn flip(w: __m256i) -> __m256i {
+        _mm256_xor_si256(w, _mm256_set1_epi8(-128))
+    }
+    #[inline(always)]
+    unsafe fn low_nibbles(v: __m256i) -> __m256i {
+        _mm256_and_si256(v, _mm256_set1_epi8(15))
+    }
+    #[inline(always)]
+    unsafe fn high_nibbles(v: __m256i) -> __m256i {
+        _mm256_and_si256(_mm256_srli_epi16::<4>(v), _mm256_set1_epi8(15))
+    }
+    #[inline(always)]
+    unsafe fn table(t: &[u8; 16]) -> __m256i {
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(t.as_ptr() as *const __m128i))
+    }
+    #[inline(always)]
+    unsafe fn lookup(table: __m256i, idx: __m256i) -> __m256i {
+        _mm256_shuffle_epi8(table, idx)
+    }
+    #[inline(always)]
+    unsafe fn to_f32(v: __m256i) -> __m256 {
+        _mm256_cvtepi32_ps(v)
+    }
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u8) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+    #[inline(always)]
+    unsafe fn splat_f32(v: f32) -> __m256 {
+        _mm256_set1_ps(v)
+    }
+    #[inline(always)]
+    unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+        _mm256_mul_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn fmadd(a: __m256, b: __m256, c: __m256) -> __m256 {
+        _mm256_fmadd_ps(a, b, c)
+    }
+    #[inline(always)]
+    unsafe fn load_f32(p: *const f32) -> __m256 {
+        _mm256_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn store_f32(p: *mut f32, v: __m256) {
+        _mm256_storeu_ps(p, v)
+    }
+    #[inline(always)]
+    unsafe fn prefetch(p: *const u8) {
+        _mm_prefetch::<_MM_HINT_T0>(p as *const i8)
+    }
+}
+
+/// The AVX2 entry point of the integer kernels.
+///
+/// # Safety
+/// `IntPath::Avx2.is_available()` must hold.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn run_int<K: IntKernel>(kernel: K) -> K::Output {
+    kernel.run::<Avx2Int<false>>()
+}
+
+/// The AVX-VNNI entry point of the integer kernels.
+///
+/// # Safety
+/// `IntPath::AvxVnni.is_available()` must hold.
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+pub(super) unsafe fn run_int_vnni<K: IntKernel>(kernel: K) -> K::Output {
+    kernel.run::<Avx2Int<true>>()
 }

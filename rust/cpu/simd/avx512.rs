@@ -2,8 +2,8 @@
 
 use std::arch::x86_64::*;
 
-use super::{Kernel, Simd};
-use crate::cpu::Path;
+use super::{IntKernel, IntSimd, Kernel, Simd};
+use crate::cpu::{IntPath, Path};
 
 /// The AVX-512 code of every kernel.
 #[derive(Clone, Copy, Debug)]
@@ -70,4 +70,114 @@ impl Simd for Avx512 {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 pub(super) unsafe fn run<K: Kernel>(kernel: K) -> K::Output {
     kernel.run::<Avx512>()
+}
+
+/// The AVX-512BW integer code of the quantized kernels; `V`: AVX512-VNNI's
+/// `vpdpbusd` for the dot product.
+#[derive(Clone, Copy, Debug)]
+pub struct Avx512Int<const V: bool>;
+
+impl<const V: bool> IntSimd for Avx512Int<V> {
+    const PATH: IntPath = if V { IntPath::Avx512Vnni } else { IntPath::Avx512 };
+    const LANES: usize = 16;
+    const VNNI: bool = V;
+    type I = __m512i;
+    type F = __m512;
+
+    #[inline(always)]
+    unsafe fn load(p: *const u8) -> __m512i {
+        _mm512_load_si512(p as *const _)
+    }
+    #[inline(always)]
+    unsafe fn bcast4(p: *const u8) -> __m512i {
+        _mm512_set1_epi32((p as *const i32).read_unaligned())
+    }
+    #[inline(always)]
+    unsafe fn splat_i32(v: i32) -> __m512i {
+        _mm512_set1_epi32(v)
+    }
+    #[inline(always)]
+    unsafe fn dot(acc: __m512i, u: __m512i, s: __m512i) -> __m512i {
+        if V {
+            _mm512_dpbusd_epi32(acc, u, s)
+        } else {
+            let pairs = _mm512_maddubs_epi16(u, s);
+            _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)))
+        }
+    }
+    #[inline(always)]
+    unsafe fn sign(w: __m512i, x: __m512i) -> __m512i {
+        // AVX-512 has no vpsignb: subtract from zero under the sign mask.
+        _mm512_mask_sub_epi8(w, _mm512_movepi8_mask(x), _mm512_setzero_si512(), w)
+    }
+    #[inline(always)]
+    unsafe fn flip(w: __m512i) -> __m512i {
+        _mm512_xor_si512(w, _mm512_set1_epi8(-128))
+    }
+    #[inline(always)]
+    unsafe fn low_nibbles(v: __m512i) -> __m512i {
+        _mm512_and_si512(v, _mm512_set1_epi8(15))
+    }
+    #[inline(always)]
+    unsafe fn high_nibbles(v: __m512i) -> __m512i {
+        _mm512_and_si512(_mm512_srli_epi16::<4>(v), _mm512_set1_epi8(15))
+    }
+    #[inline(always)]
+    unsafe fn table(t: &[u8; 16]) -> __m512i {
+        _mm512_broadcast_i32x4(_mm_loadu_si128(t.as_ptr() as *const __m128i))
+    }
+    #[inline(always)]
+    unsafe fn lookup(table: __m512i, idx: __m512i) -> __m512i {
+        _mm512_shuffle_epi8(table, idx)
+    }
+    #[inline(always)]
+    unsafe fn to_f32(v: __m512i) -> __m512 {
+        _mm512_cvtepi32_ps(v)
+    }
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u8) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+    }
+    #[inline(always)]
+    unsafe fn splat_f32(v: f32) -> __m512 {
+        _mm512_set1_ps(v)
+    }
+    #[inline(always)]
+    unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+        _mm512_mul_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn fmadd(a: __m512, b: __m512, c: __m512) -> __m512 {
+        _mm512_fmadd_ps(a, b, c)
+    }
+    #[inline(always)]
+    unsafe fn load_f32(p: *const f32) -> __m512 {
+        _mm512_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn store_f32(p: *mut f32, v: __m512) {
+        _mm512_storeu_ps(p, v)
+    }
+    #[inline(always)]
+    unsafe fn prefetch(p: *const u8) {
+        _mm_prefetch::<_MM_HINT_T0>(p as *const i8)
+    }
+}
+
+/// The AVX-512BW entry point of the integer kernels.
+///
+/// # Safety
+/// `IntPath::Avx512.is_available()` must hold.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub(super) unsafe fn run_int<K: IntKernel>(kernel: K) -> K::Output {
+    kernel.run::<Avx512Int<false>>()
+}
+
+/// The AVX512-VNNI entry point of the integer kernels.
+///
+/// # Safety
+/// `IntPath::Avx512Vnni.is_available()` must hold.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn run_int_vnni<K: IntKernel>(kernel: K) -> K::Output {
+    kernel.run::<Avx512Int<true>>()
 }

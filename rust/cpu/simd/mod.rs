@@ -19,11 +19,15 @@
 
 use super::Path;
 
+mod int;
+
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 mod scalar;
+
+pub use int::{dispatch_int, IntKernel, IntSimd};
 
 #[cfg(target_arch = "x86_64")]
 pub use avx2::Avx2;

@@ -1,8 +1,8 @@
 //! Portable code: one f32 per "vector", plain multiply and add (no FMA
 //! assumed), compiled for the crate's baseline target.
 
-use super::{Kernel, Simd, ROW};
-use crate::cpu::Path;
+use super::{IntKernel, IntSimd, Kernel, Simd, ROW};
+use crate::cpu::{IntPath, Path};
 
 /// The portable code of every kernel.
 #[derive(Clone, Copy, Debug)]
@@ -66,4 +66,130 @@ impl Simd for Scalar {
 #[inline]
 pub(super) fn run<K: Kernel>(kernel: K) -> K::Output {
     kernel.run::<Scalar>()
+}
+
+/// Eight i32 lanes as 32 bytes (the portable integer vector).
+#[derive(Clone, Copy, Debug)]
+#[repr(C, align(32))]
+pub struct Bytes32([u8; 32]);
+
+impl Bytes32 {
+    #[inline(always)]
+    fn map(self, f: impl Fn(u8) -> u8) -> Bytes32 {
+        Bytes32(self.0.map(f))
+    }
+    #[inline(always)]
+    fn lane(&self, l: usize) -> i32 {
+        i32::from_le_bytes(self.0[4 * l..4 * l + 4].try_into().unwrap())
+    }
+    #[inline(always)]
+    fn from_lanes(lanes: [i32; 8]) -> Bytes32 {
+        let mut b = [0u8; 32];
+        for (l, v) in lanes.iter().enumerate() {
+            b[4 * l..4 * l + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        Bytes32(b)
+    }
+}
+
+/// The portable integer code of the quantized kernels (exact i32 dots).
+#[derive(Clone, Copy, Debug)]
+pub struct ScalarInt;
+
+impl IntSimd for ScalarInt {
+    const PATH: IntPath = IntPath::Scalar;
+    const LANES: usize = 8;
+    const VNNI: bool = true;
+    type I = Bytes32;
+    type F = [f32; 8];
+
+    #[inline(always)]
+    unsafe fn load(p: *const u8) -> Bytes32 {
+        Bytes32(std::ptr::read_unaligned(p as *const [u8; 32]))
+    }
+    #[inline(always)]
+    unsafe fn bcast4(p: *const u8) -> Bytes32 {
+        let four = std::ptr::read_unaligned(p as *const [u8; 4]);
+        Bytes32(std::array::from_fn(|i| four[i % 4]))
+    }
+    #[inline(always)]
+    unsafe fn splat_i32(v: i32) -> Bytes32 {
+        Bytes32::from_lanes([v; 8])
+    }
+    #[inline(always)]
+    unsafe fn dot(acc: Bytes32, u: Bytes32, s: Bytes32) -> Bytes32 {
+        Bytes32::from_lanes(std::array::from_fn(|l| {
+            let sum: i32 = (4 * l..4 * l + 4)
+                .map(|i| u.0[i] as i32 * s.0[i] as i8 as i32)
+                .sum();
+            acc.lane(l).wrapping_add(sum)
+        }))
+    }
+    #[inline(always)]
+    unsafe fn sign(w: Bytes32, x: Bytes32) -> Bytes32 {
+        Bytes32(std::array::from_fn(|i| {
+            if (x.0[i] as i8) < 0 {
+                (w.0[i] as i8).wrapping_neg() as u8
+            } else {
+                w.0[i]
+            }
+        }))
+    }
+    #[inline(always)]
+    unsafe fn flip(w: Bytes32) -> Bytes32 {
+        w.map(|b| b ^ 0x80)
+    }
+    #[inline(always)]
+    unsafe fn low_nibbles(v: Bytes32) -> Bytes32 {
+        v.map(|b| b & 15)
+    }
+    #[inline(always)]
+    unsafe fn high_nibbles(v: Bytes32) -> Bytes32 {
+        v.map(|b| b >> 4)
+    }
+    #[inline(always)]
+    unsafe fn table(t: &[u8; 16]) -> Bytes32 {
+        Bytes32(std::array::from_fn(|i| t[i % 16]))
+    }
+    #[inline(always)]
+    unsafe fn lookup(table: Bytes32, idx: Bytes32) -> Bytes32 {
+        idx.map(|i| table.0[(i & 15) as usize])
+    }
+    #[inline(always)]
+    unsafe fn to_f32(v: Bytes32) -> [f32; 8] {
+        std::array::from_fn(|l| v.lane(l) as f32)
+    }
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u8) -> [f32; 8] {
+        let bits = std::ptr::read_unaligned(p as *const [u16; 8]);
+        bits.map(|b| half::f16::from_bits(u16::from_le(b)).to_f32())
+    }
+    #[inline(always)]
+    unsafe fn splat_f32(v: f32) -> [f32; 8] {
+        [v; 8]
+    }
+    #[inline(always)]
+    unsafe fn mul(a: [f32; 8], b: [f32; 8]) -> [f32; 8] {
+        std::array::from_fn(|l| a[l] * b[l])
+    }
+    #[inline(always)]
+    unsafe fn fmadd(a: [f32; 8], b: [f32; 8], c: [f32; 8]) -> [f32; 8] {
+        std::array::from_fn(|l| a[l] * b[l] + c[l])
+    }
+    #[inline(always)]
+    unsafe fn load_f32(p: *const f32) -> [f32; 8] {
+        std::ptr::read_unaligned(p as *const [f32; 8])
+    }
+    #[inline(always)]
+    unsafe fn store_f32(p: *mut f32, v: [f32; 8]) {
+        std::ptr::write_unaligned(p as *mut [f32; 8], v)
+    }
+    #[inline(always)]
+    unsafe fn prefetch(_p: *const u8) {}
+}
+
+/// The portable entry point of the integer kernels.
+#[inline]
+pub(super) fn run_int<K: IntKernel>(kernel: K) -> K::Output {
+    kernel.run::<ScalarInt>()
 }

@@ -1,0 +1,271 @@
+//! The quantized kernels' bodies, written once over [`IntSimd`]: the
+//! activations' int8 quantization, and the register tile of `R` rows x one
+//! panel (32 features), whose sums are exact i32 dot products per group of
+//! 32 inputs, scaled into f32 once per group.
+//!
+//! Each weight vector of a quad (four inputs of every feature) is loaded
+//! and prepared once per tile and meets every row's broadcast activations:
+//! - with an exact dot product (VNNI, portable): int8 weights as
+//!   `u8 = w + 128`, `iq4_nl` levels from a table offset by 128, and `q4_0`
+//!   nibbles as they are; the offsets come back out through the group sums
+//!   of the activations (`corr * sum(x)` starts the accumulator);
+//! - with `vpmaddubsw` (i16 pairs): `q4_0` nibbles as they are, and signed
+//!   weights against `|x|`, with the sign of `x` moved onto the weight.
+
+use super::{QuantFormat, GROUP, NR};
+use crate::cpu::simd::{IntKernel, IntSimd};
+
+/// Register tile rows of the integer paths: every path keeps `2 * R`
+/// accumulator vectors (two vectors of features per pass).
+pub(super) const MAX_ROWS: usize = 8;
+
+/// The activations of a call, quantized per row in groups of 32.
+pub(super) struct QuantRows {
+    /// `m` rows of `kp` int8 (zero past `k`).
+    pub(super) q: Vec<i8>,
+    /// `|q|` as u8 (for the sign trick of `vpmaddubsw`).
+    pub(super) abs: Vec<u8>,
+    /// One scale per row and group.
+    pub(super) d: Vec<f32>,
+    /// `sum(q)` per row and group.
+    pub(super) sum: Vec<i32>,
+    /// Bytes per row of `q` and `abs`.
+    pub(super) kp: usize,
+    /// Groups per row.
+    pub(super) groups: usize,
+}
+
+impl QuantRows {
+    pub(super) fn new(m: usize, groups: usize) -> Self {
+        let kp = groups * GROUP;
+        QuantRows {
+            q: vec![0; m * kp],
+            abs: vec![0; m * kp],
+            d: vec![0.0; m * groups],
+            sum: vec![0; m * groups],
+            kp,
+            groups,
+        }
+    }
+}
+
+/// Quantizes rows `r0..r1` of `x` (`k` wide, read through `get`) into
+/// `rows`. Plain loops, vectorised by the entry point's features.
+pub(super) struct QuantizeRows<'a, F: Fn(usize) -> f32> {
+    pub(super) get: F,
+    pub(super) k: usize,
+    pub(super) r0: usize,
+    pub(super) r1: usize,
+    pub(super) q: &'a mut [i8],
+    pub(super) abs: &'a mut [u8],
+    pub(super) d: &'a mut [f32],
+    pub(super) sum: &'a mut [i32],
+}
+
+impl<F: Fn(usize) -> f32> IntKernel for QuantizeRows<'_, F> {
+    type Output = ();
+
+    #[inline(always)]
+    fn run<S: IntSimd>(self) {
+        let QuantizeRows {
+            get,
+            k,
+            r0,
+            r1,
+            q,
+            abs,
+            d,
+            sum,
+        } = self;
+        let groups = k.div_ceil(GROUP);
+        let kp = groups * GROUP;
+        let mut vals = [0f32; GROUP];
+        for r in 0..r1 - r0 {
+            for g in 0..groups {
+                let c0 = g * GROUP;
+                let width = GROUP.min(k - c0);
+                for (c, v) in vals.iter_mut().enumerate() {
+                    *v = if c < width {
+                        get((r0 + r) * k + c0 + c)
+                    } else {
+                        0.0
+                    };
+                }
+                let amax = vals.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let scale = amax / 127.0;
+                let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+                let qs = &mut q[r * kp + c0..r * kp + c0 + GROUP];
+                let ab = &mut abs[r * kp + c0..r * kp + c0 + GROUP];
+                let mut total = 0i32;
+                for ((qv, av), &v) in qs.iter_mut().zip(ab.iter_mut()).zip(&vals) {
+                    let i = (v * inv).round_ties_even() as i32;
+                    *qv = i as i8;
+                    *av = i.unsigned_abs() as u8;
+                    total += i;
+                }
+                d[r * groups + g] = scale;
+                sum[r * groups + g] = total;
+            }
+        }
+    }
+}
+
+/// One tile call: `rows` rows of activations starting at row `i` x the
+/// panel at `panel`, sums (of every group, scaled) into `tile[..rows]`.
+pub(super) struct QuantTile<'a> {
+    pub(super) format: QuantFormat,
+    pub(super) panel: *const u8,
+    pub(super) x: &'a QuantRows,
+    pub(super) i: usize,
+    pub(super) rows: usize,
+    pub(super) tables: &'a ([u8; 16], [u8; 16]),
+    pub(super) tile: &'a mut [[f32; NR]; MAX_ROWS],
+}
+
+impl IntKernel for QuantTile<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn run<S: IntSimd>(self) {
+        macro_rules! each_rows {
+            ($($r:literal)*) => {
+                match self.rows {
+                    // SAFETY: the caller checked the path; the panel holds
+                    // `groups` blocks and x holds rows i..i + rows.
+                    $($r => unsafe { tile_rows::<S, $r>(self) },)*
+                    _ => unreachable!("tile rows exceed the maximum"),
+                }
+            };
+        }
+        each_rows!(1 2 3 4 5 6 7 8);
+    }
+}
+
+/// The features of a panel in passes of two vectors, or one pass of the
+/// whole panel for a single row of 8-lane vectors (memory-bound: one
+/// stream over the panel).
+///
+/// # Safety
+/// As for [`QuantTile`], inside `S`'s entry point.
+#[inline(always)]
+unsafe fn tile_rows<S: IntSimd, const R: usize>(mut t: QuantTile<'_>) {
+    let vectors = NR / S::LANES;
+    if R == 1 && vectors == 4 {
+        pass::<S, R, 4>(&mut t, 0);
+    } else {
+        for v0 in (0..vectors).step_by(2) {
+            pass::<S, R, 2>(&mut t, v0);
+        }
+    }
+}
+
+/// Vectors `v0..v0 + V` of the panel's features for `R` rows.
+///
+/// # Safety
+/// As for [`tile_rows`].
+#[inline(always)]
+unsafe fn pass<S: IntSimd, const R: usize, const V: usize>(t: &mut QuantTile<'_>, v0: usize) {
+    let format = t.format;
+    let x = t.x;
+    let (groups, kp, lanes) = (x.groups, x.kp, S::LANES);
+    let block = format.panel_block_bytes();
+    let scales = format.scale_offset();
+    // Exact dot products take unsigned weights (offset by 128); the
+    // two-instruction form takes signed ones against |x|.
+    let offset = S::VNNI;
+    let corr = match format {
+        QuantFormat::Q4_0 => -8,
+        _ if offset => -128,
+        _ => 0,
+    };
+    let table = S::table(if offset { &t.tables.1 } else { &t.tables.0 });
+    let (panel, i) = (t.panel, t.i);
+    let tile = &mut *t.tile;
+    for row in tile.iter_mut().take(R) {
+        for v in 0..V {
+            S::store_f32(row.as_mut_ptr().add((v0 + v) * lanes), S::splat_f32(0.0));
+        }
+    }
+    let at = |r: usize, g: usize, off: usize| (i + r) * kp + g * GROUP + off;
+    let xq = |r, g, off| (x.q.as_ptr() as *const u8).add(at(r, g, off));
+    let xa = |r, g, off| x.abs.as_ptr().add(at(r, g, off));
+    for g in 0..groups {
+        let blk = panel.add(g * block);
+        if R == 1 {
+            S::prefetch(blk.wrapping_add(8 * block));
+        }
+        let mut acc = [[S::splat_i32(0); V]; R];
+        for (r, a) in acc.iter_mut().enumerate() {
+            *a = [S::splat_i32(corr * x.sum[(i + r) * groups + g]); V];
+        }
+        match format {
+            QuantFormat::Q8_0 => {
+                for quad in 0..GROUP / 4 {
+                    let mut w = [S::splat_i32(0); V];
+                    for (v, wv) in w.iter_mut().enumerate() {
+                        *wv = S::load(blk.add(quad * 128 + (v0 + v) * lanes * 4));
+                        if offset {
+                            *wv = S::flip(*wv);
+                        }
+                    }
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let xb = S::bcast4(xq(r, g, quad * 4));
+                        if offset {
+                            for (av, wv) in a.iter_mut().zip(&w) {
+                                *av = S::dot(*av, *wv, xb);
+                            }
+                        } else {
+                            let ab = S::bcast4(xa(r, g, quad * 4));
+                            for (av, wv) in a.iter_mut().zip(&w) {
+                                *av = S::dot(*av, ab, S::sign(*wv, xb));
+                            }
+                        }
+                    }
+                }
+            }
+            QuantFormat::Q4_0 | QuantFormat::Iq4Nl => {
+                let levels = format == QuantFormat::Iq4Nl;
+                for oct in 0..GROUP / 8 {
+                    let (mut lo, mut hi) = ([S::splat_i32(0); V], [S::splat_i32(0); V]);
+                    for v in 0..V {
+                        let raw = S::load(blk.add(oct * 128 + (v0 + v) * lanes * 4));
+                        lo[v] = S::low_nibbles(raw);
+                        hi[v] = S::high_nibbles(raw);
+                        if levels {
+                            lo[v] = S::lookup(table, lo[v]);
+                            hi[v] = S::lookup(table, hi[v]);
+                        }
+                    }
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let xl = S::bcast4(xq(r, g, oct * 8));
+                        let xh = S::bcast4(xq(r, g, oct * 8 + 4));
+                        if !levels || offset {
+                            for v in 0..V {
+                                a[v] = S::dot(S::dot(a[v], lo[v], xl), hi[v], xh);
+                            }
+                        } else {
+                            let al = S::bcast4(xa(r, g, oct * 8));
+                            let ah = S::bcast4(xa(r, g, oct * 8 + 4));
+                            for v in 0..V {
+                                let s = S::dot(a[v], al, S::sign(lo[v], xl));
+                                a[v] = S::dot(s, ah, S::sign(hi[v], xh));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let mut dw = [S::splat_f32(0.0); V];
+        for (v, d) in dw.iter_mut().enumerate() {
+            *d = S::load_f16(blk.add(scales + (v0 + v) * lanes * 2));
+        }
+        for (r, (a, row)) in acc.iter().zip(tile.iter_mut()).enumerate() {
+            let dx = S::splat_f32(x.d[(i + r) * groups + g]);
+            for v in 0..V {
+                let p = row.as_mut_ptr().add((v0 + v) * lanes);
+                let scaled = S::fmadd(S::to_f32(a[v]), S::mul(dw[v], dx), S::load_f32(p));
+                S::store_f32(p, scaled);
+            }
+        }
+    }
+}

@@ -1,0 +1,397 @@
+//! Linear layers over 8-bit and 4-bit weights: `y = x @ W^T + bias` with
+//! integer dot products, for any number of rows of `x`.
+//!
+//! ## Formats
+//! The numbers of GGUF's block formats (see [`blocks`]): groups of 32 input
+//! features with one f16 scale, `q8_0` (8.5 bits a weight), `q4_0` and
+//! `iq4_nl` (4.5 bits; `iq4_nl` maps its 16 codes to non-linear levels).
+//!
+//! ## Layout
+//! As in the float GEMM, the weight is cut into panels of 32 output
+//! features, one contiguous stream per panel: for every group, a block of
+//! the group's weights of all 32 features (quads of four inputs per feature
+//! in one 32-bit lane, so one broadcast of four activation bytes meets a
+//! whole vector of features), then the 32 f16 scales. `q8_0`: 8 quads of
+//! 128 bytes and 64 bytes of scales (1088 bytes a block); 4-bit: 4 octs of
+//! 128 bytes (a lane's low nibbles are four inputs, its high nibbles the
+//! next four) and the scales (576 bytes).
+//!
+//! ## Kernel
+//! Activations are quantized once per call, per row in groups of 32 (int8
+//! with one f32 scale and the group's sum, which undoes the weights'
+//! offsets). The register tile (`kernel`) keeps `R` rows x 2 vectors of
+//! features in i32 accumulators over a group, then scales them into f32:
+//! `sum_g d_w[g] * d_x[g] * dot_g`. Batch-1 decode streams each panel once;
+//! the work is split into tasks over the thread team as in `gemm`.
+
+pub mod blocks;
+mod kernel;
+mod pack;
+
+pub use pack::QuantWeight;
+
+use crate::cpu::elem::{expect_matrix, SharedOut};
+use crate::cpu::simd::dispatch_int;
+use crate::cpu::{Dst, Element, IntPath, Src};
+use crate::error::{CoreError, CoreResult};
+use kernel::{QuantRows, QuantTile, QuantizeRows, MAX_ROWS};
+
+/// Input features per group (one scale each).
+pub const GROUP: usize = 32;
+
+/// Output features per panel.
+pub const NR: usize = crate::gemm::NR;
+
+/// Multiply-adds below which a call runs on the calling thread.
+const SERIAL_MACS: usize = 1 << 18;
+
+/// Rows of activations per task when quantizing them on the team.
+const QUANTIZE_ROWS: usize = 16;
+
+/// A quantized weight format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum QuantFormat {
+    /// int8, one scale per 32.
+    Q8_0,
+    /// 4-bit `q - 8`, one scale per 32.
+    Q4_0,
+    /// 4-bit codes of 16 non-linear levels, one scale per 32.
+    Iq4Nl,
+}
+
+impl QuantFormat {
+    /// Every format.
+    pub const ALL: [QuantFormat; 3] = [QuantFormat::Q8_0, QuantFormat::Q4_0, QuantFormat::Iq4Nl];
+
+    /// The format's name (as GGUF spells it, lower case).
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantFormat::Q8_0 => "q8_0",
+            QuantFormat::Q4_0 => "q4_0",
+            QuantFormat::Iq4Nl => "iq4_nl",
+        }
+    }
+
+    /// Parses a format name (case-insensitive).
+    pub fn parse(name: &str) -> Result<QuantFormat, String> {
+        let wanted = name.trim().to_ascii_lowercase();
+        QuantFormat::ALL
+            .into_iter()
+            .find(|f| f.name() == wanted)
+            .ok_or_else(|| {
+                let names: Vec<&str> = QuantFormat::ALL.iter().map(|f| f.name()).collect();
+                format!("unknown quantized format '{name}', expected one of {names:?}")
+            })
+    }
+
+    /// Bytes of one GGUF block (32 weights and their scale).
+    pub fn block_bytes(self) -> usize {
+        match self {
+            QuantFormat::Q8_0 => 2 + GROUP,
+            QuantFormat::Q4_0 | QuantFormat::Iq4Nl => 2 + GROUP / 2,
+        }
+    }
+
+    /// Bytes of one group of a panel (32 features).
+    pub(crate) fn panel_block_bytes(self) -> usize {
+        self.scale_offset() + 2 * NR
+    }
+
+    /// Where the scales start in a panel block.
+    pub(crate) fn scale_offset(self) -> usize {
+        match self {
+            QuantFormat::Q8_0 => NR * GROUP,
+            QuantFormat::Q4_0 | QuantFormat::Iq4Nl => NR * GROUP / 2,
+        }
+    }
+}
+
+/// The path used when a call names none.
+pub fn default_path() -> IntPath {
+    IntPath::best()
+}
+
+/// `out[m, j] = sum_k x[m, k] * W[j, k] + bias[j]` on the default path.
+pub fn gemm(out: Dst<'_>, x: Src<'_>, w: &QuantWeight, m: usize) -> CoreResult<()> {
+    gemm_with_path(default_path(), out, x, w, m)
+}
+
+/// As [`gemm`] on an explicit path (an error if the CPU lacks it).
+pub fn gemm_with_path(
+    path: IntPath,
+    out: Dst<'_>,
+    x: Src<'_>,
+    w: &QuantWeight,
+    m: usize,
+) -> CoreResult<()> {
+    if !path.is_available() {
+        return Err(CoreError::invalid(format!(
+            "quantized kernel path '{}' is not supported by this CPU",
+            path.name()
+        )));
+    }
+    let (n, k) = (w.n, w.k);
+    expect_matrix("x", x.len(), m, k)?;
+    expect_matrix("out", out.len(), m, n)?;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let rows = quantize_activations(path, x, m, k)?;
+    match out {
+        Dst::Bf16(o) => run(path, o, &rows, w, m),
+        Dst::F32(o) => run(path, o, &rows, w, m),
+    }
+}
+
+/// The activations as int8 groups, quantized on the team for large calls.
+fn quantize_activations(path: IntPath, x: Src<'_>, m: usize, k: usize) -> CoreResult<QuantRows> {
+    let groups = k.div_ceil(GROUP);
+    let mut rows = QuantRows::new(m, groups);
+    let kp = rows.kp;
+    let (q, abs) = (SharedOut(rows.q.as_mut_ptr()), SharedOut(rows.abs.as_mut_ptr()));
+    let (d, sum) = (SharedOut(rows.d.as_mut_ptr()), SharedOut(rows.sum.as_mut_ptr()));
+    let tasks = m.div_ceil(QUANTIZE_ROWS);
+    let task = |t: usize| {
+        let (r0, r1) = (t * QUANTIZE_ROWS, ((t + 1) * QUANTIZE_ROWS).min(m));
+        let n = r1 - r0;
+        // SAFETY: task t alone writes rows r0..r1 of each buffer, which hold
+        // m rows.
+        let (q, abs, d, sum) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(q.ptr().add(r0 * kp), n * kp),
+                std::slice::from_raw_parts_mut(abs.ptr().add(r0 * kp), n * kp),
+                std::slice::from_raw_parts_mut(d.ptr().add(r0 * groups), n * groups),
+                std::slice::from_raw_parts_mut(sum.ptr().add(r0 * groups), n * groups),
+            )
+        };
+        match x {
+            Src::F32(s) => dispatch_int(
+                path,
+                QuantizeRows {
+                    get: |i| s[i],
+                    k,
+                    r0,
+                    r1,
+                    q,
+                    abs,
+                    d,
+                    sum,
+                },
+            ),
+            Src::Bf16(s) => dispatch_int(
+                path,
+                QuantizeRows {
+                    get: |i| s[i].to_f32(),
+                    k,
+                    r0,
+                    r1,
+                    q,
+                    abs,
+                    d,
+                    sum,
+                },
+            ),
+        }
+    };
+    if tasks == 1 {
+        task(0);
+    } else {
+        crate::cpu::threads::team_run(tasks, &task)?;
+    }
+    Ok(rows)
+}
+
+fn run<T: Element>(
+    path: IntPath,
+    out: &mut [T],
+    x: &QuantRows,
+    w: &QuantWeight,
+    m: usize,
+) -> CoreResult<()> {
+    let n = w.n;
+    let shared = SharedOut(out.as_mut_ptr());
+    let tables = pack::iq4_nl_tables();
+    let serial = m * n * w.k < SERIAL_MACS;
+    crate::gemm::for_each_tile(
+        m,
+        w.panels(),
+        x.kp,
+        MAX_ROWS,
+        serial,
+        &|tile: &mut [[f32; NR]; MAX_ROWS], i, rows, p| {
+            let op = QuantTile {
+                format: w.format,
+                panel: w.panel(p),
+                x,
+                i,
+                rows,
+                tables: &tables,
+                tile,
+            };
+            dispatch_int(path, op);
+            // SAFETY: rows i..i + rows x features of panel p belong to this
+            // tile only; out holds m * n elements (checked by the caller).
+            unsafe {
+                crate::gemm::store_tile(shared.ptr(), &tile[..rows], w.bias.as_deref(), i, n, p)
+            };
+        },
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::elem::tests::Rng;
+    use half::bf16;
+
+    /// The product computed in f64 from the dequantized weights and the
+    /// activations as the kernel quantizes them: what the kernel must match
+    /// up to f32 rounding.
+    fn reference(w: &QuantWeight, x: &[f32], m: usize) -> Vec<f64> {
+        let (n, k) = (w.n, w.k);
+        let rows = quantize_activations(IntPath::Scalar, Src::F32(x), m, k).unwrap();
+        let mut row = vec![0f32; k];
+        let mut out = vec![0f64; m * n];
+        for j in 0..n {
+            w.dequantize_row(j, &mut row).unwrap();
+            for i in 0..m {
+                let mut s = 0f64;
+                for c in 0..k {
+                    let g = c / GROUP;
+                    let xv = rows.q[i * rows.kp + c] as f64 * rows.d[i * rows.groups + g] as f64;
+                    s += xv * row[c] as f64;
+                }
+                out[i * n + j] = s + w.bias.as_ref().map_or(0.0, |b| b[j] as f64);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_path_and_format_matches_the_dequantized_product() {
+        let mut rng = Rng(21);
+        for &(m, n, k) in &[
+            (1, 1, 32),
+            (1, 40, 64),
+            (3, 33, 96),
+            (9, 64, 40),
+            (17, 70, 160),
+            (1, 300, 257),
+        ] {
+            let x: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
+            let wf: Vec<f32> = (0..n * k).map(|_| rng.f32()).collect();
+            let b: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
+            for format in QuantFormat::ALL {
+                let w = QuantWeight::quantize(format, Src::F32(&wf), Some(Src::F32(&b)), n, k)
+                    .unwrap();
+                let want = reference(&w, &x, m);
+                for path in IntPath::available() {
+                    let mut out = vec![0f32; m * n];
+                    gemm_with_path(path, Dst::F32(&mut out), Src::F32(&x), &w, m).unwrap();
+                    for (idx, (&o, &r)) in out.iter().zip(&want).enumerate() {
+                        let tol = 1e-5 * (1.0 + r.abs()) * (k as f64).sqrt();
+                        assert!(
+                            (o as f64 - r).abs() <= tol,
+                            "{path:?} {format:?} {m}x{n}x{k} at {idx}: {o} vs {r}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn quantized_product_is_close_to_the_float_product() {
+        // The end-to-end error of both quantizations against f64 floats.
+        let (m, n, k) = (4, 64, 512);
+        let mut rng = Rng(4);
+        let x: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
+        let wf: Vec<f32> = (0..n * k).map(|_| rng.f32()).collect();
+        for (format, rel) in [
+            (QuantFormat::Q8_0, 0.02),
+            (QuantFormat::Q4_0, 0.15),
+            (QuantFormat::Iq4Nl, 0.15),
+        ] {
+            let w = QuantWeight::quantize(format, Src::F32(&wf), None, n, k).unwrap();
+            let mut out = vec![0f32; m * n];
+            gemm(Dst::F32(&mut out), Src::F32(&x), &w, m).unwrap();
+            let (mut err, mut norm) = (0f64, 0f64);
+            for i in 0..m {
+                for j in 0..n {
+                    let exact: f64 = (0..k)
+                        .map(|c| x[i * k + c] as f64 * wf[j * k + c] as f64)
+                        .sum();
+                    err += (out[i * n + j] as f64 - exact).powi(2);
+                    norm += exact.powi(2);
+                }
+            }
+            let r = (err / norm).sqrt();
+            assert!(r < rel, "{format:?}: relative error {r}");
+        }
+    }
+
+    #[test]
+    fn blocks_round_trip_through_the_panels() {
+        let (n, k) = (45, 96);
+        let mut rng = Rng(8);
+        let wf: Vec<f32> = (0..n * k).map(|_| rng.f32()).collect();
+        for format in QuantFormat::ALL {
+            let mut blocks = vec![0u8; n * (k / GROUP) * format.block_bytes()];
+            blocks::quantize_rows(format, Src::F32(&wf), n, k, &mut blocks);
+            let a = QuantWeight::from_blocks(format, &blocks, None, n, k).unwrap();
+            let b = QuantWeight::quantize(format, Src::F32(&wf), None, n, k).unwrap();
+            assert_eq!(a.nbytes(), b.nbytes());
+            let (mut ra, mut rb, mut want) = (vec![0f32; k], vec![0f32; k], vec![0f32; GROUP]);
+            for j in 0..n {
+                a.dequantize_row(j, &mut ra).unwrap();
+                b.dequantize_row(j, &mut rb).unwrap();
+                assert_eq!(ra, rb, "{format:?} row {j}");
+                for g in 0..k / GROUP {
+                    let blk = &blocks[(j * (k / GROUP) + g) * format.block_bytes()..];
+                    blocks::dequantize_block(format, blk, &mut want);
+                    assert_eq!(&ra[g * GROUP..(g + 1) * GROUP], &want[..], "{format:?} {j} {g}");
+                }
+            }
+        }
+        let err = QuantWeight::from_blocks(QuantFormat::Q8_0, &[0; 10], None, 1, 32).unwrap_err();
+        assert!(err.to_string().contains("expected 34 bytes"), "{err}");
+        let err = QuantWeight::from_blocks(QuantFormat::Q4_0, &[0; 18], None, 1, 31).unwrap_err();
+        assert!(err.to_string().contains("multiple of 32"), "{err}");
+    }
+
+    #[test]
+    fn bf16_inputs_and_outputs_and_thread_split() {
+        let (m, n, k) = (70, 300, 256);
+        let mut rng = Rng(2);
+        let x: Vec<bf16> = (0..m * k).map(|_| bf16::from_f32(rng.f32())).collect();
+        let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+        let wf: Vec<f32> = (0..n * k).map(|_| rng.f32()).collect();
+        let w = QuantWeight::quantize(QuantFormat::Q4_0, Src::F32(&wf), None, n, k).unwrap();
+        let mut all = vec![0f32; m * n];
+        gemm(Dst::F32(&mut all), Src::Bf16(&x), &w, m).unwrap();
+        let mut out16 = vec![bf16::ZERO; m * n];
+        gemm(Dst::Bf16(&mut out16), Src::F32(&xf), &w, m).unwrap();
+        for (a, b) in all.iter().zip(&out16) {
+            assert_eq!(bf16::from_f32(*a), *b);
+        }
+        for i in [0, 33, 69] {
+            let mut one = vec![0f32; n];
+            gemm(Dst::F32(&mut one), Src::Bf16(&x[i * k..(i + 1) * k]), &w, 1).unwrap();
+            assert_eq!(&all[i * n..(i + 1) * n], &one[..], "row {i}");
+        }
+    }
+
+    #[test]
+    fn rejects_bad_sizes_and_names() {
+        let w = vec![0f32; 6];
+        assert!(QuantWeight::quantize(QuantFormat::Q8_0, Src::F32(&w), None, 4, 2).is_err());
+        let q = QuantWeight::quantize(QuantFormat::Q8_0, Src::F32(&w), None, 3, 2).unwrap();
+        let mut out = vec![0f32; 6];
+        let err = gemm(Dst::F32(&mut out), Src::F32(&[0.0; 5]), &q, 2).unwrap_err();
+        assert!(err.to_string().contains("x: expected 2 x 2"), "{err}");
+        assert!(QuantFormat::parse("q5_k").unwrap_err().contains("q8_0"));
+        assert_eq!(QuantFormat::parse(" IQ4_NL"), Ok(QuantFormat::Iq4Nl));
+        let mut row = vec![0f32; 2];
+        assert!(q.dequantize_row(3, &mut row).is_err());
+    }
+}

@@ -1,0 +1,309 @@
+//! The panel layout of quantized weights (see the module docs of `quant`).
+
+use rayon::prelude::*;
+
+use super::blocks::{dequantize_block, quantize_rows, IQ4_NL_LEVELS};
+use super::{QuantFormat, GROUP, NR};
+use crate::cpu::elem::expect_matrix;
+use crate::cpu::Src;
+use crate::error::{CoreError, CoreResult};
+
+/// One 64-byte, 64-byte-aligned line.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub(super) struct Line([u8; 64]);
+
+/// A quantized weight matrix in panel layout, with its bias.
+pub struct QuantWeight {
+    pub(super) format: QuantFormat,
+    pub(super) n: usize,
+    pub(super) k: usize,
+    pub(super) groups: usize,
+    pub(super) lines: Vec<Line>,
+    pub(super) bias: Option<Vec<f32>>,
+}
+
+impl std::fmt::Debug for QuantWeight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QuantWeight")
+            .field("format", &self.format)
+            .field("n", &self.n)
+            .field("k", &self.k)
+            .field("bias", &self.bias.is_some())
+            .finish()
+    }
+}
+
+/// Rows quantized per piece of work when quantizing at load.
+const ROWS_PER_PIECE: usize = NR * 4;
+
+impl QuantWeight {
+    /// Quantizes `weight` (`[n, k]`, row-major, torch `Linear` layout) to
+    /// `format`, with `bias` (`[n]`) kept in f32. `k` need not be a multiple
+    /// of 32: rows are padded with zeros.
+    pub fn quantize(
+        format: QuantFormat,
+        weight: Src<'_>,
+        bias: Option<Src<'_>>,
+        n: usize,
+        k: usize,
+    ) -> CoreResult<Self> {
+        expect_matrix("weight", weight.len(), n, k)?;
+        let mut out = Self::empty(format, n, k, bias)?;
+        let groups = out.groups;
+        let kp = groups * GROUP;
+        let bb = format.block_bytes();
+        let pieces: Vec<usize> = (0..n.div_ceil(ROWS_PER_PIECE)).collect();
+        let panels_per_piece = ROWS_PER_PIECE / NR;
+        let panel_lines = out.panel_lines();
+        if panel_lines == 0 {
+            return Ok(out);
+        }
+        crate::cpu::threads::install(|| {
+            out.lines
+                .par_chunks_mut(panel_lines * panels_per_piece)
+                .zip(pieces)
+                .for_each(|(lines, piece)| {
+                    let r0 = piece * ROWS_PER_PIECE;
+                    let rows = ROWS_PER_PIECE.min(n - r0);
+                    // The rows, zero-padded to whole groups, as f32.
+                    let mut padded = vec![0f32; rows * kp];
+                    for r in 0..rows {
+                        for c in 0..k {
+                            padded[r * kp + c] = weight.get((r0 + r) * k + c);
+                        }
+                    }
+                    let mut blocks = vec![0u8; rows * groups * bb];
+                    quantize_rows(format, Src::F32(&padded), rows, kp, &mut blocks);
+                    fill_panels(format, &blocks, rows, groups, lines, panel_lines);
+                });
+        });
+        Ok(out)
+    }
+
+    /// Adopts rows already quantized in the block layout of `blocks`
+    /// (`[n, k / 32]` blocks, as a GGUF file stores them), bit for bit.
+    pub fn from_blocks(
+        format: QuantFormat,
+        blocks: &[u8],
+        bias: Option<Src<'_>>,
+        n: usize,
+        k: usize,
+    ) -> CoreResult<Self> {
+        if k % GROUP != 0 {
+            return Err(CoreError::invalid(format!(
+                "{}: in_features ({k}) must be a multiple of {GROUP}",
+                format.name()
+            )));
+        }
+        let want = n * (k / GROUP) * format.block_bytes();
+        if blocks.len() != want {
+            return Err(CoreError::invalid(format!(
+                "{} blocks: expected {want} bytes for {n} x {k} weights, got {}",
+                format.name(),
+                blocks.len()
+            )));
+        }
+        let mut out = Self::empty(format, n, k, bias)?;
+        let (groups, panel_lines) = (out.groups, out.panel_lines());
+        let row_bytes = groups * format.block_bytes();
+        if panel_lines == 0 {
+            return Ok(out);
+        }
+        crate::cpu::threads::install(|| {
+            out.lines
+                .par_chunks_mut(panel_lines)
+                .enumerate()
+                .for_each(|(p, lines)| {
+                    let r0 = p * NR;
+                    let rows = NR.min(n - r0);
+                    let src = &blocks[r0 * row_bytes..(r0 + rows) * row_bytes];
+                    fill_panels(format, src, rows, groups, lines, panel_lines);
+                });
+        });
+        Ok(out)
+    }
+
+    fn empty(format: QuantFormat, n: usize, k: usize, bias: Option<Src<'_>>) -> CoreResult<Self> {
+        if let Some(b) = &bias {
+            if b.len() != n {
+                return Err(CoreError::invalid(format!(
+                    "bias: expected {n} elements, got {}",
+                    b.len()
+                )));
+            }
+        }
+        let groups = k.div_ceil(GROUP);
+        let total = n
+            .div_ceil(NR)
+            .checked_mul(groups * format.panel_block_bytes() / 64)
+            .ok_or_else(|| CoreError::invalid("weight: packed size overflows"))?;
+        let mut lines: Vec<Line> = Vec::new();
+        lines
+            .try_reserve_exact(total)
+            .map_err(|_| CoreError::Exhausted(format!("weight: cannot allocate {n} x {k}")))?;
+        lines.resize(total, Line([0; 64]));
+        Ok(QuantWeight {
+            format,
+            n,
+            k,
+            groups,
+            lines,
+            bias: bias.map(|b| (0..n).map(|j| b.get(j)).collect()),
+        })
+    }
+
+    /// The format of the weights.
+    pub fn format(&self) -> QuantFormat {
+        self.format
+    }
+
+    /// Output features.
+    pub fn out_features(&self) -> usize {
+        self.n
+    }
+
+    /// Input features.
+    pub fn in_features(&self) -> usize {
+        self.k
+    }
+
+    /// Bytes of packed weights and scales (what one batch-1 call streams).
+    pub fn nbytes(&self) -> usize {
+        self.lines.len() * 64
+    }
+
+    pub(super) fn panels(&self) -> usize {
+        self.n.div_ceil(NR)
+    }
+
+    fn panel_lines(&self) -> usize {
+        self.groups * self.format.panel_block_bytes() / 64
+    }
+
+    /// The first byte of panel `p`.
+    pub(super) fn panel(&self, p: usize) -> *const u8 {
+        self.lines[p * self.panel_lines()..].as_ptr() as *const u8
+    }
+
+    /// Row `j` of the weights (output feature `j`), dequantized into `out`
+    /// (`k` values): what an embedding table tied to this weight looks up.
+    pub fn dequantize_row(&self, j: usize, out: &mut [f32]) -> CoreResult<()> {
+        if j >= self.n {
+            return Err(CoreError::invalid(format!(
+                "row {j} out of range for {} rows",
+                self.n
+            )));
+        }
+        expect_matrix("out", out.len(), 1, self.k)?;
+        let (p, jj) = (j / NR, j % NR);
+        let base = self.panel(p);
+        let bb = self.format.panel_block_bytes();
+        let mut block = vec![0u8; self.format.block_bytes()];
+        let mut vals = [0f32; GROUP];
+        for g in 0..self.groups {
+            // SAFETY: the panel holds `groups` blocks of `bb` bytes.
+            let blk = unsafe { std::slice::from_raw_parts(base.add(g * bb), bb) };
+            unpack_block(self.format, blk, jj, &mut block);
+            dequantize_block(self.format, &block, &mut vals);
+            let c0 = g * GROUP;
+            let c1 = (c0 + GROUP).min(self.k);
+            out[c0..c1].copy_from_slice(&vals[..c1 - c0]);
+        }
+        Ok(())
+    }
+}
+
+/// Writes the blocks of `rows` consecutive rows (`groups` blocks each) into
+/// their panels (`panel_lines` lines each, starting at `lines`).
+fn fill_panels(
+    format: QuantFormat,
+    blocks: &[u8],
+    rows: usize,
+    groups: usize,
+    lines: &mut [Line],
+    panel_lines: usize,
+) {
+    let (bb, pb) = (format.block_bytes(), format.panel_block_bytes());
+    for r in 0..rows {
+        let (p, j) = (r / NR, r % NR);
+        let panel = &mut lines[p * panel_lines..(p + 1) * panel_lines];
+        // SAFETY: a Line is 64 plain bytes.
+        let bytes: &mut [u8] = unsafe {
+            std::slice::from_raw_parts_mut(panel.as_mut_ptr() as *mut u8, panel.len() * 64)
+        };
+        for g in 0..groups {
+            let block = &blocks[(r * groups + g) * bb..][..bb];
+            pack_block(format, block, j, &mut bytes[g * pb..(g + 1) * pb]);
+        }
+    }
+}
+
+/// Places one row's block as feature `j` of a panel block.
+///
+/// `q8_0`: byte `b` of lane `j` in quad `q` (bytes `q * 128 + 4j + b`) is
+/// weight `4q + b`. `q4_0`/`iq4_nl`: in oct `o` (bytes `o * 128 + 4j + b`),
+/// the low nibble is weight `8o + b`, the high nibble `8o + 4 + b`. The f16
+/// scales of the 32 features follow the weights.
+fn pack_block(format: QuantFormat, block: &[u8], j: usize, out: &mut [u8]) {
+    let scales = format.scale_offset();
+    out[scales + 2 * j..scales + 2 * j + 2].copy_from_slice(&block[..2]);
+    let q = &block[2..];
+    match format {
+        QuantFormat::Q8_0 => {
+            for (i, &v) in q.iter().take(GROUP).enumerate() {
+                out[(i / 4) * 128 + 4 * j + i % 4] = v;
+            }
+        }
+        QuantFormat::Q4_0 | QuantFormat::Iq4Nl => {
+            let nib = |i: usize| -> u8 {
+                let byte = q[i % (GROUP / 2)];
+                if i < GROUP / 2 {
+                    byte & 15
+                } else {
+                    byte >> 4
+                }
+            };
+            for o in 0..GROUP / 8 {
+                for b in 0..4 {
+                    out[o * 128 + 4 * j + b] = nib(8 * o + b) | (nib(8 * o + 4 + b) << 4);
+                }
+            }
+        }
+    }
+}
+
+/// The inverse of [`pack_block`]: feature `j`'s block from a panel block.
+fn unpack_block(format: QuantFormat, pb: &[u8], j: usize, block: &mut [u8]) {
+    let scales = format.scale_offset();
+    block[..2].copy_from_slice(&pb[scales + 2 * j..scales + 2 * j + 2]);
+    match format {
+        QuantFormat::Q8_0 => {
+            for i in 0..GROUP {
+                block[2 + i] = pb[(i / 4) * 128 + 4 * j + i % 4];
+            }
+        }
+        QuantFormat::Q4_0 | QuantFormat::Iq4Nl => {
+            let mut nibs = [0u8; GROUP];
+            for o in 0..GROUP / 8 {
+                for b in 0..4 {
+                    let byte = pb[o * 128 + 4 * j + b];
+                    nibs[8 * o + b] = byte & 15;
+                    nibs[8 * o + 4 + b] = byte >> 4;
+                }
+            }
+            for i in 0..GROUP / 2 {
+                block[2 + i] = nibs[i] | (nibs[i + GROUP / 2] << 4);
+            }
+        }
+    }
+}
+
+/// `iq4_nl`'s levels as the kernels' lookup tables: signed, and offset by
+/// 128 (unsigned) for the VNNI dot product.
+pub(super) fn iq4_nl_tables() -> ([u8; 16], [u8; 16]) {
+    (
+        IQ4_NL_LEVELS.map(|l| l as u8),
+        IQ4_NL_LEVELS.map(|l| (l as i32 + 128) as u8),
+    )
+}
