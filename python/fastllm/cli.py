@@ -18,6 +18,8 @@ _CPU_FEATURE_LABELS = (
     ("avx2", "AVX2"),
     ("fma", "FMA"),
     ("avx512f", "AVX-512F"),
+    ("avxvnni", "AVX-VNNI"),
+    ("avx512vnni", "AVX512-VNNI"),
     ("avx512bf16", "AVX512-BF16"),
     ("amx", "AMX-BF16 (usable)"),
 )
@@ -67,6 +69,9 @@ def collect_env() -> dict[str, Any]:
 
         info["cpu_features"] = dict(_core.cpu_features())
         info["num_threads"] = int(_core.num_threads())
+        info["gemm_path"] = _core.gemm_default_path()
+        info["quant_path"] = _core.quant_default_path()
+        info["quant_formats"] = list(_core.quant_formats())
     except Exception as exc:
         info["cpu_features"] = {}
         info["num_threads"] = None
@@ -133,6 +138,12 @@ def format_env(info: dict[str, Any]) -> str:
             )
     else:
         lines.append(f"CPU features: unknown ({info.get('core_error')})")
+    if info.get("quant_path"):
+        lines.append(
+            f"CPU kernels: float GEMM on {info['gemm_path']}, quantized weights "
+            f"({', '.join(info['quant_formats'])}; quantization='int8' or 'int4') "
+            f"on {info['quant_path']}"
+        )
     lines.append(f"Threads for CPU kernels: {info['num_threads']} (FASTLLM_NUM_THREADS to change)")
     set_vars = {k: v for k, v in info["env"].items() if v is not None}
     if set_vars:
@@ -405,6 +416,13 @@ def add_engine_settings(g: Any) -> None:
         "never more than max-num-seqs sequences of max-model-len tokens need)",
     )
     g.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="quantize the weights at load for the CPU's integer kernels: int8 (q8_0), "
+        "int4 (iq4_nl), q8_0, q4_0 or iq4_nl (default: none, float weights)",
+    )
+    g.add_argument(
         "--max-logprobs",
         type=int,
         default=20,
@@ -441,6 +459,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
         "max_logprobs": args.max_logprobs,
+        "quantization": args.quantization,
         "revision": args.revision,
         "tokenizer_revision": args.tokenizer_revision,
         "download_dir": args.download_dir,

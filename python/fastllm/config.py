@@ -287,11 +287,9 @@ class EngineConfig:
             raise ValueError(
                 f"max_logprobs must be -1 (no limit) or at least 0, got {self.max_logprobs}"
             )
-        if self.quantization is not None:
-            raise ValueError(
-                f"quantization={self.quantization!r} is not supported: fastllm runs float "
-                "weights (float32, bfloat16, float16); pass quantization=None"
-            )
+        from fastllm.layers.quantization import resolve_quantization
+
+        resolve_quantization(self.quantization)
         if self.task not in ("generate", "auto"):
             raise ValueError(
                 f"task={self.task!r} is not supported: fastllm generates text (task='generate')"

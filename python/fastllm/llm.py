@@ -122,7 +122,7 @@ class LLM:
         return (
             f"LLM(model={self.config.model!r}, device={e.device!r}, "
             f"dtype={str(e.dtype).removeprefix('torch.')}, "
-            f"quantization={self.config.quantization!r}, max_model_len={e.max_model_len})"
+            f"quantization={e.quantization!r}, max_model_len={e.max_model_len})"
         )
 
     # ---- generate -------------------------------------------------------

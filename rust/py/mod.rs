@@ -16,6 +16,7 @@ mod gemm;
 mod kv;
 mod layers;
 mod platform;
+mod quant;
 mod sampling;
 mod tensor;
 
@@ -41,5 +42,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     sampling::register(m)?;
     gemm::register(m)?;
     layers::register(m)?;
+    quant::register(m)?;
     Ok(())
 }

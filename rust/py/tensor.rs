@@ -13,6 +13,7 @@ pub(crate) enum DType {
     F16,
     I32,
     I64,
+    U8,
 }
 
 impl DType {
@@ -23,6 +24,7 @@ impl DType {
             "torch.float16" => Some(DType::F16),
             "torch.int32" => Some(DType::I32),
             "torch.int64" => Some(DType::I64),
+            "torch.uint8" => Some(DType::U8),
             _ => None,
         }
     }
@@ -32,6 +34,7 @@ impl DType {
             DType::F32 | DType::I32 => 4,
             DType::BF16 | DType::F16 => 2,
             DType::I64 => 8,
+            DType::U8 => 1,
         }
     }
 }

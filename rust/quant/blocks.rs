@@ -71,21 +71,41 @@ pub fn quantize_block(format: QuantFormat, x: &[f32; GROUP], out: &mut [u8]) {
     }
 }
 
-/// The level of [`IQ4_NL_LEVELS`] nearest to `v` (in level units).
-fn nearest_level(v: f32) -> u8 {
-    let upper = IQ4_NL_LEVELS.partition_point(|&l| (l as f32) < v);
-    match upper {
-        0 => 0,
-        16 => 15,
-        u => {
-            let (lo, hi) = (IQ4_NL_LEVELS[u - 1] as f32, IQ4_NL_LEVELS[u] as f32);
-            if v - lo <= hi - v {
-                u as u8 - 1
-            } else {
-                u as u8
+/// Half level units covered by [`NEAREST`]: `v` in [-128, 128).
+const HALF_UNITS: usize = 512;
+
+/// The index of the level nearest to each half unit of [-128, 128).
+static NEAREST: [u8; HALF_UNITS] = nearest_table();
+
+const fn nearest_table() -> [u8; HALF_UNITS] {
+    let mut t = [0u8; HALF_UNITS];
+    let mut i = 0;
+    while i < HALF_UNITS {
+        // Twice the value, so that midpoints between levels are exact.
+        let v2 = i as i32 - 256;
+        let mut best = 0;
+        let mut j = 1;
+        while j < 16 {
+            let d = (2 * IQ4_NL_LEVELS[j] as i32 - v2).abs();
+            if d < (2 * IQ4_NL_LEVELS[best] as i32 - v2).abs() {
+                best = j;
             }
+            j += 1;
         }
+        t[i] = best as u8;
+        i += 1;
     }
+    t
+}
+
+/// The level of [`IQ4_NL_LEVELS`] nearest to `v` (in level units), to half
+/// a unit (levels are at least 10 units apart).
+#[inline]
+fn nearest_level(v: f32) -> u8 {
+    // Truncation of a non-negative value rounds down (and compiles to one
+    // instruction on every x86-64, where `round` is a library call).
+    let i = (v * 2.0 + 256.5).clamp(0.0, (HALF_UNITS - 1) as f32);
+    NEAREST[i as usize]
 }
 
 /// A scale and level indices for one block of `iq4_nl`: nearest levels for
@@ -99,13 +119,14 @@ fn iq4_nl_fit(x: &[f32; GROUP]) -> (f32, [u8; GROUP]) {
     if max == 0.0 {
         return (best.0, best.1);
     }
-    for step in -6..=6 {
+    for step in -4..=4 {
         // The largest weight lands on level -127 + step (of either sign).
         let d0 = max / (IQ4_NL_LEVELS[0] as f32 + step as f32);
+        let inv = 1.0 / d0;
         let mut idx = [0u8; GROUP];
         let (mut sxl, mut sll) = (0f32, 0f32);
         for (i, &v) in x.iter().enumerate() {
-            idx[i] = nearest_level(v / d0);
+            idx[i] = nearest_level(v * inv);
             let l = IQ4_NL_LEVELS[idx[i] as usize] as f32;
             sxl += v * l;
             sll += l * l;

@@ -5,7 +5,7 @@ use rayon::prelude::*;
 use super::blocks::{dequantize_block, quantize_rows, IQ4_NL_LEVELS};
 use super::{QuantFormat, GROUP, NR};
 use crate::cpu::elem::expect_matrix;
-use crate::cpu::Src;
+use crate::cpu::{Dst, Element, Src};
 use crate::error::{CoreError, CoreResult};
 
 /// One 64-byte, 64-byte-aligned line.
@@ -184,6 +184,45 @@ impl QuantWeight {
     /// The first byte of panel `p`.
     pub(super) fn panel(&self, p: usize) -> *const u8 {
         self.lines[p * self.panel_lines()..].as_ptr() as *const u8
+    }
+
+    /// The weights in the block layout of [`from_blocks`](Self::from_blocks)
+    /// (rows padded with zeros to whole groups).
+    pub fn to_blocks(&self) -> Vec<u8> {
+        let (bb, pb) = (self.format.block_bytes(), self.format.panel_block_bytes());
+        let mut out = vec![0u8; self.n * self.groups * bb];
+        for (j, row) in out.chunks_exact_mut(self.groups * bb).enumerate() {
+            let base = self.panel(j / NR);
+            for (g, block) in row.chunks_exact_mut(bb).enumerate() {
+                // SAFETY: the panel holds `groups` blocks of `pb` bytes.
+                let blk = unsafe { std::slice::from_raw_parts(base.add(g * pb), pb) };
+                unpack_block(self.format, blk, j % NR, block);
+            }
+        }
+        out
+    }
+
+    /// `out[t] =` row `ids[t]` of the weights, dequantized (`out`: `[T, k]`):
+    /// the lookup of an embedding table tied to this weight.
+    pub fn embed(&self, ids: &[i64], out: Dst<'_>) -> CoreResult<()> {
+        let k = self.k;
+        expect_matrix("out", out.len(), ids.len(), k)?;
+        let mut row = vec![0f32; k];
+        let mut out = out;
+        for (t, &id) in ids.iter().enumerate() {
+            let j = usize::try_from(id)
+                .map_err(|_| CoreError::invalid(format!("ids: negative token id {id}")))?;
+            match &mut out {
+                Dst::F32(o) => self.dequantize_row(j, &mut o[t * k..(t + 1) * k])?,
+                Dst::Bf16(o) => {
+                    self.dequantize_row(j, &mut row)?;
+                    for (d, &v) in o[t * k..(t + 1) * k].iter_mut().zip(&row) {
+                        *d = Element::from_f32(v);
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Row `j` of the weights (output feature `j`), dequantized into `out`

@@ -84,6 +84,14 @@ class LLMEngine:
         from fastllm.platform import resolve_device
 
         device = resolve_device(config.device, config.tensor_parallel_size)
+        from fastllm.layers.quantization import resolve_quantization
+
+        self.quantization = resolve_quantization(config.quantization)
+        if self.quantization is not None and device != "cpu":
+            raise ValueError(
+                f"quantization={config.quantization!r} runs on the CPU's integer kernels, "
+                f"not on device {device!r}: pass device='cpu', or quantization=None"
+            )
         folder = resolve_model_folder(config.model, config.revision, config.download_dir)
 
         import torch
@@ -138,7 +146,11 @@ class LLMEngine:
 
         torch_device = torch.device(device)
         model = load_model(mc, folder, self.dtype, device, config.load_format)
-        if should_pack(device, self.dtype):
+        if self.quantization is not None:
+            from fastllm.layers.quantization import quantize_model
+
+            quantize_model(model, self.quantization, mc.vocab_size)
+        elif should_pack(device, self.dtype):
             pack_linears(model)
         bs = config.block_size
         self.cache = plan_kv_cache(

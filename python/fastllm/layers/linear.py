@@ -70,7 +70,9 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        packed = ", packed" if self.packed is not None else ""
+        packed = ""
+        if self.packed is not None:
+            packed = f", {getattr(self.packed, 'format', 'packed')}"
         return f"in_features={self.in_features}, out_features={self.out_features}{packed}"
 
 
@@ -79,11 +81,34 @@ class Embedding(nn.Module):
 
     def __init__(self, num_embeddings: int, dim: int) -> None:
         super().__init__()
+        self.num_embeddings = num_embeddings
+        self.dim = dim
         self.weight = nn.Parameter(torch.empty(num_embeddings, dim), requires_grad=False)
+        self.quantized = None
+        self.dtype = None
+
+    def quantize(self, table) -> None:
+        """Reads rows from ``table`` (a ``_core.QuantizedLinear`` of this
+        table's weights, e.g. the tied head) from now on, and frees the float
+        copy; rows come out in the table's former dtype."""
+        self.dtype = self.weight.dtype
+        self.quantized = table
+        self.weight = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Looks up the rows ``ids``."""
+        if self.quantized is not None:
+            flat = ids.reshape(-1)
+            if flat.dtype != torch.int64 or not flat.is_contiguous():
+                flat = flat.to(torch.int64).contiguous()
+            out = torch.empty(flat.shape[0], self.dim, dtype=self.dtype)
+            self.quantized.embed(out, flat)
+            return out.view(*ids.shape, self.dim)
         return F.embedding(ids, self.weight)
+
+    def extra_repr(self) -> str:
+        quantized = f", {self.quantized.format}" if self.quantized is not None else ""
+        return f"{self.num_embeddings}, {self.dim}{quantized}"
 
 
 def _detached(t: torch.Tensor | None) -> torch.Tensor | None:

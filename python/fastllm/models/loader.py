@@ -128,6 +128,9 @@ class _Checkpoint:
 
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
+        # Drop the handles too: each maps its whole file, and the mapping
+        # (counted in the process RSS) lives as long as the handle object.
+        self._handles.clear()
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The stored shape of tensor ``name`` (no data read)."""
@@ -197,7 +200,12 @@ def _checkpoint_state(
     state: dict[str, torch.Tensor] = {}
     for pname, shape, spec, names in _plan(model, ckpt):
         if len(names) == 1 and not spec.transpose:
-            state[pname] = ckpt.read(names[0]).to(device=device, dtype=dtype).contiguous()
+            t = ckpt.read(names[0])
+            moved = t.to(device=device, dtype=dtype).contiguous()
+            # A tensor read from a safetensors file views the file's memory
+            # map, and any one such tensor kept keeps the whole file mapped
+            # (and counted in the process RSS): own a copy instead.
+            state[pname] = moved.clone() if moved.data_ptr() == t.data_ptr() else moved
             continue
         out = torch.empty(shape, dtype=dtype, device=device)
         offset = 0

@@ -458,6 +458,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                 "owned_by": "fastllm",
                 "root": llm.folder,
                 "max_model_len": state.max_model_len,
+                "quantization": getattr(llm, "quantization", None),
             }
             for name in state.model_names
         ]
@@ -875,7 +876,9 @@ def startup_summary(app: FastAPI, host: str, port: int) -> str:
     """The block ``serve`` logs once before it listens: what is served, how, and where."""
     state: ServerState = app.state.fastllm
     llm = state.engine.engine
-    quant = getattr(llm.config, "quantization", None)
+    from fastllm.layers.quantization import describe
+
+    quant = describe(getattr(llm.config, "quantization", None))
     if state.chat_template is not None:
         chat = "from --chat-template"
     elif llm.tokenizer.chat_template is not None:
@@ -888,7 +891,7 @@ def startup_summary(app: FastAPI, host: str, port: int) -> str:
         ("served as", ", ".join(state.model_names)),
         ("device", str(llm.device)),
         ("dtype", str(llm.dtype).removeprefix("torch.")),
-        ("quantization", quant or "none"),
+        ("quantization", quant),
         ("max_model_len", str(state.max_model_len)),
         ("KV cache", llm.cache.describe()),
         ("chat template", chat),

@@ -1,0 +1,108 @@
+"""Quantized weights on the CPU: ``LLM(model, quantization="int8" | "int4")``.
+
+At load, every linear layer, the language-model head and the token embedding
+are quantized from the float weights (round to nearest, no calibration data)
+into the Rust core's integer kernels (``_core.QuantizedLinear``), and the
+float weights are freed. The formats carry the numbers of GGUF's blocks:
+groups of 32 input features with one scale each.
+
+- ``"int8"`` is ``"q8_0"``: symmetric int8.
+- ``"int4"`` is ``"iq4_nl"``: 16 non-linear levels, which measured a smaller
+  loss than the linear ``"q4_0"`` on the models tried
+  (``benches/quant_quality.py``, see docs/quantization.md).
+- ``"q8_0"``, ``"q4_0"`` and ``"iq4_nl"`` name a format directly.
+
+A tied embedding reads its rows from the quantized head; an untied one is
+quantized to the same format and looked up row by row.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from fastllm import _core
+
+logger = logging.getLogger("fastllm")
+
+# The names ``quantization`` accepts, and the kernel format each one runs.
+QUANTIZATION_FORMATS: dict[str, str] = {
+    "int8": "q8_0",
+    "int4": "iq4_nl",
+    "q8_0": "q8_0",
+    "q4_0": "q4_0",
+    "iq4_nl": "iq4_nl",
+}
+
+
+def resolve_quantization(name: str | None) -> str | None:
+    """The kernel format of ``quantization=name`` (None: float weights); a
+    ValueError naming the valid values for anything else."""
+    if name is None:
+        return None
+    key = name.strip().lower() if isinstance(name, str) else name
+    if key in (None, "", "none"):
+        return None
+    fmt = QUANTIZATION_FORMATS.get(key) if isinstance(key, str) else None
+    if fmt is None:
+        valid = ", ".join(repr(k) for k in QUANTIZATION_FORMATS)
+        raise ValueError(f"quantization={name!r} is not supported; expected None, {valid}")
+    return fmt
+
+
+def describe(name: str | None) -> str:
+    """``quantization`` as shown to users: ``"int8 (q8_0)"``, ``"q4_0"``, ``"none"``."""
+    fmt = resolve_quantization(name)
+    if fmt is None:
+        return "none"
+    key = name.strip().lower()
+    return fmt if key == fmt else f"{key} ({fmt})"
+
+
+def _kernel_input(t: torch.Tensor) -> torch.Tensor:
+    """A weight as the quantizer reads it: bf16 or f32, contiguous, on the CPU."""
+    t = t.detach()
+    if t.dtype not in (torch.bfloat16, torch.float32):
+        t = t.float()
+    return t.contiguous()
+
+
+def quantize_model(model: nn.Module, fmt: str, vocab_size: int) -> int:
+    """Quantizes every ``Linear`` of ``model``, its head and its token
+    embedding (the ``Embedding`` of ``vocab_size`` rows) to ``fmt``; frees the
+    float weights and returns the bytes of quantized weights."""
+    from fastllm.layers.linear import Embedding, Linear
+
+    head_weight, head_bias = model.head_weights()
+    head = _core.QuantizedLinear(
+        _kernel_input(head_weight),
+        None if head_bias is None else _kernel_input(head_bias),
+        format=fmt,
+    )
+    total = head.nbytes
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight is not None:
+            if module.weight is head_weight:
+                module.pack(head)
+            else:
+                module.pack(
+                    _core.QuantizedLinear(
+                        _kernel_input(module.weight),
+                        None if module.bias is None else _kernel_input(module.bias),
+                        format=fmt,
+                    )
+                )
+                total += module.packed.nbytes
+        elif isinstance(module, Embedding) and module.weight is not None:
+            if module.weight is head_weight:
+                module.quantize(head)
+            elif module.weight.shape[0] == vocab_size:
+                module.quantize(_core.QuantizedLinear(_kernel_input(module.weight), format=fmt))
+                total += module.quantized.nbytes
+    model.packed_head = head
+    logger.info(
+        "quantized %.1f MB of weights to %s for the %s kernel", total / 1e6, fmt, head.path
+    )
+    return total

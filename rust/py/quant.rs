@@ -1,0 +1,208 @@
+//! The quantized-weight GEMM (`QuantizedLinear`).
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use super::tensor::{check_no_overlap, kernel_dst, kernel_src, DType, TensorArg};
+use crate::cpu::IntPath;
+use crate::quant::{QuantFormat, QuantWeight};
+
+/// A linear layer's weight quantized to 8 or 4 bits for the integer kernels.
+#[pyclass(name = "QuantizedLinear", module = "fastllm._core", frozen)]
+struct PyQuantizedLinear {
+    inner: QuantWeight,
+    path: IntPath,
+}
+
+fn parse(format: &str, path: Option<&str>) -> PyResult<(QuantFormat, IntPath)> {
+    let format = QuantFormat::parse(format).map_err(PyValueError::new_err)?;
+    let path = match path {
+        Some(name) => IntPath::check(name).map_err(PyValueError::new_err)?,
+        None => crate::quant::default_path(),
+    };
+    Ok((format, path))
+}
+
+fn bias_arg<'py>(bias: Option<&Bound<'py, PyAny>>, n: usize) -> PyResult<Option<TensorArg>> {
+    match bias {
+        Some(b) if !b.is_none() => {
+            let b = TensorArg::extract("bias", b)?;
+            b.check(&[DType::BF16, DType::F32], 1)?;
+            b.expect_dim(0, n, "out_features of weight")?;
+            Ok(Some(b))
+        }
+        _ => Ok(None),
+    }
+}
+
+#[pymethods]
+impl PyQuantizedLinear {
+    /// Quantizes `weight` [out_features, in_features] (bf16 or f32, CPU) to
+    /// `format` ("q8_0", "q4_0" or "iq4_nl"); `bias` [out_features] stays in
+    /// f32. `path` names an integer kernel path (default: fastest).
+    #[new]
+    #[pyo3(signature = (weight, bias=None, format="q8_0", path=None))]
+    fn new(
+        py: Python<'_>,
+        weight: &Bound<'_, PyAny>,
+        bias: Option<&Bound<'_, PyAny>>,
+        format: &str,
+        path: Option<&str>,
+    ) -> PyResult<Self> {
+        let (format, path) = parse(format, path)?;
+        let weight = TensorArg::extract("weight", weight)?;
+        weight.check(&[DType::BF16, DType::F32], 2)?;
+        let (n, k) = (weight.shape[0], weight.shape[1]);
+        let bias = bias_arg(bias, n)?;
+        // SAFETY: both tensors were checked (dtype, CPU, contiguity, shape)
+        // and the caller keeps them alive during the call.
+        let (ws, bs) = unsafe { (kernel_src(&weight), bias.as_ref().map(|b| kernel_src(b))) };
+        let inner = py.detach(move || QuantWeight::quantize(format, ws, bs, n, k))?;
+        Ok(PyQuantizedLinear { inner, path })
+    }
+
+    /// Adopts weights already quantized in GGUF's block layout: `blocks` is
+    /// a uint8 tensor of out_features rows of in_features / 32 blocks.
+    #[staticmethod]
+    #[pyo3(signature = (blocks, out_features, in_features, format, bias=None, path=None))]
+    fn from_blocks(
+        py: Python<'_>,
+        blocks: &Bound<'_, PyAny>,
+        out_features: usize,
+        in_features: usize,
+        format: &str,
+        bias: Option<&Bound<'_, PyAny>>,
+        path: Option<&str>,
+    ) -> PyResult<Self> {
+        let (format, path) = parse(format, path)?;
+        let blocks = TensorArg::extract("blocks", blocks)?;
+        let ndim = blocks.shape.len().max(1);
+        blocks.check(&[DType::U8], ndim)?;
+        let bias = bias_arg(bias, out_features)?;
+        // SAFETY: checked (uint8, CPU, contiguous); alive during the call.
+        let (data, bs) = unsafe {
+            (
+                blocks.slice::<u8>(),
+                bias.as_ref().map(|b| kernel_src(b)),
+            )
+        };
+        let inner = py.detach(move || {
+            QuantWeight::from_blocks(format, data, bs, out_features, in_features)
+        })?;
+        Ok(PyQuantizedLinear { inner, path })
+    }
+
+    /// out [M, out_features] = x [M, in_features] @ weight^T + bias.
+    fn forward(
+        &self,
+        py: Python<'_>,
+        out: &Bound<'_, PyAny>,
+        x: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let floats = [DType::BF16, DType::F32];
+        let (n, k) = (self.inner.out_features(), self.inner.in_features());
+        let x = TensorArg::extract("x", x)?;
+        x.check(&floats, 2)?;
+        x.expect_dim(1, k, "in_features")?;
+        let m = x.shape[0];
+        let out = TensorArg::extract("out", out)?;
+        out.check(&floats, 2)?;
+        out.expect_dim(0, m, "rows of x")?;
+        out.expect_dim(1, n, "out_features")?;
+        check_no_overlap(&out, &x)?;
+        // SAFETY: x and out were checked (dtype, CPU, contiguity, shape) and
+        // share no memory; the caller keeps them alive.
+        let (dst, xs) = unsafe { (kernel_dst(&out), kernel_src(&x)) };
+        let (w, path) = (&self.inner, self.path);
+        py.detach(move || crate::quant::gemm_with_path(path, dst, xs, w, m))?;
+        Ok(())
+    }
+
+    /// out [T, in_features] = rows `ids` [T] (int64) of the weight,
+    /// dequantized: the lookup of an embedding table tied to this weight.
+    fn embed(&self, py: Python<'_>, out: &Bound<'_, PyAny>, ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = TensorArg::extract("ids", ids)?;
+        ids.check(&[DType::I64], 1)?;
+        let t = ids.shape[0];
+        let k = self.inner.in_features();
+        let out = TensorArg::extract("out", out)?;
+        out.check(&[DType::BF16, DType::F32], 2)?;
+        out.expect_dim(0, t, "len(ids)")?;
+        out.expect_dim(1, k, "in_features")?;
+        // SAFETY: checked (dtype, CPU, contiguity, shape); distinct tensors.
+        let (ids, dst) = unsafe { (ids.slice::<i64>(), kernel_dst(&out)) };
+        let w = &self.inner;
+        py.detach(move || w.embed(ids, dst))?;
+        Ok(())
+    }
+
+    /// The weights in GGUF's block layout (rows padded to whole groups).
+    fn to_blocks<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.inner.to_blocks())
+    }
+
+    #[getter]
+    fn in_features(&self) -> usize {
+        self.inner.in_features()
+    }
+
+    #[getter]
+    fn out_features(&self) -> usize {
+        self.inner.out_features()
+    }
+
+    /// Bytes of packed weights and scales.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.inner.nbytes()
+    }
+
+    /// "q8_0", "q4_0" or "iq4_nl".
+    #[getter]
+    fn format(&self) -> &'static str {
+        self.inner.format().name()
+    }
+
+    /// The integer kernel path this layer runs.
+    #[getter]
+    fn path(&self) -> &'static str {
+        self.path.name()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "QuantizedLinear(in_features={}, out_features={}, format={}, path={})",
+            self.in_features(),
+            self.out_features(),
+            self.format(),
+            self.path()
+        )
+    }
+}
+
+/// Names of the integer kernel paths this CPU runs.
+#[pyfunction]
+fn quant_paths() -> Vec<&'static str> {
+    IntPath::available().iter().map(|p| p.name()).collect()
+}
+
+/// The path `QuantizedLinear` uses when none is named.
+#[pyfunction]
+fn quant_default_path() -> &'static str {
+    crate::quant::default_path().name()
+}
+
+/// Names of the quantized formats.
+#[pyfunction]
+fn quant_formats() -> Vec<&'static str> {
+    QuantFormat::ALL.iter().map(|f| f.name()).collect()
+}
+
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyQuantizedLinear>()?;
+    m.add_function(wrap_pyfunction!(quant_paths, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_default_path, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_formats, m)?)?;
+    Ok(())
+}
