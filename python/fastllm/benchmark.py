@@ -244,7 +244,12 @@ def weight_bytes_per_token(folder: str, args: Any) -> int | None:
     kv = mc.num_key_value_heads * mc.head_dim
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
     elem = 2 if args.dtype in ("auto", "bfloat16", "bf16", "float16", "half") else 4
-    return (L * per_layer + mc.vocab_size * h) * elem
+    from fastllm.layers.quantization import BYTES_PER_WEIGHT, resolve_quantization
+
+    fmt = resolve_quantization(getattr(args, "quantization", None))
+    if fmt is not None:
+        elem = BYTES_PER_WEIGHT[fmt]
+    return int((L * per_layer + mc.vocab_size * h) * elem)
 
 
 def memory_bandwidth_gbs() -> float | None:

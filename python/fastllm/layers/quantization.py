@@ -38,6 +38,9 @@ QUANTIZATION_FORMATS: dict[str, str] = {
     "iq4_nl": "iq4_nl",
 }
 
+# Bytes per weight of each format: 32 weights and one f16 scale a group.
+BYTES_PER_WEIGHT: dict[str, float] = {"q8_0": 34 / 32, "q4_0": 18 / 32, "iq4_nl": 18 / 32}
+
 
 def resolve_quantization(name: str | None) -> str | None:
     """The kernel format of ``quantization=name`` (None: float weights); a
