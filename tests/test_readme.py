@@ -188,6 +188,27 @@ def test_readme_quickstart():
     assert len(r.stdout) > 200
 
 
+def test_readme_quantized_weights():
+    pytest.importorskip("torch")
+    blocks = _readme_blocks("Quantized weights")
+    (code,) = [c for lang, c in blocks if lang == "python"]
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300
+    )
+    assert r.returncode == 0, r.stderr
+    assert "quantization='q8_0'" in r.stdout and len(r.stdout) > 80
+    (bash,) = [c for lang, c in blocks if lang == "bash"]
+    for line in _commands(bash):
+        argv = shlex.split(line)
+        if "bench-models/" in line:
+            continue  # the benchmark model is built separately (see Benchmarks)
+        r = subprocess.run(
+            _fastllm_command() + argv[1:], capture_output=True, text=True, env=_env(), timeout=300
+        )
+        assert r.returncode == 0, (line, r.stderr)
+        assert "quantized" in r.stderr and r.stdout.strip(), line
+
+
 def test_readme_overview_commands_run_as_written():
     """The command overview's one-shot commands on the demo model (not the
     interactive chat, the long-running serve, nor a placeholder MODEL)."""
