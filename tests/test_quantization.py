@@ -191,3 +191,16 @@ def test_weights_shrink_and_the_float_copies_are_freed(quantization, bound):
     assert total <= bound * float_bytes, (total, float_bytes)
     # The tied embedding reads its rows from the quantized head.
     assert model.model.embed_tokens.quantized is model.packed_head
+
+
+def test_bench_latency_runs_quantized(make_model, tmp_path):
+    import json
+
+    from fastllm.cli import main
+
+    out = tmp_path / "lat.json"
+    args = ["--input-len", "8", "--output-len", "4", "--num-iters", "1", "--device", "cpu"]
+    folder = make_model("llama")
+    assert main(["bench", "latency", folder, *args, "-q", "int4", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["results"][0]["decode_tokens_per_s"] > 0

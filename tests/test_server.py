@@ -791,3 +791,16 @@ def test_logit_bias_and_vllm_token_fields_match_offline(client, llm, server):
         json.dumps({"model": NAME, "prompt": "x", "logit_bias": {"-4": 1}}),
     )  # fmt: skip
     assert status == 400 and body["error"]["param"] == "logit_bias", body
+
+
+def test_quantized_model_is_served_and_shown(model_dir):
+    from fastllm.server.app import startup_summary
+
+    with _app_server(model_dir, quantization="int8") as (app, addr):
+        status, models = _get(*addr, "/v1/models")
+        assert status == 200
+        assert [m["quantization"] for m in json.loads(models)["data"]] == ["q8_0"]
+        body = {"model": json.loads(models)["data"][0]["id"], "prompt": "x", "max_tokens": 3}
+        status, answer = _post(*addr, "/v1/completions", json.dumps(body))
+        assert status == 200 and answer["usage"]["completion_tokens"] == 3, answer
+        assert "quantization   int8 (q8_0)" in startup_summary(app, "127.0.0.1", 8000)

@@ -308,6 +308,61 @@ def gemm_paths() -> list[str]:
 def gemm_default_path() -> str:
     """The kernel ``PackedLinear`` runs when none is named: the fastest this CPU has."""
 
+# ---- quantized linear (integer GEMM) ----
+
+class QuantizedLinear:
+    """A linear layer's weight quantized for the CPU's integer kernels.
+
+    ``format``: "q8_0", "q4_0" or "iq4_nl" (GGUF's numbers: 32 inputs per f16
+    scale). ``weight`` [out_features, in_features] bf16 or f32 on the CPU is
+    quantized (round to nearest; rows padded to whole groups); ``bias`` stays
+    f32. ``path`` names an integer kernel path (one of ``quant_paths()``);
+    default: ``quant_default_path()``. Releases the GIL.
+    """
+
+    in_features: int
+    out_features: int
+    nbytes: int
+    format: str
+    path: str
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        format: str = "q8_0",
+        path: str | None = None,
+    ) -> None: ...
+    @staticmethod
+    def from_blocks(
+        blocks: torch.Tensor,
+        out_features: int,
+        in_features: int,
+        format: str,
+        bias: torch.Tensor | None = None,
+        path: str | None = None,
+    ) -> QuantizedLinear:
+        """Adopts GGUF blocks bit for bit: ``blocks`` uint8, out_features rows of
+        in_features / 32 blocks."""
+    def forward(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """Writes ``x @ weight.T + bias`` into ``out`` [M, out_features] (bf16 or f32);
+        x [M, in_features] is quantized to int8 per group of 32. Releases the GIL."""
+    def embed(self, out: torch.Tensor, ids: torch.Tensor) -> None:
+        """Writes rows ``ids`` (int64 [T]) of the weight, dequantized, into ``out``
+        [T, in_features]: an embedding table tied to this weight."""
+    def to_blocks(self) -> bytes:
+        """The weights as GGUF blocks (rows padded to whole groups)."""
+
+def quant_paths() -> list[str]:
+    """Names of the integer kernel paths this CPU runs (subset of scalar, avx2, avxvnni,
+    avx512, avx512vnni)."""
+
+def quant_default_path() -> str:
+    """The path ``QuantizedLinear`` runs when none is named: the fastest this CPU has."""
+
+def quant_formats() -> list[str]:
+    """Names of the quantized formats."""
+
 # ---- layers ----
 
 def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
