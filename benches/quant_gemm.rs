@@ -19,8 +19,11 @@ use fastllm::quant::{gemm_with_path, QuantFormat, QuantWeight};
 use half::bf16;
 
 /// (name, N, K) of the model's matrix products.
-const SHAPES: [(&str, usize, usize); 3] =
-    [("qkv", 1152, 896), ("gate_up", 9728, 896), ("down", 896, 4864)];
+const SHAPES: [(&str, usize, usize); 3] = [
+    ("qkv", 1152, 896),
+    ("gate_up", 9728, 896),
+    ("down", 896, 4864),
+];
 
 fn values(len: usize, salt: usize) -> Vec<bf16> {
     (0..len)

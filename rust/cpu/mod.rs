@@ -151,7 +151,10 @@ impl IntPath {
 
     /// The paths this CPU can run, in the order of `ALL`.
     pub fn available() -> Vec<IntPath> {
-        IntPath::ALL.into_iter().filter(|p| p.is_available()).collect()
+        IntPath::ALL
+            .into_iter()
+            .filter(|p| p.is_available())
+            .collect()
     }
 
     /// The fastest path this CPU can run: VNNI before the two-instruction

@@ -81,12 +81,7 @@ impl PyQuantizedLinear {
         blocks.check(&[DType::U8], ndim)?;
         let bias = bias_arg(bias, out_features)?;
         // SAFETY: checked (uint8, CPU, contiguous); alive during the call.
-        let (data, bs) = unsafe {
-            (
-                blocks.slice::<u8>(),
-                bias.as_ref().map(|b| kernel_src(b)),
-            )
-        };
+        let (data, bs) = unsafe { (blocks.slice::<u8>(), bias.as_ref().map(|b| kernel_src(b))) };
         let inner = py.detach(move || {
             QuantWeight::from_blocks(format, data, bs, out_features, in_features)
         })?;
@@ -121,7 +116,12 @@ impl PyQuantizedLinear {
 
     /// out [T, in_features] = rows `ids` [T] (int64) of the weight,
     /// dequantized: the lookup of an embedding table tied to this weight.
-    fn embed(&self, py: Python<'_>, out: &Bound<'_, PyAny>, ids: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn embed(
+        &self,
+        py: Python<'_>,
+        out: &Bound<'_, PyAny>,
+        ids: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let ids = TensorArg::extract("ids", ids)?;
         ids.check(&[DType::I64], 1)?;
         let t = ids.shape[0];

@@ -24,7 +24,7 @@ pub const IQ4_NL_LEVELS: [i8; 16] = [
 
 /// Quantizes `rows` rows of `k` (a multiple of 32) weights into blocks.
 pub fn quantize_rows(format: QuantFormat, w: Src<'_>, rows: usize, k: usize, out: &mut [u8]) {
-    debug_assert!(k % GROUP == 0 && w.len() >= rows * k);
+    debug_assert!(k.is_multiple_of(GROUP) && w.len() >= rows * k);
     let bb = format.block_bytes();
     debug_assert!(out.len() >= rows * (k / GROUP) * bb);
     let mut vals = [0f32; GROUP];

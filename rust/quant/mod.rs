@@ -148,8 +148,14 @@ fn quantize_activations(path: IntPath, x: Src<'_>, m: usize, k: usize) -> CoreRe
     let groups = k.div_ceil(GROUP);
     let mut rows = QuantRows::new(m, groups);
     let kp = rows.kp;
-    let (q, abs) = (SharedOut(rows.q.as_mut_ptr()), SharedOut(rows.abs.as_mut_ptr()));
-    let (d, sum) = (SharedOut(rows.d.as_mut_ptr()), SharedOut(rows.sum.as_mut_ptr()));
+    let (q, abs) = (
+        SharedOut(rows.q.as_mut_ptr()),
+        SharedOut(rows.abs.as_mut_ptr()),
+    );
+    let (d, sum) = (
+        SharedOut(rows.d.as_mut_ptr()),
+        SharedOut(rows.sum.as_mut_ptr()),
+    );
     let tasks = m.div_ceil(QUANTIZE_ROWS);
     let task = |t: usize| {
         let (r0, r1) = (t * QUANTIZE_ROWS, ((t + 1) * QUANTIZE_ROWS).min(m));
@@ -256,10 +262,10 @@ mod tests {
             w.dequantize_row(j, &mut row).unwrap();
             for i in 0..m {
                 let mut s = 0f64;
-                for c in 0..k {
+                for (c, &wv) in row.iter().enumerate() {
                     let g = c / GROUP;
                     let xv = rows.q[i * rows.kp + c] as f64 * rows.d[i * rows.groups + g] as f64;
-                    s += xv * row[c] as f64;
+                    s += xv * wv as f64;
                 }
                 out[i * n + j] = s + w.bias.as_ref().map_or(0.0, |b| b[j] as f64);
             }
@@ -282,8 +288,8 @@ mod tests {
             let wf: Vec<f32> = (0..n * k).map(|_| rng.f32()).collect();
             let b: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
             for format in QuantFormat::ALL {
-                let w = QuantWeight::quantize(format, Src::F32(&wf), Some(Src::F32(&b)), n, k)
-                    .unwrap();
+                let w =
+                    QuantWeight::quantize(format, Src::F32(&wf), Some(Src::F32(&b)), n, k).unwrap();
                 let want = reference(&w, &x, m);
                 for path in IntPath::available() {
                     let mut out = vec![0f32; m * n];
@@ -349,7 +355,11 @@ mod tests {
                 for g in 0..k / GROUP {
                     let blk = &blocks[(j * (k / GROUP) + g) * format.block_bytes()..];
                     blocks::dequantize_block(format, blk, &mut want);
-                    assert_eq!(&ra[g * GROUP..(g + 1) * GROUP], &want[..], "{format:?} {j} {g}");
+                    assert_eq!(
+                        &ra[g * GROUP..(g + 1) * GROUP],
+                        &want[..],
+                        "{format:?} {j} {g}"
+                    );
                 }
             }
         }

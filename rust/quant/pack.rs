@@ -90,7 +90,7 @@ impl QuantWeight {
         n: usize,
         k: usize,
     ) -> CoreResult<Self> {
-        if k % GROUP != 0 {
+        if !k.is_multiple_of(GROUP) {
             return Err(CoreError::invalid(format!(
                 "{}: in_features ({k}) must be a multiple of {GROUP}",
                 format.name()

@@ -78,7 +78,11 @@ pub(super) unsafe fn run<K: Kernel>(kernel: K) -> K::Output {
 pub struct Avx512Int<const V: bool>;
 
 impl<const V: bool> IntSimd for Avx512Int<V> {
-    const PATH: IntPath = if V { IntPath::Avx512Vnni } else { IntPath::Avx512 };
+    const PATH: IntPath = if V {
+        IntPath::Avx512Vnni
+    } else {
+        IntPath::Avx512
+    };
     const LANES: usize = 16;
     const VNNI: bool = V;
     type I = __m512i;
