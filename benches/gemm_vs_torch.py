@@ -57,9 +57,7 @@ def main() -> None:
     ap.add_argument("--ms", default="1,4,16,64", help="comma-separated M values")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--min-bytes", type=int, default=512 << 20, help="weights per shape")
-    ap.add_argument(
-        "--paths", default="", help="GEMM paths to time (default: gemm_default_path())"
-    )
+    ap.add_argument("--paths", default="", help="GEMM paths to time (default: gemm_default_path())")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     ap.add_argument(
         "--threads", type=int, default=None, help="threads for both (default: FASTLLM_NUM_THREADS)"
@@ -222,7 +220,7 @@ def vs_fp32(args) -> None:
                     f"{name} M={m} {p} {wd}"
                 )
 
-            def rust(p, wd):
+            def rust(p, wd, packed=packed, xs=xs, outs=outs):
                 layers, x, out = packed[(p, wd)], xs[wd], outs[wd]
 
                 def call():
@@ -231,7 +229,7 @@ def vs_fp32(args) -> None:
 
                 return call
 
-            def torch_fp32():
+            def torch_fp32(w32=w32, b32=b32, x32=x32):
                 for w, b in zip(w32, b32):
                     torch.nn.functional.linear(x32, w, b)
 

@@ -314,6 +314,7 @@ mod tests {
             (19, 90, 520),
             (5, 16, 1),
             (8, 33, 129),
+            (9, 70, 2600),
         ] {
             let x: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
             let w: Vec<f32> = (0..n * k).map(|_| rng.f32()).collect();
@@ -388,10 +389,10 @@ mod tests {
 
     #[test]
     fn rows_sum_alike_in_any_call_on_every_path() {
-        // k over several blocks: a call of many rows (k in blocks, tiles of
-        // the path's full height) against calls of one row (f32 weights) or
+        // k over several blocks: a call of many rows (k in blocks, several
+        // blocks of rows, tiles of the path's full height) against calls of one row (f32 weights) or
         // two (bf16: one row of bf16 may stream its panel in segments).
-        let (m, n, k) = (70, 100, 600);
+        let (m, n, k) = (70, 100, 1500);
         let mut rng = Rng(5);
         let x: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
         let w: Vec<f32> = (0..n * k).map(|_| rng.f32()).collect();
