@@ -25,11 +25,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--path", default=None, help="kernel path (one of _core.gemm_paths())")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 128])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help="projections to time")
     args = ap.parse_args()
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     out = {}
     for name, (k, n) in SHAPES.items():
+        if name not in args.shapes:
+            continue
         w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
         packed = _core.PackedLinear(w, None, path=args.path)
         for m in args.rows:

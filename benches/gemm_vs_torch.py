@@ -12,6 +12,16 @@ processes hits both alike.
 
     PYTHONPATH=python python benches/gemm_vs_torch.py [--ms 1,4,16,64] [--repeats 5] [--threads N]
         [--paths avx512,avx2] [--shapes qkv,o_proj,gate_up,down,lm_head]
+
+``--vs-fp32`` compares against torch's float32 ``F.linear`` instead (float32 x
+and weights: torch's best dtype on a CPU without native bf16 arithmetic) and
+times each path twice, on bf16 weights with bf16 x (the model's case) and on
+f32 weights with f32 x, printing GFLOP/s and torch's time over the kernel's
+(> 1: the packed GEMM is faster). To compare with torch on an AVX2-only CPU
+from a machine with AVX-512, limit torch's kernels with
+``ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2``
+and check that torch's column drops against an unrestricted run. Use a small
+``--min-bytes`` there (e.g. 33554432): at M >= 16 the calls are compute-bound.
 """
 
 from __future__ import annotations
@@ -47,14 +57,20 @@ def main() -> None:
     ap.add_argument("--ms", default="1,4,16,64", help="comma-separated M values")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--min-bytes", type=int, default=512 << 20, help="weights per shape")
-    ap.add_argument(
-        "--paths", default="", help="GEMM paths to time (default: gemm_default_path())"
-    )
+    ap.add_argument("--paths", default="", help="GEMM paths to time (default: gemm_default_path())")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     ap.add_argument(
         "--threads", type=int, default=None, help="threads for both (default: FASTLLM_NUM_THREADS)"
     )
+    ap.add_argument(
+        "--vs-fp32",
+        action="store_true",
+        help="against torch float32 F.linear; each path on bf16 and on f32 weights, GFLOP/s",
+    )
     args = ap.parse_args()
+    if args.vs_fp32:
+        vs_fp32(args)
+        return
     if args.threads:
         # Read by the Rust pool when it first runs a kernel: set before any call.
         os.environ["FASTLLM_NUM_THREADS"] = str(args.threads)
@@ -151,6 +167,97 @@ def main() -> None:
     print("crossover (smallest M at which torch is faster; None: Rust faster at every M tried):")
     for name, m in crossover.items():
         print(f"  {name:8} {m}")
+    print("spread = largest (max - min) / median over the repeats of any column: the noise.")
+
+
+def vs_fp32(args) -> None:
+    """The ``--vs-fp32`` table: GFLOP/s of each path on bf16 and f32 weights
+    and of torch's float32 ``F.linear``, with torch's time over each."""
+    if args.threads:
+        os.environ["FASTLLM_NUM_THREADS"] = str(args.threads)
+    ms = [int(v) for v in args.ms.split(",")]
+    threads = _core.num_threads()
+    torch.set_num_threads(threads)
+    paths = [p for p in args.paths.split(",") if p in _core.gemm_paths()]
+    paths = paths or [_core.gemm_default_path()]
+    isa_env = {v: os.environ.get(v) for v in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")}
+    print(
+        f"threads={threads}  rust paths={paths}  torch {torch.__version__} "
+        f"(capability {torch.backends.cpu.get_cpu_capability()}, {isa_env})"
+    )
+    cols = [(p, wd) for p in paths for wd in ("bf16", "f32")]
+    names = [f"{p}/{wd}" for p, wd in cols] + ["torch fp32"]
+    head = "".join(f" | {c[:14]:>14} GF/s" for c in names)
+    ratios = "".join(f" | {c[:14]:>14}" for c in names[:-1])
+    header = f"{'shape':8} {'N':>6} {'K':>5} {'M':>4}{head}{ratios} | spread"
+    print("GFLOP/s; then torch fp32 time / kernel time per column (> 1: kernel faster)")
+    print(header)
+    print("-" * len(header))
+    wanted = set(args.shapes.split(","))
+    for name, n, k, has_bias in SHAPES:
+        if name not in wanted:
+            continue
+        copies = max(1, -(-args.min_bytes // (n * k * 4)))
+        g = torch.Generator().manual_seed(0)
+        w32 = [torch.randn(n, k, generator=g) / k**0.5 for _ in range(copies)]
+        w32 = [w.to(torch.bfloat16).float() for w in w32]  # same values in both dtypes
+        b32 = [torch.randn(n, generator=g) if has_bias else None for _ in range(copies)]
+        packed = {
+            (p, wd): [
+                _core.PackedLinear(w.to(torch.bfloat16) if wd == "bf16" else w, b, path=p)
+                for w, b in zip(w32, b32)
+            ]
+            for p, wd in cols
+        }
+        for m in ms:
+            x32 = torch.randn(m, k, generator=g).to(torch.bfloat16).float()
+            xs = {"bf16": x32.to(torch.bfloat16), "f32": x32}
+            outs = {wd: torch.empty(m, n, dtype=x.dtype) for wd, x in xs.items()}
+            ref = torch.nn.functional.linear(x32, w32[0], b32[0])
+            for p, wd in cols:
+                packed[(p, wd)][0].forward(outs[wd], xs[wd])
+                assert torch.allclose(outs[wd].float(), ref, rtol=2**-7, atol=1e-2), (
+                    f"{name} M={m} {p} {wd}"
+                )
+
+            def rust(p, wd, packed=packed, xs=xs, outs=outs):
+                layers, x, out = packed[(p, wd)], xs[wd], outs[wd]
+
+                def call():
+                    for layer in layers:
+                        layer.forward(out, x)
+
+                return call
+
+            def torch_fp32(w32=w32, b32=b32, x32=x32):
+                for w, b in zip(w32, b32):
+                    torch.nn.functional.linear(x32, w, b)
+
+            fns = {f"{p}/{wd}": rust(p, wd) for p, wd in cols}
+            fns["torch fp32"] = torch_fp32
+            times: dict[str, list[float]] = {c: [] for c in fns}
+            for rep in range(args.repeats + 1):  # the first round warms up
+                for c, fn in fns.items():
+                    # Let the other side's spinning threads (the Rust team's,
+                    # torch's OpenMP workers) go to sleep first, and time at
+                    # least 20 ms of calls.
+                    time.sleep(0.01)
+                    calls, t0 = 0, time.perf_counter()
+                    while True:
+                        fn()
+                        calls += copies
+                        t = time.perf_counter() - t0
+                        if t > 0.02:
+                            break
+                    if rep:
+                        times[c].append(t / calls)
+            med = {c: statistics.median(v) for c, v in times.items()}
+            spread = max((max(v) - min(v)) / med[c] for c, v in times.items())
+            flops = 2 * m * n * k
+            row = "".join(f" | {flops / med[c] / 1e9:19.1f}" for c in names)
+            row += "".join(f" | {med['torch fp32'] / med[c]:13.2f}x" for c in names[:-1])
+            print(f"{name:8} {n:6} {k:5} {m:4}{row} | {spread:5.0%}", flush=True)
+        del packed, w32, b32
     print("spread = largest (max - min) / median over the repeats of any column: the noise.")
 
 

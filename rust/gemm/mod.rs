@@ -12,9 +12,13 @@
 //!
 //! ## Kernel
 //! A register tile of `MR` rows of `x` × 32 features accumulates in f32 with
-//! FMA (AVX-512F: `MR` up to 12, 24 accumulators; AVX2: up to 3, 12), each
-//! weight line loaded once per tile and each element of `x` broadcast from
-//! memory. On the Xeons measured, two f32 FMAs retire per cycle and one
+//! FMA (AVX-512F: `MR` up to 12, 24 accumulators), each weight line loaded
+//! once per tile and each element of `x` broadcast from memory. AVX2 has 16
+//! registers: its tiles are up to 6 rows × 16 features (12 accumulators,
+//! the panel's two halves one after the other; 2 rows or fewer take all 32
+//! at once), over the panel in blocks of k of 16 KB that stay in L1 while
+//! every tile of the task's rows passes over them. Each entry point compiles
+//! one tile height, so the register allocator keeps every sum in a register. On the Xeons measured, two f32 FMAs retire per cycle and one
 //! `vdpbf16ps` per two, so widening bf16 and using FMA is twice as fast as the
 //! bf16 dot-product instruction while reading the same bytes.
 //!
@@ -42,16 +46,39 @@ const SERIAL_FLOPS: usize = 1 << 18;
 /// Up to this many rows a call is memory-bound: one task per thread.
 const STREAM_ROWS: usize = 4;
 
-/// Bytes of `x` (as f32) a block of rows may take, so that it stays in L2
-/// while every panel of a task passes over it.
-const ROW_BLOCK_BYTES: usize = 512 * 1024;
+/// Bytes of `x` (as f32) a block of rows may take on the AVX-512 paths (see
+/// `row_block_bytes`).
+pub(crate) const ROW_BLOCK_BYTES: usize = 512 * 1024;
 
 /// The register tile rows of each path.
 fn max_rows(path: Path) -> usize {
     match path {
         Path::Scalar => 4,
-        Path::Avx2 => 3,
+        Path::Avx2 => 6,
         Path::Avx512 | Path::Avx512Bf16 => 12,
+    }
+}
+
+/// Bytes of a panel one pass of the tiles covers (a block of k), per path,
+/// for calls of more than `STREAM_ROWS` rows: the block stays in L1 while
+/// every tile of rows of the task passes over it. `None`: all of k at once.
+/// AVX2: 16 KB (256 bf16 lines, 128 f32 pairs) beside a tile's 6 rows of x
+/// (6 KB) in a 32 KB L1.
+fn k_block_bytes(path: Path) -> Option<usize> {
+    match path {
+        Path::Avx2 => Some(16 * 1024),
+        _ => None,
+    }
+}
+
+/// Bytes of `x` (as f32) a block of rows may take, per path, so that it
+/// stays in L2 while every panel of a task passes over it: half of the
+/// 512 KB L2 of the AVX2-only CPUs aimed at (AMD Zen 3), leaving room for
+/// the panel; 512 KB elsewhere.
+fn row_block_bytes(path: Path) -> usize {
+    match path {
+        Path::Avx2 => ROW_BLOCK_BYTES / 2,
+        _ => ROW_BLOCK_BYTES,
     }
 }
 
@@ -120,40 +147,68 @@ fn run<T: Element>(
     m: usize,
 ) -> CoreResult<()> {
     let (n, k) = (w.n, w.k);
+    let mr = max_rows(path);
+    // k in blocks (a multiple of 16 lines) where the path asks for them.
+    let line_bytes = if w.bf16 { 64 } else { 128 };
+    let kc = match k_block_bytes(path) {
+        Some(bytes) if m > STREAM_ROWS => (bytes / line_bytes / 16 * 16).max(16).min(k),
+        _ => k,
+    };
     let shared = SharedOut(out.as_mut_ptr());
+    let rows_in_l2 = row_block_bytes(path) / (4 * k).max(1);
     let serial = m * n * k < SERIAL_FLOPS;
-    for_each_tile(
-        m,
-        w.panels(),
-        4 * k,
-        max_rows(path),
-        serial,
-        &|tile: &mut [[f32; NR]; 12], i, rows, p| {
-            tile_dispatch(path, &x[i * k..], k, w, p, rows, tile);
-            // SAFETY: rows i..i + rows x features of panel p belong to this
-            // tile only; out holds m * n elements (checked by the caller).
-            unsafe { store_tile(shared.ptr(), &tile[..rows], w.bias.as_deref(), i, n, p) };
-        },
-    )
+    for_each_task(m, w.panels(), rows_in_l2, mr, serial, &|r0, r1, p0, p1| {
+        // SAFETY (store_tile): rows r0..r1 x features of panel p belong to
+        // this task only; out holds m * n elements (checked by the caller).
+        if kc == k {
+            let mut tile = [[0f32; NR]; 12];
+            for p in p0..p1 {
+                let mut i = r0;
+                while i < r1 {
+                    let rows = mr.min(r1 - i);
+                    tile_dispatch(path, &x[i * k..], k, 0, k, w, p, rows, &mut tile[..rows]);
+                    unsafe { store_tile(shared.ptr(), &tile[..rows], w.bias.as_deref(), i, n, p) };
+                    i += rows;
+                }
+            }
+            return;
+        }
+        // Each panel in blocks of k: a block stays in L1 while every tile
+        // of rows passes over it (the panel is still read in order); the
+        // sums of the panel wait in `sums` between blocks.
+        let rows = r1 - r0;
+        let mut sums = vec![[0f32; NR]; rows];
+        for p in p0..p1 {
+            for k0 in (0..k).step_by(kc) {
+                let len = kc.min(k - k0);
+                let mut i = r0;
+                while i < r1 {
+                    let tr = mr.min(r1 - i);
+                    let tile = &mut sums[i - r0..i - r0 + tr];
+                    tile_dispatch(path, &x[i * k + k0..], k, k0, len, w, p, tr, tile);
+                    i += tr;
+                }
+            }
+            unsafe { store_tile(shared.ptr(), &sums, w.bias.as_deref(), r0, n, p) };
+        }
+    })
 }
 
 /// Splits `m` rows x `panels` panels into tasks of (block of rows, group of
-/// panels), run by the thread team, and calls `tile(scratch, i, rows, p)`
-/// for every register tile of up to `mr` rows starting at row `i`, in panel
-/// `p`; `scratch` is one per task. `row_bytes`: bytes of one row of the
-/// input as the kernel reads it (the row blocks stay in L2). `serial`: run
-/// on the calling thread (small calls).
-pub(crate) fn for_each_tile<B: Default>(
+/// panels) and runs `task(r0, r1, p0, p1)` for each on the thread team (on
+/// the calling thread when `serial`, for small calls). A block holds at
+/// most `rows_in_l2` rows (so that it stays in L2 while the task's panels
+/// pass over it), rounded to whole tiles of `mr` rows.
+pub(crate) fn for_each_task(
     m: usize,
     panels: usize,
-    row_bytes: usize,
+    rows_in_l2: usize,
     mr: usize,
     serial: bool,
-    tile: &(dyn Fn(&mut B, usize, usize, usize) + Sync),
+    task: &(dyn Fn(usize, usize, usize, usize) + Sync),
 ) -> CoreResult<()> {
     let threads = crate::cpu::threads::num_threads();
-    // Rows per block: a multiple of the tile that keeps the block in L2.
-    let by_cache = ((ROW_BLOCK_BYTES / row_bytes.max(1)) / mr * mr).max(mr);
+    let by_cache = (rows_in_l2 / mr * mr).max(mr);
     let row_blocks = m.div_ceil(by_cache);
     let rows_per_block = m.div_ceil(row_blocks).div_ceil(mr) * mr;
     let row_blocks = m.div_ceil(rows_per_block);
@@ -163,26 +218,17 @@ pub(crate) fn for_each_tile<B: Default>(
     let per_thread = if m <= STREAM_ROWS { 1 } else { 4 };
     let groups = (per_thread * threads).div_ceil(row_blocks).clamp(1, panels);
     let tasks = row_blocks * groups;
-    let task = |t: usize| {
+    let one = |t: usize| {
         let (rb, g) = (t / groups, t % groups);
         let r0 = rb * rows_per_block;
         let r1 = (r0 + rows_per_block).min(m);
-        let (p0, p1) = (g * panels / groups, (g + 1) * panels / groups);
-        let mut scratch = B::default();
-        for p in p0..p1 {
-            let mut i = r0;
-            while i < r1 {
-                let rows = mr.min(r1 - i);
-                tile(&mut scratch, i, rows, p);
-                i += rows;
-            }
-        }
+        task(r0, r1, g * panels / groups, (g + 1) * panels / groups);
     };
     if tasks == 1 || threads == 1 || serial {
-        (0..tasks).for_each(task);
+        (0..tasks).for_each(one);
         Ok(())
     } else {
-        crate::cpu::threads::team_run(tasks, &task)
+        crate::cpu::threads::team_run(tasks, &one)
     }
 }
 
@@ -218,30 +264,45 @@ pub(crate) unsafe fn store_tile<T: Element>(
     }
 }
 
-/// One register tile: `rows` rows of `x` (stride `k`, starting at `x[0]`) ×
-/// panel `p`, sums into `tile[..rows]`.
+/// One register tile: `rows` rows of `x` (stride `k`, starting at `x[0]`,
+/// the row's element `k0`) x lines `k0..k0 + kc` of panel `p`; sums into
+/// `tile` (`rows` rows), added to what it holds unless `k0 == 0`.
+#[allow(clippy::too_many_arguments)]
 fn tile_dispatch(
     path: Path,
     x: &[f32],
     k: usize,
+    k0: usize,
+    kc: usize,
     w: &PackedWeight,
     p: usize,
     rows: usize,
-    tile: &mut [[f32; NR]; 12],
+    tile: &mut [[f32; NR]],
 ) {
-    debug_assert!(x.len() >= (rows - 1) * k + k && rows <= max_rows(path));
-    let b = w.lines[p * w.panel_bytes() / 64..].as_ptr() as *const u8;
-    let op = tile::Tile {
-        x: x.as_ptr(),
-        k,
-        b,
-        bf16: w.bf16,
-        rows,
-        tile,
-    };
+    assert!(tile.len() == rows && rows <= max_rows(path) && k0 + kc <= k);
+    assert!(x.len() >= (rows - 1) * k + kc);
+    let line = p * w.panel_bytes() / 64 + k0 * if w.bf16 { 1 } else { 2 };
+    let b = w.lines[line..].as_ptr() as *const u8;
+    macro_rules! each_rows {
+        ($($r:literal)*) => {
+            match rows {
+                $($r => simd::dispatch(path, tile::Tile::<$r> {
+                    x: x.as_ptr(),
+                    stride: k,
+                    kc,
+                    b,
+                    bf16: w.bf16,
+                    add: k0 > 0,
+                    out: tile.as_mut_ptr(),
+                }),)*
+                _ => unreachable!("tile rows exceed the path's maximum"),
+            }
+        };
+    }
     // The caller checked that the path is available; x holds `rows` rows of
-    // k and the panel k (bf16) or 2k (f32) lines.
-    simd::dispatch(path, op);
+    // kc (stride k), the panel kc (bf16) or 2kc (f32) lines from `b` and
+    // `tile` `rows` rows (checked above).
+    each_rows!(1 2 3 4 5 6 7 8 9 10 11 12);
 }
 
 #[cfg(test)]
@@ -260,6 +321,16 @@ mod tests {
             (13, 70, 3),
             (40, 100, 96),
             (27, 31, 129),
+            // Tiles of 6 rows and k in blocks (AVX2: 256 bf16 lines, 128
+            // f32): rows not a multiple of the tile, n not a multiple of 16
+            // or 32, k over several blocks with a remainder, k of one line.
+            (7, 48, 600),
+            (11, 17, 300),
+            (6, 40, 257),
+            (19, 90, 520),
+            (5, 16, 1),
+            (8, 33, 129),
+            (9, 70, 2600),
         ] {
             let x: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
             let w: Vec<f32> = (0..n * k).map(|_| rng.f32()).collect();
@@ -329,6 +400,40 @@ mod tests {
             )
             .unwrap();
             assert_eq!(&all[i * n..(i + 1) * n], &one[..], "row {i}");
+        }
+    }
+
+    #[test]
+    fn rows_sum_alike_in_any_call_on_every_path() {
+        // k over several blocks: a call of many rows (k in blocks, several
+        // blocks of rows, tiles of the path's full height) against calls of one row (f32 weights) or
+        // two (bf16: one row of bf16 may stream its panel in segments).
+        let (m, n, k) = (70, 100, 1500);
+        let mut rng = Rng(5);
+        let x: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
+        let w: Vec<f32> = (0..n * k).map(|_| rng.f32()).collect();
+        let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+        for bf in [false, true] {
+            let packed = if bf {
+                PackedWeight::pack(Src::Bf16(&wb), None, n, k).unwrap()
+            } else {
+                PackedWeight::pack(Src::F32(&w), None, n, k).unwrap()
+            };
+            let few = if bf { 2 } else { 1 };
+            for path in available_paths() {
+                let mut all = vec![0f32; m * n];
+                gemm_with_path(path, Dst::F32(&mut all), Src::F32(&x), &packed, m).unwrap();
+                for i in [0, 13, 68] {
+                    let mut one = vec![0f32; few * n];
+                    let xs = Src::F32(&x[i * k..(i + few) * k]);
+                    gemm_with_path(path, Dst::F32(&mut one), xs, &packed, few).unwrap();
+                    assert_eq!(
+                        &all[i * n..(i + few) * n],
+                        &one[..],
+                        "{path:?} bf16={bf} row {i}"
+                    );
+                }
+            }
         }
     }
 

@@ -1,7 +1,9 @@
 //! The GEMM's register tile, written once over [`Simd`]: `R` rows of `x` x
 //! one panel of 32 output features, accumulated in f32 with FMA (AVX-512:
-//! `R` up to 12, 24 accumulators; AVX2: up to 3, 12; scalar: up to 4).
-//! Each weight line is loaded (and widened, for bf16) once per tile and each
+//! `R` up to 12, 24 accumulators; scalar: up to 4). AVX2 (16 registers)
+//! takes up to 2 rows x 32 features (8 accumulators) or up to 6 rows x 16
+//! features (12), the panel's two halves one after the other. Each weight
+//! line is loaded (and widened, for bf16) once per tile (or part) and each
 //! element of `x` broadcast from memory.
 
 use super::NR;
@@ -11,90 +13,182 @@ use crate::cpu::simd::{Kernel, Simd};
 /// four segments of its panel.
 const PREFETCH_LINES: usize = 16;
 
-/// One tile call: `rows` rows of `x` (stride `k`) x the panel at `b`, sums
-/// into `tile[..rows]`.
-pub(super) struct Tile<'a> {
+/// One tile call: `R` rows of `x` (stride `stride`) x `kc` lines of the
+/// panel at `b`, sums into `out[..R]` (added to what `out` holds if `add`).
+/// Each `R` is a kernel of its own, so that each gets its own entry point
+/// (one function per height: the register allocator sees one tile at a
+/// time, and keeps its sums in registers).
+pub(super) struct Tile<const R: usize> {
     pub(super) x: *const f32,
-    pub(super) k: usize,
+    pub(super) stride: usize,
+    pub(super) kc: usize,
     pub(super) b: *const u8,
     pub(super) bf16: bool,
-    pub(super) rows: usize,
-    pub(super) tile: &'a mut [[f32; NR]; 12],
+    pub(super) add: bool,
+    pub(super) out: *mut [f32; NR],
 }
 
-impl Kernel for Tile<'_> {
+impl<const R: usize> Kernel for Tile<R> {
     type Output = ();
 
     #[inline(always)]
     fn run<S: Simd>(self) {
         let Tile {
             x,
-            k,
+            stride,
+            kc,
             b,
             bf16,
-            rows,
-            tile,
+            add,
+            out,
         } = self;
-        macro_rules! each_rows {
-            ($($r:literal)*) => {
-                match rows {
-                    // SAFETY: the caller checked the path and that x holds
-                    // `rows` rows of k and the panel k lines (bf16) or 2k (f32).
-                    $($r => unsafe { tile_rows::<S, $r>(x, k, b, bf16, tile) },)*
-                    _ => unreachable!("tile rows exceed the path's maximum"),
-                }
-            };
-        }
-        each_rows!(1 2 3 4 5 6 7 8 9 10 11 12);
+        let t = Args {
+            x,
+            stride,
+            kc,
+            b,
+            add,
+            out,
+        };
+        // SAFETY: the caller checked the path and that x holds `R` rows of
+        // `kc` (stride `stride`), the panel `kc` lines (bf16) or 2 `kc` (f32)
+        // and `out` `R` rows.
+        unsafe { tile_rows::<S, R>(t, bf16) }
     }
 }
 
-/// A tile of `R` rows x 32 features.
+/// A tile's pointers, as [`Tile`] has them.
+#[derive(Clone, Copy)]
+struct Args {
+    x: *const f32,
+    stride: usize,
+    kc: usize,
+    b: *const u8,
+    add: bool,
+    out: *mut [f32; NR],
+}
+
+/// A tile of `R` rows x 32 features: at once up to `S::FULL_ROW_ROWS` rows,
+/// else as `S::PARTS` parts of the panel one after the other (each reads
+/// the same lines of `x` and of the panel, from L1).
 ///
 /// # Safety
-/// Runs inside `S`'s entry point; `x` points to `R` rows of `k` f32 (stride
-/// `k`), `b` to a 64-byte aligned panel of `k` lines (bf16) or `2k` (f32).
+/// Runs inside `S`'s entry point; `x` points to `R` rows of `kc` f32 (stride
+/// `stride`), `b` to a 64-byte aligned panel of `kc` lines (bf16) or `2kc`
+/// (f32), `out` to `R` rows.
 #[inline(always)]
-unsafe fn tile_rows<S: Simd, const R: usize>(
-    x: *const f32,
-    k: usize,
-    b: *const u8,
-    bf16: bool,
-    tile: &mut [[f32; NR]; 12],
-) {
+unsafe fn tile_rows<S: Simd, const R: usize>(t: Args, bf16: bool) {
+    if R > S::FULL_ROW_ROWS && S::PARTS == 2 {
+        tile_part::<S, R, 0>(t, bf16);
+        tile_part::<S, R, 1>(t, bf16);
+        return;
+    }
+    let Args {
+        x,
+        stride,
+        kc,
+        b,
+        add,
+        out,
+    } = t;
+    // Sums continue from `out` when adding, so that a row's sums are the
+    // same whether k is taken in blocks or at once.
     let mut acc = [S::zero_row(); R];
-    if bf16 && R == 1 && S::SEGMENTED_ROW {
-        acc[0] = one_row_segmented::<S>(x, k, b);
-    } else if bf16 {
-        for kk in 0..k {
-            let w = S::widen_bf16_row(b.add(kk * 64));
-            accumulate::<S, R>(&mut acc, &w, x, k, kk);
-        }
-    } else {
-        for kk in 0..k {
-            let w = S::load_row(b.add(kk * 128) as *const f32);
-            accumulate::<S, R>(&mut acc, &w, x, k, kk);
+    if add {
+        for (r, a) in acc.iter_mut().enumerate() {
+            *a = loaded::<S, _>(*a, (*out.add(r)).as_ptr());
         }
     }
-    for (sums, out) in acc.iter().zip(tile.iter_mut()) {
+    if bf16 && R == 1 && S::SEGMENTED_ROW {
+        let seg = one_row_segmented::<S>(x, kc, b);
+        if add {
+            for (v, s) in acc[0].as_mut().iter_mut().zip(seg.as_ref()) {
+                *v = S::add(*v, *s);
+            }
+        } else {
+            acc[0] = seg;
+        }
+    } else if bf16 {
+        for kk in 0..kc {
+            let w = S::widen_bf16_row(b.add(kk * 64));
+            accumulate::<S, R, _>(&mut acc, w.as_ref(), x, stride, kk);
+        }
+    } else {
+        for kk in 0..kc {
+            let w = S::load_row(b.add(kk * 128) as *const f32);
+            accumulate::<S, R, _>(&mut acc, w.as_ref(), x, stride, kk);
+        }
+    }
+    for (r, sums) in acc.iter().enumerate() {
+        let o = (*out.add(r)).as_mut_ptr();
         for (q, v) in sums.as_ref().iter().enumerate() {
-            S::store(out.as_mut_ptr().add(q * S::LANES), *v);
+            S::store(o.add(q * S::LANES), *v);
         }
     }
 }
 
-/// `acc[r] += x[r, kk] * w` for every row of the tile.
+/// Part `P` of a tile of `R` rows: features `P * 32 / PARTS..` of the panel.
+///
+/// # Safety
+/// As for `tile_rows`.
 #[inline(always)]
-unsafe fn accumulate<S: Simd, const R: usize>(
-    acc: &mut [S::Row; R],
-    w: &S::Row,
+unsafe fn tile_part<S: Simd, const R: usize, const P: usize>(t: Args, bf16: bool) {
+    let Args {
+        x,
+        stride,
+        kc,
+        b,
+        add,
+        out,
+    } = t;
+    let f0 = P * NR / S::PARTS;
+    let mut acc = [S::zero_part(); R];
+    if add {
+        for (r, a) in acc.iter_mut().enumerate() {
+            *a = loaded::<S, _>(*a, (*out.add(r)).as_ptr().add(f0));
+        }
+    }
+    if bf16 {
+        for kk in 0..kc {
+            let w = S::widen_bf16_part::<P>(b.add(kk * 64));
+            accumulate::<S, R, _>(&mut acc, w.as_ref(), x, stride, kk);
+        }
+    } else {
+        for kk in 0..kc {
+            let w = S::load_part::<P>(b.add(kk * 128) as *const f32);
+            accumulate::<S, R, _>(&mut acc, w.as_ref(), x, stride, kk);
+        }
+    }
+    for (r, sums) in acc.iter().enumerate() {
+        let o = (*out.add(r)).as_mut_ptr().add(f0);
+        for (q, v) in sums.as_ref().iter().enumerate() {
+            S::store(o.add(q * S::LANES), *v);
+        }
+    }
+}
+
+/// `v` (a row or a part) filled from the f32 at `p` (any alignment).
+#[inline(always)]
+unsafe fn loaded<S: Simd, V: AsMut<[S::F32]>>(mut v: V, p: *const f32) -> V {
+    for (q, e) in v.as_mut().iter_mut().enumerate() {
+        *e = S::load(p.add(q * S::LANES));
+    }
+    v
+}
+
+/// `acc[r] += x[r, kk] * w` for every row of the tile (`w`: the vectors of
+/// a row or of a part).
+#[inline(always)]
+unsafe fn accumulate<S: Simd, const R: usize, A: AsMut<[S::F32]>>(
+    acc: &mut [A; R],
+    w: &[S::F32],
     x: *const f32,
-    k: usize,
+    stride: usize,
     kk: usize,
 ) {
     for (r, row) in acc.iter_mut().enumerate() {
-        let a = S::splat(*x.add(r * k + kk));
-        for (sum, wq) in row.as_mut().iter_mut().zip(w.as_ref()) {
+        let a = S::splat(*x.add(r * stride + kk));
+        for (sum, wq) in row.as_mut().iter_mut().zip(w) {
             *sum = S::fmadd(a, *wq, *sum);
         }
     }

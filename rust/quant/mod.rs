@@ -218,28 +218,46 @@ fn run<T: Element>(
     let shared = SharedOut(out.as_mut_ptr());
     let tables = pack::iq4_nl_tables();
     let serial = m * n * w.k < SERIAL_MACS;
-    crate::gemm::for_each_tile(
+    // A block of rows keeps its int8 activations in L2.
+    let rows_in_l2 = crate::gemm::ROW_BLOCK_BYTES / x.kp.max(1);
+    crate::gemm::for_each_task(
         m,
         w.panels(),
-        x.kp,
+        rows_in_l2,
         MAX_ROWS,
         serial,
-        &|tile: &mut [[f32; NR]; MAX_ROWS], i, rows, p| {
-            let op = QuantTile {
-                format: w.format,
-                panel: w.panel(p),
-                x,
-                i,
-                rows,
-                tables: &tables,
-                tile,
-            };
-            dispatch_int(path, op);
-            // SAFETY: rows i..i + rows x features of panel p belong to this
-            // tile only; out holds m * n elements (checked by the caller).
-            unsafe {
-                crate::gemm::store_tile(shared.ptr(), &tile[..rows], w.bias.as_deref(), i, n, p)
-            };
+        &|r0, r1, p0, p1| {
+            let mut tile = [[0f32; NR]; MAX_ROWS];
+            for p in p0..p1 {
+                let mut i = r0;
+                while i < r1 {
+                    let rows = MAX_ROWS.min(r1 - i);
+                    let op = QuantTile {
+                        format: w.format,
+                        panel: w.panel(p),
+                        x,
+                        i,
+                        rows,
+                        tables: &tables,
+                        tile: &mut tile,
+                    };
+                    dispatch_int(path, op);
+                    // SAFETY: rows i..i + rows x features of panel p belong to
+                    // this task only; out holds m * n elements (checked by the
+                    // caller).
+                    unsafe {
+                        crate::gemm::store_tile(
+                            shared.ptr(),
+                            &tile[..rows],
+                            w.bias.as_deref(),
+                            i,
+                            n,
+                            p,
+                        )
+                    };
+                    i += rows;
+                }
+            }
         },
     )
 }

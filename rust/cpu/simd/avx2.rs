@@ -13,8 +13,15 @@ impl Simd for Avx2 {
     const PATH: Path = Path::Avx2;
     const LANES: usize = 8;
     const SEGMENTED_ROW: bool = false;
+    // 16 ymm registers: a full row is 4 vectors (2 rows of sums, 8
+    // registers, plus the widened line); taller tiles take half a row at a
+    // time, 2 vectors, so that 6 rows of sums (12 registers), the half line
+    // (2), the broadcast x and the bf16 mask fit.
+    const FULL_ROW_ROWS: usize = 2;
+    const PARTS: usize = 2;
     type F32 = __m256;
     type Row = [__m256; 4];
+    type Part = [__m256; 2];
 
     #[inline(always)]
     fn mul_add(a: f32, b: f32, c: f32) -> f32 {
@@ -27,6 +34,10 @@ impl Simd for Avx2 {
     #[inline(always)]
     unsafe fn zero_row() -> [__m256; 4] {
         [_mm256_setzero_ps(); 4]
+    }
+    #[inline(always)]
+    unsafe fn zero_part() -> [__m256; 2] {
+        [_mm256_setzero_ps(); 2]
     }
     #[inline(always)]
     unsafe fn splat(v: f32) -> __m256 {
@@ -43,6 +54,10 @@ impl Simd for Avx2 {
     #[inline(always)]
     unsafe fn store(p: *mut f32, v: __m256) {
         _mm256_storeu_ps(p, v)
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> __m256 {
+        _mm256_loadu_ps(p)
     }
     #[inline(always)]
     unsafe fn load_row(p: *const f32) -> [__m256; 4] {
@@ -66,6 +81,33 @@ impl Simd for Avx2 {
             _mm256_castsi256_ps(_mm256_and_si256(l0, mask)),
             _mm256_castsi256_ps(_mm256_and_si256(l1, mask)),
         ]
+    }
+    #[inline(always)]
+    unsafe fn load_part<const P: usize>(p: *const f32) -> [__m256; 2] {
+        // Features 16 * P.. are the second 64 bytes of the row for P = 1.
+        [
+            _mm256_load_ps(p.add(16 * P)),
+            _mm256_load_ps(p.add(16 * P + 8)),
+        ]
+    }
+    #[inline(always)]
+    unsafe fn widen_bf16_part<const P: usize>(p: *const u8) -> [__m256; 2] {
+        // Part 0 (features 0..16) is the low halves of the line's 16 words,
+        // part 1 (16..32) their high halves.
+        let l0 = _mm256_load_si256(p as *const __m256i);
+        let l1 = _mm256_load_si256(p.add(32) as *const __m256i);
+        if P == 0 {
+            [
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(l0)),
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(l1)),
+            ]
+        } else {
+            let mask = _mm256_set1_epi32(0xffff_0000u32 as i32);
+            [
+                _mm256_castsi256_ps(_mm256_and_si256(l0, mask)),
+                _mm256_castsi256_ps(_mm256_and_si256(l1, mask)),
+            ]
+        }
     }
     #[inline(always)]
     unsafe fn prefetch(p: *const u8) {

@@ -13,8 +13,12 @@ impl Simd for Avx512 {
     const PATH: Path = Path::Avx512;
     const LANES: usize = 16;
     const SEGMENTED_ROW: bool = true;
+    // 32 zmm registers hold 12 rows of full-row sums.
+    const FULL_ROW_ROWS: usize = 12;
+    const PARTS: usize = 1;
     type F32 = __m512;
     type Row = [__m512; 2];
+    type Part = [__m512; 2];
 
     #[inline(always)]
     fn mul_add(a: f32, b: f32, c: f32) -> f32 {
@@ -26,6 +30,10 @@ impl Simd for Avx512 {
     }
     #[inline(always)]
     unsafe fn zero_row() -> [__m512; 2] {
+        [_mm512_setzero_ps(); 2]
+    }
+    #[inline(always)]
+    unsafe fn zero_part() -> [__m512; 2] {
         [_mm512_setzero_ps(); 2]
     }
     #[inline(always)]
@@ -45,6 +53,10 @@ impl Simd for Avx512 {
         _mm512_storeu_ps(p, v)
     }
     #[inline(always)]
+    unsafe fn load(p: *const f32) -> __m512 {
+        _mm512_loadu_ps(p)
+    }
+    #[inline(always)]
     unsafe fn load_row(p: *const f32) -> [__m512; 2] {
         [_mm512_load_ps(p), _mm512_load_ps(p.add(16))]
     }
@@ -56,6 +68,15 @@ impl Simd for Avx512 {
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(line)),
             _mm512_castsi512_ps(_mm512_and_si512(line, mask)),
         ]
+    }
+    #[inline(always)]
+    unsafe fn load_part<const P: usize>(p: *const f32) -> [__m512; 2] {
+        // One part: the whole row.
+        Self::load_row(p)
+    }
+    #[inline(always)]
+    unsafe fn widen_bf16_part<const P: usize>(p: *const u8) -> [__m512; 2] {
+        Self::widen_bf16_row(p)
     }
     #[inline(always)]
     unsafe fn prefetch(p: *const u8) {

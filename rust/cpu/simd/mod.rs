@@ -52,10 +52,20 @@ pub trait Simd: Copy + 'static {
     /// Whether a one-row GEMM tile streams its panel as four segments (more
     /// lines in flight, see `gemm::tile`). Only the AVX-512 kernel does.
     const SEGMENTED_ROW: bool;
+    /// The GEMM tile covers the panel's 32 features at once up to this many
+    /// rows; taller tiles (up to `gemm`'s rows for the path) cover it as
+    /// `PARTS` parts of `ROW / PARTS` features, one after the other, so that
+    /// more rows' accumulators fit the registers.
+    const FULL_ROW_ROWS: usize;
+    /// Parts of a panel row for tiles taller than `FULL_ROW_ROWS` (1 or 2).
+    const PARTS: usize;
     /// A vector of `LANES` f32.
     type F32: Copy;
     /// `ROW` f32 as vectors (`ROW / LANES` of them).
     type Row: Copy + AsRef<[Self::F32]> + AsMut<[Self::F32]>;
+    /// `ROW / PARTS` f32 as vectors: part `P` of a panel row is its features
+    /// `P * ROW / PARTS..(P + 1) * ROW / PARTS`.
+    type Part: Copy + AsRef<[Self::F32]> + AsMut<[Self::F32]>;
 
     /// `a * b + c` on scalars: fused where the ISA has FMA (a plain
     /// `f32::mul_add` without it would be a slow library call).
@@ -65,6 +75,8 @@ pub trait Simd: Copy + 'static {
     unsafe fn zero() -> Self::F32;
     /// A row of zeros.
     unsafe fn zero_row() -> Self::Row;
+    /// A part of zeros.
+    unsafe fn zero_part() -> Self::Part;
     /// `v` in every lane.
     unsafe fn splat(v: f32) -> Self::F32;
     /// `a * b + c` per lane.
@@ -73,11 +85,18 @@ pub trait Simd: Copy + 'static {
     unsafe fn add(a: Self::F32, b: Self::F32) -> Self::F32;
     /// Stores `LANES` f32 at `p` (any alignment).
     unsafe fn store(p: *mut f32, v: Self::F32);
+    /// `LANES` f32 from `p` (any alignment).
+    unsafe fn load(p: *const f32) -> Self::F32;
     /// `ROW` f32 from `p` (64-byte aligned, 128 bytes).
     unsafe fn load_row(p: *const f32) -> Self::Row;
     /// `ROW` bf16 from the 64-byte aligned line at `p`, widened to f32: the
     /// low half of 32-bit word `j` is feature `j`, its high half `16 + j`.
     unsafe fn widen_bf16_row(p: *const u8) -> Self::Row;
+    /// Part `P` (`P < PARTS`) of the f32 row at `p` (as `load_row`).
+    unsafe fn load_part<const P: usize>(p: *const f32) -> Self::Part;
+    /// Part `P` (`P < PARTS`) of the bf16 line at `p`, widened (as
+    /// `widen_bf16_row`).
+    unsafe fn widen_bf16_part<const P: usize>(p: *const u8) -> Self::Part;
     /// Asks the CPU to bring the line at `p` into L1 (never faults).
     unsafe fn prefetch(p: *const u8);
 }

@@ -12,8 +12,11 @@ impl Simd for Scalar {
     const PATH: Path = Path::Scalar;
     const LANES: usize = 1;
     const SEGMENTED_ROW: bool = false;
+    const FULL_ROW_ROWS: usize = 4;
+    const PARTS: usize = 1;
     type F32 = f32;
     type Row = [f32; ROW];
+    type Part = [f32; ROW];
 
     #[inline(always)]
     fn mul_add(a: f32, b: f32, c: f32) -> f32 {
@@ -25,6 +28,10 @@ impl Simd for Scalar {
     }
     #[inline(always)]
     unsafe fn zero_row() -> [f32; ROW] {
+        [0.0; ROW]
+    }
+    #[inline(always)]
+    unsafe fn zero_part() -> [f32; ROW] {
         [0.0; ROW]
     }
     #[inline(always)]
@@ -44,6 +51,10 @@ impl Simd for Scalar {
         p.write_unaligned(v)
     }
     #[inline(always)]
+    unsafe fn load(p: *const f32) -> f32 {
+        p.read_unaligned()
+    }
+    #[inline(always)]
     unsafe fn load_row(p: *const f32) -> [f32; ROW] {
         std::ptr::read_unaligned(p as *const [f32; ROW])
     }
@@ -57,6 +68,14 @@ impl Simd for Scalar {
             row[ROW / 2 + j] = f32::from_bits(w & 0xffff_0000);
         }
         row
+    }
+    #[inline(always)]
+    unsafe fn load_part<const P: usize>(p: *const f32) -> [f32; ROW] {
+        Self::load_row(p)
+    }
+    #[inline(always)]
+    unsafe fn widen_bf16_part<const P: usize>(p: *const u8) -> [f32; ROW] {
+        Self::widen_bf16_row(p)
     }
     #[inline(always)]
     unsafe fn prefetch(_p: *const u8) {}
