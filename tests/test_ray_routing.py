@@ -273,7 +273,24 @@ def _shared_prefix_prompts(seed: int, n: int) -> list[list[int]]:
     return [system + [rng.randrange(50, 500) for _ in range(8 + i % 5)] for i in range(n)]
 
 
-def test_shared_prefix_hit_rate_on_2_replicas_matches_1_and_uniform_load_splits(cluster, model_dir):
+@pytest.fixture(scope="module")
+def port(cluster) -> int:
+    """The port of Serve's HTTP proxy (it keeps the first one it listens on)."""
+    return _port()
+
+
+@pytest.fixture(scope="module")
+def pair(cluster, model_dir, port) -> str:
+    """The 2-replica deployment (prefix routing on); yields its base URL."""
+    from ray import serve
+
+    yield _deploy(model_dir, 2, port)
+    serve.delete("fastllm")
+
+
+def test_shared_prefix_hit_rate_on_2_replicas_matches_1_and_uniform_load_splits(
+    cluster, model_dir, port, request
+):
     """64 requests sharing a 4-block system prompt: the deployment's
     prefix-cache hit rate with 2 replicas is within 0.10 of one replica's on
     the same load (measured here, first); 64 requests of distinct prefixes
@@ -281,19 +298,18 @@ def test_shared_prefix_hit_rate_on_2_replicas_matches_1_and_uniform_load_splits(
     sent one after another, all land on the same replica."""
     from ray import serve
 
-    port = _port()
     base = _deploy(model_dir, 1, port)
     solo = _load(base, _shared_prefix_prompts(1, 64), concurrency=8)
     assert len(solo) == 1
     solo_rate = _hit_rate(solo)
     serve.delete("fastllm")
 
-    base = _deploy(model_dir, 2, port)
-    pair = _load(base, _shared_prefix_prompts(2, 64), concurrency=8)
-    pair_rate = _hit_rate(pair)
+    base = request.getfixturevalue("pair")  # deployed now, after the solo one left
+    two = _load(base, _shared_prefix_prompts(2, 64), concurrency=8)
+    pair_rate = _hit_rate(two)
     print(f"prefix-cache hit rate: 1 replica {solo_rate:.3f}, 2 replicas {pair_rate:.3f}")
     assert solo_rate > 0.5, solo  # the shared blocks do hit
-    assert pair_rate >= solo_rate - 0.10, (solo_rate, pair_rate, pair)
+    assert pair_rate >= solo_rate - 0.10, (solo_rate, pair_rate, two)
 
     rng = random.Random(3)
     distinct = [[rng.randrange(50, 500) for _ in range(4 * BS + 3)] for _ in range(64)]
@@ -307,3 +323,36 @@ def test_shared_prefix_hit_rate_on_2_replicas_matches_1_and_uniform_load_splits(
     same = _load(base, _shared_prefix_prompts(4, 8), concurrency=1)
     counts = sorted(m.get("fastllm_request_finished_total", 0.0) for m in same.values())
     assert counts[-1] == 8, same
+
+
+def _aborted(base: str) -> float:
+    with urllib.request.urlopen(f"{base}/metrics", timeout=60) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("fastllm_request_finished_total{") and 'finished_reason="abort"' in line
+    )
+
+
+def test_client_leaving_a_stream_aborts_it_on_the_replica(pair):
+    """The router relays a client's disconnect: the replica aborts the
+    request instead of generating for nobody."""
+    import http.client
+    import time
+
+    before = _aborted(pair)
+    host, where = pair.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(where), timeout=60)
+    body = {"model": "tiny", "prompt": "the of and", "max_tokens": 200, "stream": True}
+    body.update(ignore_eos=True)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.fp.readline()  # the stream has started
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.monotonic() + 30
+    while _aborted(pair) <= before:
+        assert time.monotonic() < deadline, "the replica did not abort the abandoned request"
+        time.sleep(0.2)

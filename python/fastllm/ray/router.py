@@ -17,8 +17,8 @@ from fastllm.ray import routing
 
 class PrefixAffinityRouter(RequestRouter):
     """Ray Serve request router of the engine deployment: each request to the
-    replica its prefix key is homed on, unless that one is busy (see the
-    module's docstring). A request pinned with ``fastllm_replica`` goes to
+    replica its prefix key is homed on, unless that one is busy (see
+    ``fastllm.ray.routing``). A request pinned with ``fastllm_replica`` goes to
     that replica only (the router deployment's ``/metrics`` asks each one).
 
     A replica's load is the larger of the requests this router has in flight
