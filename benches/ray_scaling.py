@@ -9,7 +9,9 @@ in batches of BATCH rows, measured in one run on one local Ray cluster:
   holding an ``LLMPredictor`` (1 thread, 1 CPU), loaded and warmed up before
   the clock starts; the batches go to whichever actor is free
   (``ray.util.ActorPool``);
-- ``data_2_s``: ``fastllm.ray.generate`` on Ray Data with 2 replicas, from the
+- ``data_2_s``: the ``map_batches`` job ``fastllm.ray.generate`` runs, on Ray
+  Data with 2 replicas (and ``data_2_inflight1_s``: with at most one block in
+  flight per replica), from the
   first batch a replica starts to the last it ends (each replica stamps its
   batches), so Ray Data's actor start and model loads are left out;
   ``data_2_total_s`` is the whole job, start-up included.
@@ -178,28 +180,37 @@ def main() -> None:
             out = super().__call__(b)
             out["batch_start"] = [t0] * len(out["id"])
             out["batch_end"] = [time.time()] * len(out["id"])
+            out["replica_pid"] = [os.getpid()] * len(out["id"])
             return out
 
     ray.data.DataContext.get_current().enable_progress_bars = False
-    ds = ray.data.from_items(rows, override_num_blocks=max(1, n // batch))
-    c, t = _cpu(), time.time()
-    out = ds.map_batches(
-        StampedPredictor,
-        fn_constructor_kwargs={"model": model, "num_threads": 1, **ENGINE},
-        compute=ray.data.ActorPoolStrategy(size=2),
-        num_cpus=1,
-        batch_size=batch,
-        batch_format="numpy",
-    ).take_all()
-    res["data_2_total_s"] = time.time() - t
-    res["data_2_foreign_cpu"] = _foreign(c)  # an overestimate: its actors have exited
-    assert sorted(r["id"] for r in out) == list(range(n))
-    res["data_2_s"] = max(r["batch_end"] for r in out) - min(r["batch_start"] for r in out)
+    # Ray Data's default lets an actor queue several blocks; with one
+    # long-running batch per block that can leave a replica idle, so both
+    # settings are measured (1: one block in flight per actor)
+    for in_flight in (None, 1):
+        tag = "data_2" if in_flight is None else f"data_2_inflight{in_flight}"
+        ds = ray.data.from_items(rows, override_num_blocks=max(1, n // batch))
+        c, t = _cpu(), time.time()
+        out = ds.map_batches(
+            StampedPredictor,
+            fn_constructor_kwargs={"model": model, "num_threads": 1, **ENGINE},
+            compute=ray.data.ActorPoolStrategy(size=2, max_tasks_in_flight_per_actor=in_flight),
+            num_cpus=1,
+            batch_size=batch,
+            batch_format="numpy",
+        ).take_all()
+        res[f"{tag}_total_s"] = time.time() - t
+        res[f"{tag}_foreign_cpu"] = _foreign(c)  # an overestimate: its actors have exited
+        assert sorted(r["id"] for r in out) == list(range(n))
+        res[f"{tag}_s"] = max(r["batch_end"] for r in out) - min(r["batch_start"] for r in out)
+        pids = [r["replica_pid"] for r in out]
+        res[f"{tag}_rows_per_replica"] = str(sorted(pids.count(p) for p in set(pids)))
     assert fastllm.ray.generate  # the one-call path wraps this same map_batches
     ray.shutdown()
 
     res["scaling"] = res["actors_1_s"] / res["actors_2_s"]
     res["data_scaling_vs_actors_1"] = res["actors_1_s"] / res["data_2_s"]
+    res["data_inflight1_scaling_vs_actors_1"] = res["actors_1_s"] / res["data_2_inflight1_s"]
     res["ray_overhead"] = (res["actors_1_s"] - res["local_s"]) / res["local_s"]
     res["ray_overhead_per_request_ms"] = 1000 * (res["actors_1_s"] - res["local_s"]) / n
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()}))

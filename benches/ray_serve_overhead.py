@@ -24,6 +24,9 @@ import sys
 import time
 import urllib.request
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ray_scaling import _cpu, _foreign  # noqa: E402
+
 
 def _post(url: str, body: dict) -> bytes:
     req = urllib.request.Request(
@@ -55,10 +58,10 @@ def main() -> None:
     )
     rng = random.Random(0)
     res: dict[str, float] = {"reps": reps, "in": n_in, "out": n_out}
+    with socket.socket() as s:  # one port: Serve's proxy keeps its first one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     for routed in (False, True):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         app = fastllm.ray.build_app(
             EngineConfig(model=model, kv_cache_memory_bytes=256 << 20, max_model_len=512),
             num_replicas=1,
@@ -68,6 +71,7 @@ def main() -> None:
         )
         fastllm.ray.run(app, port=port, blocking=False)
         url = f"http://127.0.0.1:{port}/v1/completions"
+        c = _cpu()
         tag = "routed" if routed else "direct"
         for stream in (False, True):
             times = []
@@ -81,12 +85,12 @@ def main() -> None:
                     times.append(time.perf_counter() - t)
                 assert (b"[DONE]" in out) if stream else (b'"length"' in out), out[:200]
             res[f"{tag}_{'stream' if stream else 'plain'}_s"] = statistics.median(times)
+        res[f"{tag}_foreign_cpu"] = _foreign(c)
         serve.delete("fastllm")
     for kind in ("plain", "stream"):
         d, r = res[f"direct_{kind}_s"], res[f"routed_{kind}_s"]
         res[f"router_extra_{kind}_ms"] = 1000 * (r - d)
         res[f"router_extra_{kind}_frac"] = (r - d) / d
-    res["load_avg_1m_at_end"] = os.getloadavg()[0]
     serve.shutdown()
     ray.shutdown()
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}))
