@@ -405,7 +405,8 @@ def test_serve_32_concurrent_seeded_streams_equal_solo(client, reference):
 
 
 def _serve_replica_pids() -> list[int]:
-    """The processes of the fastllm deployment's Serve replicas."""
+    """The processes of the fastllm deployment's Serve replicas (the engines,
+    not the router deployment in front of them)."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -415,7 +416,8 @@ def _serve_replica_pids() -> list[int]:
                 title = f.read().decode(errors="replace").split("\0")[0]
         except OSError:
             continue
-        if title.startswith("ray::ServeReplica:fastllm"):
+        engine = "ray::ServeReplica:fastllm:fastllm"
+        if title.startswith(engine) and not title.startswith(f"{engine}-router"):
             pids.append(int(entry))
     return pids
 

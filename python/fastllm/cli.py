@@ -282,6 +282,13 @@ def add_serve_parser(sub: Any) -> None:
         default=0,
         help="GPUs each replica asks Ray for (1 for a GPU replica)",
     )
+    r.add_argument(
+        "--prefix-routing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send requests that share a prompt prefix to the replica whose prefix cache "
+        "holds it, through a router deployment (--no-prefix-routing: Serve's own routing)",
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -608,6 +615,7 @@ def _serve_on_ray(args: argparse.Namespace, api_key: str | None) -> int:
             api_key=api_key,
             max_body_bytes=args.max_body_bytes,
             chat_template=read_chat_template(args.chat_template),
+            prefix_routing=args.prefix_routing,
         )
         fastllm.ray.run(app, host=args.host, port=args.port, address=args.address)
     except (ValueError, FileNotFoundError) as e:

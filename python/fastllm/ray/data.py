@@ -326,7 +326,10 @@ def generate(
         },
         batch_size=batch_size,
         batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(size=num_replicas),
+        # one batch in flight per replica: a batch is one long generate call,
+        # and a second block queued behind it on a busy replica can leave
+        # another replica idle (seen with few blocks: all on one replica)
+        compute=ray.data.ActorPoolStrategy(size=num_replicas, max_tasks_in_flight_per_actor=1),
         num_cpus=num_cpus_per_replica,
         num_gpus=num_gpus_per_replica,
         runtime_env=env,

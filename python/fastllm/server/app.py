@@ -764,10 +764,13 @@ async def _stream_chat(
 # ---- metrics -----------------------------------------------------------------
 
 
-def _prometheus(engine: AsyncEngine, model: str) -> str:
-    """The /metrics page in Prometheus' text format."""
+def _prometheus(engine: AsyncEngine, model: str, replica: str | None = None) -> str:
+    """The /metrics page in Prometheus' text format; with ``replica`` (a Ray
+    Serve replica's id) every sample also carries a ``replica`` label."""
     s = engine.stats
     label = f'model_name="{_escape(model)}"'
+    if replica is not None:
+        label += f',replica="{_escape(replica)}"'
     lines: list[str] = []
 
     def metric(name: str, kind: str, help_: str, value: float, extra: str = "") -> None:
