@@ -31,6 +31,7 @@
 mod pack;
 mod tile;
 
+pub(crate) use pack::Line;
 pub use pack::PackedWeight;
 
 use crate::cpu::elem::{expect_matrix, SharedOut};
@@ -107,16 +108,8 @@ pub fn gemm_with_path(
     w: &PackedWeight,
     m: usize,
 ) -> CoreResult<()> {
-    if !path.is_available() {
-        return Err(CoreError::invalid(format!(
-            "linear kernel path '{}' is not supported by this CPU",
-            path.name()
-        )));
-    }
-    let (n, k) = (w.n, w.k);
-    expect_matrix("x", x.len(), m, k)?;
-    expect_matrix("out", out.len(), m, n)?;
-    if m == 0 || n == 0 {
+    let what = format!("linear kernel path '{}'", path.name());
+    if !check_call(path.is_available(), &what, x.len(), out.len(), m, w.n, w.k)? {
         return Ok(());
     }
     // The kernels read x as f32 rows.
@@ -137,6 +130,27 @@ pub fn gemm_with_path(
         Dst::Bf16(o) => run(path, o, xf, w, m),
         Dst::F32(o) => run(path, o, xf, w, m),
     }
+}
+
+/// Checks a call: its path runs on this CPU (`available`; `what` names it)
+/// and `x` holds `m x k`, `out` `m x n`. Returns whether there is work.
+pub(crate) fn check_call(
+    available: bool,
+    what: &str,
+    x_len: usize,
+    out_len: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> CoreResult<bool> {
+    if !available {
+        return Err(CoreError::invalid(format!(
+            "{what} is not supported by this CPU"
+        )));
+    }
+    expect_matrix("x", x_len, m, k)?;
+    expect_matrix("out", out_len, m, n)?;
+    Ok(m > 0 && n > 0)
 }
 
 fn run<T: Element>(

@@ -10,7 +10,7 @@ use crate::error::{CoreError, CoreResult};
 /// One 64-byte, 64-byte-aligned line of a panel.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
-pub(super) struct Line([u8; 64]);
+pub(crate) struct Line(pub(crate) [u8; 64]);
 
 /// A weight matrix in panel layout, with its bias.
 pub struct PackedWeight {

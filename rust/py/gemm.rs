@@ -3,7 +3,7 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::tensor::{check_no_overlap, kernel_src, DType, TensorArg};
+use super::tensor::{check_no_overlap, kernel_dst, kernel_src, DType, TensorArg};
 
 /// A linear layer's weight (and bias) packed for the CPU GEMM kernel.
 #[pyclass(name = "PackedLinear", module = "fastllm._core", frozen)]
@@ -55,26 +55,11 @@ impl PyPackedLinear {
         out: &Bound<'_, PyAny>,
         x: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let floats = [DType::BF16, DType::F32];
         let (n, k) = (self.inner.out_features(), self.inner.in_features());
-        let x = TensorArg::extract("x", x)?;
-        x.check(&floats, 2)?;
-        x.expect_dim(1, k, "in_features")?;
-        let m = x.shape[0];
-        let out = TensorArg::extract("out", out)?;
-        out.check(&floats, 2)?;
-        out.expect_dim(0, m, "rows of x")?;
-        out.expect_dim(1, n, "out_features")?;
-        check_no_overlap(&out, &x)?;
+        let (out, x, m) = linear_args(out, x, n, k)?;
         // SAFETY: x and out were checked (dtype, CPU, contiguity, shape) and
         // share no memory; the caller keeps them alive.
-        let (dst, xs) = unsafe {
-            let dst = match out.dtype {
-                DType::BF16 => crate::cpu::Dst::Bf16(out.slice_mut::<half::bf16>()),
-                _ => crate::cpu::Dst::F32(out.slice_mut::<f32>()),
-            };
-            (dst, kernel_src(&x))
-        };
+        let (dst, xs) = unsafe { (kernel_dst(&out), kernel_src(&x)) };
         let (w, path) = (&self.inner, self.path);
         py.detach(move || crate::gemm::gemm_with_path(path, dst, xs, w, m))?;
         Ok(())
@@ -121,6 +106,27 @@ impl PyPackedLinear {
             self.path()
         )
     }
+}
+
+/// The `out` [M, n] and `x` [M, k] of a linear layer's forward: bf16 or f32,
+/// CPU, contiguous, not overlapping; returns them with M.
+pub(super) fn linear_args(
+    out: &Bound<'_, PyAny>,
+    x: &Bound<'_, PyAny>,
+    n: usize,
+    k: usize,
+) -> PyResult<(TensorArg, TensorArg, usize)> {
+    let floats = [DType::BF16, DType::F32];
+    let x = TensorArg::extract("x", x)?;
+    x.check(&floats, 2)?;
+    x.expect_dim(1, k, "in_features")?;
+    let m = x.shape[0];
+    let out = TensorArg::extract("out", out)?;
+    out.check(&floats, 2)?;
+    out.expect_dim(0, m, "rows of x")?;
+    out.expect_dim(1, n, "out_features")?;
+    check_no_overlap(&out, &x)?;
+    Ok((out, x, m))
 }
 
 /// Names of the GEMM kernel paths this CPU runs.

@@ -4,7 +4,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use super::tensor::{check_no_overlap, kernel_dst, kernel_src, DType, TensorArg};
+use super::tensor::{kernel_dst, kernel_src, DType, TensorArg};
 use crate::cpu::IntPath;
 use crate::quant::{QuantFormat, QuantWeight};
 
@@ -95,17 +95,8 @@ impl PyQuantizedLinear {
         out: &Bound<'_, PyAny>,
         x: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let floats = [DType::BF16, DType::F32];
         let (n, k) = (self.inner.out_features(), self.inner.in_features());
-        let x = TensorArg::extract("x", x)?;
-        x.check(&floats, 2)?;
-        x.expect_dim(1, k, "in_features")?;
-        let m = x.shape[0];
-        let out = TensorArg::extract("out", out)?;
-        out.check(&floats, 2)?;
-        out.expect_dim(0, m, "rows of x")?;
-        out.expect_dim(1, n, "out_features")?;
-        check_no_overlap(&out, &x)?;
+        let (out, x, m) = super::gemm::linear_args(out, x, n, k)?;
         // SAFETY: x and out were checked (dtype, CPU, contiguity, shape) and
         // share no memory; the caller keeps them alive.
         let (dst, xs) = unsafe { (kernel_dst(&out), kernel_src(&x)) };

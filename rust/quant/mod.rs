@@ -30,10 +30,10 @@ mod pack;
 
 pub use pack::QuantWeight;
 
-use crate::cpu::elem::{expect_matrix, SharedOut};
+use crate::cpu::elem::SharedOut;
 use crate::cpu::simd::dispatch_int;
 use crate::cpu::{Dst, Element, IntPath, Src};
-use crate::error::{CoreError, CoreResult};
+use crate::error::CoreResult;
 use kernel::{QuantRows, QuantTile, QuantizeRows, MAX_ROWS};
 
 /// Input features per group (one scale each).
@@ -124,16 +124,9 @@ pub fn gemm_with_path(
     w: &QuantWeight,
     m: usize,
 ) -> CoreResult<()> {
-    if !path.is_available() {
-        return Err(CoreError::invalid(format!(
-            "quantized kernel path '{}' is not supported by this CPU",
-            path.name()
-        )));
-    }
+    let what = format!("quantized kernel path '{}'", path.name());
     let (n, k) = (w.n, w.k);
-    expect_matrix("x", x.len(), m, k)?;
-    expect_matrix("out", out.len(), m, n)?;
-    if m == 0 || n == 0 {
+    if !crate::gemm::check_call(path.is_available(), &what, x.len(), out.len(), m, n, k)? {
         return Ok(());
     }
     let rows = quantize_activations(path, x, m, k)?;

@@ -7,11 +7,7 @@ use super::{QuantFormat, GROUP, NR};
 use crate::cpu::elem::expect_matrix;
 use crate::cpu::{Dst, Element, Src};
 use crate::error::{CoreError, CoreResult};
-
-/// One 64-byte, 64-byte-aligned line.
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-pub(super) struct Line([u8; 64]);
+use crate::gemm::Line;
 
 /// A quantized weight matrix in panel layout, with its bias.
 pub struct QuantWeight {

@@ -145,20 +145,29 @@ def should_pack(device: str, dtype: torch.dtype) -> bool:
     return _core.gemm_default_path() != "scalar"
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, make=None) -> int:
     """Packs every ``Linear`` of ``model`` and its language-model head (also
-    when tied to the embedding, which keeps its own table); returns the bytes
-    of packed weights."""
+    when tied to the embedding, which keeps its own table here); returns the
+    bytes of packed weights. ``make(weight, bias)`` builds one packed layer
+    (default: ``_core.PackedLinear`` of the same dtype); the head is
+    ``model.packed_head``; the caller of a custom ``make`` says what it did."""
+    default = make is None
+    if default:
+
+        def make(weight, bias):
+            return _core.PackedLinear(weight.detach().contiguous(), _detached(bias))
+
     head_weight, head_bias = model.head_weights()
-    head = _core.PackedLinear(head_weight.detach().contiguous(), _detached(head_bias))
+    head = make(head_weight, head_bias)
     total = head.nbytes
     for module in model.modules():
         if isinstance(module, Linear) and module.weight is not None:
             if module.weight is head_weight:
                 module.pack(head)
             else:
-                module.pack()
+                module.pack(make(module.weight, module.bias))
                 total += module.packed.nbytes
     model.packed_head = head
-    logger.info("packed %.1f MB of linear weights for the %s kernel", total / 1e6, head.path)
+    if default:
+        logger.info("packed %.1f MB of linear weights for the %s kernel", total / 1e6, head.path)
     return total

@@ -78,35 +78,23 @@ def quantize_model(model: nn.Module, fmt: str, vocab_size: int) -> int:
     """Quantizes every ``Linear`` of ``model``, its head and its token
     embedding (the ``Embedding`` of ``vocab_size`` rows) to ``fmt``; frees the
     float weights and returns the bytes of quantized weights."""
-    from fastllm.layers.linear import Embedding, Linear
+    from fastllm.layers.linear import Embedding, pack_linears
 
-    head_weight, head_bias = model.head_weights()
-    head = _core.QuantizedLinear(
-        _kernel_input(head_weight),
-        None if head_bias is None else _kernel_input(head_bias),
-        format=fmt,
-    )
-    total = head.nbytes
+    head_weight, _ = model.head_weights()
+
+    def make(weight: torch.Tensor, bias: torch.Tensor | None):
+        b = None if bias is None else _kernel_input(bias)
+        return _core.QuantizedLinear(_kernel_input(weight), b, format=fmt)
+
+    total = pack_linears(model, make)
+    head = model.packed_head
     for module in model.modules():
-        if isinstance(module, Linear) and module.weight is not None:
-            if module.weight is head_weight:
-                module.pack(head)
-            else:
-                module.pack(
-                    _core.QuantizedLinear(
-                        _kernel_input(module.weight),
-                        None if module.bias is None else _kernel_input(module.bias),
-                        format=fmt,
-                    )
-                )
-                total += module.packed.nbytes
-        elif isinstance(module, Embedding) and module.weight is not None:
+        if isinstance(module, Embedding) and module.weight is not None:
             if module.weight is head_weight:
                 module.quantize(head)
             elif module.weight.shape[0] == vocab_size:
-                module.quantize(_core.QuantizedLinear(_kernel_input(module.weight), format=fmt))
+                module.quantize(make(module.weight, None))
                 total += module.quantized.nbytes
-    model.packed_head = head
     logger.info(
         "quantized %.1f MB of weights to %s for the %s kernel", total / 1e6, fmt, head.path
     )
