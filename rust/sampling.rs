@@ -279,9 +279,30 @@ pub fn sample_batch(batch: &Batch<'_>) -> CoreResult<Vec<Sample>> {
     Ok(crate::cpu::threads::install(|| {
         (0..batch.rows())
             .into_par_iter()
-            .map_init(Scratch::default, |s, r| sample_row(&batch.row(r), s))
+            .map_init(Scratch::default, |s, r| {
+                let row = batch.row(r);
+                crate::cpu::simd::dispatch(crate::cpu::best_path(), SampleRow { row: &row, s })
+            })
             .collect()
     }))
+}
+
+/// One row's sampling as a kernel: its passes over the vocabulary (max,
+/// sums of exponentials, filters, the race) compile inside the entry point
+/// of the fastest SIMD path, with that path's vectors. Every float operation
+/// is the same IEEE operation on every path (no reordering, no contraction),
+/// so the result does not depend on the path.
+struct SampleRow<'a, 'b> {
+    row: &'a RowInput<'b>,
+    s: &'a mut Scratch,
+}
+
+impl crate::cpu::simd::Kernel for SampleRow<'_, '_> {
+    type Output = Sample;
+    #[inline(always)]
+    fn run<S: crate::cpu::simd::Simd>(self) -> Sample {
+        sample_row(self.row, self.s)
+    }
 }
 
 /// The kept token ids (ascending) of each row after penalties and filters;
@@ -365,6 +386,7 @@ fn fast_exp(x: f32) -> f32 {
 }
 
 /// Maximum of a row, NaN ignored (an all-NaN row gives -inf).
+#[inline(always)]
 fn row_max(x: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; 16];
     let chunks = x.chunks_exact(16);
@@ -384,6 +406,7 @@ fn row_max(x: &[f32]) -> f32 {
 }
 
 /// Lowest index holding `target` after sanitising (0 if none).
+#[inline(always)]
 fn first_index_of(x: &[f32], target: f32) -> usize {
     for (ci, chunk) in x.chunks(64).enumerate() {
         let hits = chunk.iter().filter(|&&v| sanitize(v) == target).count();
@@ -397,6 +420,7 @@ fn first_index_of(x: &[f32], target: f32) -> usize {
 }
 
 /// Σ exp(sanitize(x) - m), accumulated in f32 lanes per block, blocks in f64.
+#[inline(always)]
 fn sum_exp(x: &[f32], m: f32) -> f64 {
     let mut total = 0.0f64;
     for block in x.chunks(1024) {
@@ -471,12 +495,14 @@ fn chunk_max(chunk: &[f32], map: &impl Fn(f32) -> f32) -> f32 {
 /// The `n` best `(value, id)` of `map(values)` by value descending, ties by
 /// lower id, sorted best first. A bounded heap with a per-chunk maximum test,
 /// so the common case is one vectorised pass; large `n` uses selection.
+#[inline(always)]
 fn top_n(values: &[f32], n: usize, map: impl Fn(f32) -> f32) -> Vec<Entry> {
     top_n_with_rest(values, n, map).0
 }
 
 /// `top_n`, plus the largest value left out (-inf if none): equal to the
 /// n-th value exactly when ties at the boundary were left out.
+#[inline(always)]
 fn top_n_with_rest(values: &[f32], n: usize, map: impl Fn(f32) -> f32) -> (Vec<Entry>, f32) {
     let n = n.min(values.len());
     let mut rest = f32::NEG_INFINITY;
@@ -577,6 +603,7 @@ struct Plan {
     w_argmax: usize,
 }
 
+#[inline(always)]
 fn raw_stats(x: &[f32]) -> RawStats {
     RawStats {
         max: sanitize(row_max(x)),
@@ -584,6 +611,7 @@ fn raw_stats(x: &[f32]) -> RawStats {
 }
 
 /// Writes `z / temperature` into `s.w`, where `z` is the penalised logit.
+#[inline(always)]
 fn tempered_logits(row: &RowInput<'_>, temperature: f32, s: &mut Scratch) {
     let x = row.logits;
     s.w.clear();
@@ -633,6 +661,7 @@ fn tempered_logits(row: &RowInput<'_>, temperature: f32, s: &mut Scratch) {
 }
 
 /// Penalties, greedy, temperature and the min_p / top-k / top-p filters.
+#[inline(always)]
 fn plan_row(row: &RowInput<'_>, raw: &RawStats, s: &mut Scratch) -> Plan {
     let p = row.params;
     let vocab = row.logits.len();
@@ -686,6 +715,7 @@ fn plan_row(row: &RowInput<'_>, raw: &RawStats, s: &mut Scratch) -> Plan {
 }
 
 /// Top-k (ties kept), then min_p and top-p on the small candidate list; best first.
+#[inline(always)]
 fn top_k_candidates(w: &[f32], w_max: f32, k: usize, min_p: f32, top_p: Option<f64>) -> Vec<usize> {
     let (best, rest) = top_n_with_rest(w, k, |v| v);
     let kth = best.last().map_or(f32::NEG_INFINITY, |e| e.v);
@@ -723,6 +753,7 @@ fn top_k_candidates(w: &[f32], w_max: f32, k: usize, min_p: f32, top_p: Option<f
 /// `e > 0`), `e = exp(w - w_max)`: a radix selection on the bit patterns of
 /// `e` (positive floats order like their bits), narrowing to one bucket of a
 /// mass histogram per level and sorting only a small final bucket.
+#[inline(always)]
 fn top_p_threshold(w_max: f32, floor: f32, top_p: f64, s: &mut Scratch) -> f32 {
     let eligible = |e: f32| e > 0.0 && e >= floor;
     s.e.clear();
@@ -818,6 +849,7 @@ fn top_p_threshold(w_max: f32, floor: f32, top_p: f64, s: &mut Scratch) -> f32 {
 /// skipped without a logarithm when they provably cannot win: `w` more than
 /// `PRUNE_GAP` below the best key, or `1 - u` (a lower bound of `E = -ln u`)
 /// already above `exp(w - best)` with a safety margin.
+#[inline(always)]
 fn race(
     w: &[f32],
     w_max: f32,
@@ -852,6 +884,7 @@ fn race(
     best_idx
 }
 
+#[inline(always)]
 fn sample_row(row: &RowInput<'_>, s: &mut Scratch) -> Sample {
     let x = row.logits;
     let p = row.params;
