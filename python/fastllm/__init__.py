@@ -36,13 +36,20 @@ if TYPE_CHECKING:  # pragma: no cover
     from fastllm.sampling_params import RequestOutputKind, SamplingParams
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
+def _lazy_attribute(package: str, table: dict[str, str], namespace: dict, name: str) -> Any:
+    """Attribute ``name`` of ``package``: imported from the module ``table``
+    names for it on first use and kept in ``namespace`` (the package's
+    globals); an AttributeError for a name the table lacks."""
+    module = table.get(name)
     if module is None:
-        raise AttributeError(f"module 'fastllm' has no attribute {name!r}")
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
+    namespace[name] = value
     return value
+
+
+def __getattr__(name: str) -> Any:
+    return _lazy_attribute("fastllm", _LAZY, globals(), name)
 
 
 def __dir__() -> list[str]:

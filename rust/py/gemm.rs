@@ -28,15 +28,7 @@ impl PyPackedLinear {
         let weight = TensorArg::extract("weight", weight)?;
         weight.check(&floats, 2)?;
         let (n, k) = (weight.shape[0], weight.shape[1]);
-        let bias = match bias {
-            Some(b) if !b.is_none() => {
-                let b = TensorArg::extract("bias", b)?;
-                b.check(&floats, 1)?;
-                b.expect_dim(0, n, "out_features of weight")?;
-                Some(b)
-            }
-            _ => None,
-        };
+        let bias = bias_arg(bias, n)?;
         let path = match path {
             Some(name) => crate::cpu::check_path(name).map_err(PyValueError::new_err)?,
             None => crate::gemm::default_path(),
@@ -105,6 +97,19 @@ impl PyPackedLinear {
             self.weight_dtype(),
             self.path()
         )
+    }
+}
+
+/// A linear layer's optional `bias` [n] (bf16 or f32, CPU, contiguous).
+pub(super) fn bias_arg(bias: Option<&Bound<'_, PyAny>>, n: usize) -> PyResult<Option<TensorArg>> {
+    match bias {
+        Some(b) if !b.is_none() => {
+            let b = TensorArg::extract("bias", b)?;
+            b.check(&[DType::BF16, DType::F32], 1)?;
+            b.expect_dim(0, n, "out_features of weight")?;
+            Ok(Some(b))
+        }
+        _ => Ok(None),
     }
 }
 

@@ -4,6 +4,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+use super::gemm::{bias_arg, linear_args};
 use super::tensor::{kernel_dst, kernel_src, DType, TensorArg};
 use crate::cpu::IntPath;
 use crate::quant::{QuantFormat, QuantWeight};
@@ -22,18 +23,6 @@ fn parse(format: &str, path: Option<&str>) -> PyResult<(QuantFormat, IntPath)> {
         None => crate::quant::default_path(),
     };
     Ok((format, path))
-}
-
-fn bias_arg<'py>(bias: Option<&Bound<'py, PyAny>>, n: usize) -> PyResult<Option<TensorArg>> {
-    match bias {
-        Some(b) if !b.is_none() => {
-            let b = TensorArg::extract("bias", b)?;
-            b.check(&[DType::BF16, DType::F32], 1)?;
-            b.expect_dim(0, n, "out_features of weight")?;
-            Ok(Some(b))
-        }
-        _ => Ok(None),
-    }
 }
 
 #[pymethods]
@@ -96,7 +85,7 @@ impl PyQuantizedLinear {
         x: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let (n, k) = (self.inner.out_features(), self.inner.in_features());
-        let (out, x, m) = super::gemm::linear_args(out, x, n, k)?;
+        let (out, x, m) = linear_args(out, x, n, k)?;
         // SAFETY: x and out were checked (dtype, CPU, contiguity, shape) and
         // share no memory; the caller keeps them alive.
         let (dst, xs) = unsafe { (kernel_dst(&out), kernel_src(&x)) };

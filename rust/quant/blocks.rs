@@ -15,7 +15,6 @@
 use half::f16;
 
 use super::{QuantFormat, GROUP};
-use crate::cpu::Src;
 
 /// The 16 non-linear levels of `iq4_nl`, in increasing order.
 pub const IQ4_NL_LEVELS: [i8; 16] = [
@@ -23,16 +22,13 @@ pub const IQ4_NL_LEVELS: [i8; 16] = [
 ];
 
 /// Quantizes `rows` rows of `k` (a multiple of 32) weights into blocks.
-pub fn quantize_rows(format: QuantFormat, w: Src<'_>, rows: usize, k: usize, out: &mut [u8]) {
+pub fn quantize_rows(format: QuantFormat, w: &[f32], rows: usize, k: usize, out: &mut [u8]) {
     debug_assert!(k.is_multiple_of(GROUP) && w.len() >= rows * k);
     let bb = format.block_bytes();
     debug_assert!(out.len() >= rows * (k / GROUP) * bb);
-    let mut vals = [0f32; GROUP];
-    for (b, block) in out.chunks_exact_mut(bb).take(rows * k / GROUP).enumerate() {
-        for (i, v) in vals.iter_mut().enumerate() {
-            *v = w.get(b * GROUP + i);
-        }
-        quantize_block(format, &vals, block);
+    let blocks = out.chunks_exact_mut(bb).take(rows * k / GROUP);
+    for (block, vals) in blocks.zip(w.as_chunks::<GROUP>().0) {
+        quantize_block(format, vals, block);
     }
 }
 

@@ -23,7 +23,8 @@ pub(super) const MAX_ROWS: usize = 8;
 pub(super) struct QuantRows {
     /// `m` rows of `kp` int8 (zero past `k`).
     pub(super) q: Vec<i8>,
-    /// `|q|` as u8 (for the sign trick of `vpmaddubsw`).
+    /// `|q|` as u8, for the sign trick of `vpmaddubsw` (left zero on the
+    /// paths with an exact dot product, which do not read it).
     pub(super) abs: Vec<u8>,
     /// One scale per row and group.
     pub(super) d: Vec<f32>,
@@ -97,11 +98,15 @@ impl<F: Fn(usize) -> f32> IntKernel for QuantizeRows<'_, F> {
                 let qs = &mut q[r * kp + c0..r * kp + c0 + GROUP];
                 let ab = &mut abs[r * kp + c0..r * kp + c0 + GROUP];
                 let mut total = 0i32;
-                for ((qv, av), &v) in qs.iter_mut().zip(ab.iter_mut()).zip(&vals) {
+                for (qv, &v) in qs.iter_mut().zip(&vals) {
                     let i = (v * inv).round_ties_even() as i32;
                     *qv = i as i8;
-                    *av = i.unsigned_abs() as u8;
                     total += i;
+                }
+                if !S::VNNI {
+                    for (av, &qv) in ab.iter_mut().zip(qs.iter()) {
+                        *av = qv.unsigned_abs();
+                    }
                 }
                 d[r * groups + g] = scale;
                 sum[r * groups + g] = total;

@@ -354,7 +354,7 @@ mod tests {
         let wf: Vec<f32> = (0..n * k).map(|_| rng.f32()).collect();
         for format in QuantFormat::ALL {
             let mut blocks = vec![0u8; n * (k / GROUP) * format.block_bytes()];
-            blocks::quantize_rows(format, Src::F32(&wf), n, k, &mut blocks);
+            blocks::quantize_rows(format, &wf, n, k, &mut blocks);
             let a = QuantWeight::from_blocks(format, &blocks, None, n, k).unwrap();
             let b = QuantWeight::quantize(format, Src::F32(&wf), None, n, k).unwrap();
             assert_eq!(a.nbytes(), b.nbytes());

@@ -70,7 +70,7 @@ impl QuantWeight {
                         }
                     }
                     let mut blocks = vec![0u8; rows * groups * bb];
-                    quantize_rows(format, Src::F32(&padded), rows, kp, &mut blocks);
+                    quantize_rows(format, &padded, rows, kp, &mut blocks);
                     fill_panels(format, &blocks, rows, groups, lines, panel_lines);
                 });
         });

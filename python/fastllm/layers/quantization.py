@@ -47,10 +47,10 @@ def resolve_quantization(name: str | None) -> str | None:
     ValueError naming the valid values for anything else."""
     if name is None:
         return None
-    key = name.strip().lower() if isinstance(name, str) else name
-    if key in (None, "", "none"):
+    key = name.strip().lower() if isinstance(name, str) else None
+    if key in ("", "none"):
         return None
-    fmt = QUANTIZATION_FORMATS.get(key) if isinstance(key, str) else None
+    fmt = QUANTIZATION_FORMATS.get(key)
     if fmt is None:
         valid = ", ".join(repr(k) for k in QUANTIZATION_FORMATS)
         raise ValueError(f"quantization={name!r} is not supported; expected None, {valid}")

@@ -13,8 +13,9 @@ Ray; this package needs the ``ray`` extra (``pip install "fastllm[ray]"``).
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from fastllm import _lazy_attribute
 
 INSTALL_HINT = 'fastllm.ray needs Ray: pip install "fastllm[ray]"'
 
@@ -44,9 +45,4 @@ __all__ = sorted([*_LAZY, "require_ray", "INSTALL_HINT"])
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'fastllm.ray' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return _lazy_attribute("fastllm.ray", _LAZY, globals(), name)

@@ -155,11 +155,11 @@ mod tests {
                         S::bcast4([1u8, 1, 1, 1].as_ptr()),
                     )));
                     let sc = S::load_f16(self.scales.as_ptr().add(half * S::LANES) as *const u8);
+                    // (2 * scale + 1) * 1, the 1 loaded from memory.
+                    let ones = vec![1f32; S::LANES];
+                    let v = S::fmadd(sc, S::splat_f32(2.0), S::splat_f32(1.0));
                     let mut out = vec![0f32; S::LANES];
-                    let v = S::fmadd(sc, S::splat_f32(2.0), S::splat_f32(1.0));
-                    S::store_f32(out.as_mut_ptr(), S::mul(v, S::load_f32(out.as_ptr())));
-                    let v = S::fmadd(sc, S::splat_f32(2.0), S::splat_f32(1.0));
-                    S::store_f32(out.as_mut_ptr(), v);
+                    S::store_f32(out.as_mut_ptr(), S::mul(v, S::load_f32(ones.as_ptr())));
                     seen.scaled.extend(out);
                     S::prefetch(self.w.as_ptr());
                 }

@@ -99,7 +99,8 @@ impl Bytes32 {
     }
     #[inline(always)]
     fn lane(&self, l: usize) -> i32 {
-        i32::from_le_bytes(self.0[4 * l..4 * l + 4].try_into().unwrap())
+        let b = &self.0[4 * l..4 * l + 4];
+        i32::from_le_bytes([b[0], b[1], b[2], b[3]])
     }
     #[inline(always)]
     fn from_lanes(lanes: [i32; 8]) -> Bytes32 {
