@@ -5,8 +5,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use super::gemm::{bias_arg, linear_args};
-use super::tensor::{kernel_dst, kernel_src, DType, TensorArg};
+use super::tensor::{check_no_overlap, kernel_dst, kernel_src, DType, TensorArg};
 use crate::cpu::IntPath;
+use crate::quant::gguf::BlockType;
 use crate::quant::{QuantFormat, QuantWeight};
 
 /// A linear layer's weight quantized to 8 or 4 bits for the integer kernels.
@@ -161,6 +162,34 @@ impl PyQuantizedLinear {
     }
 }
 
+/// Dequantizes GGUF blocks of `block_type` ("Q4_K", "Q6_K", "Q5_0", ...;
+/// see `gguf_block_types`) from `blocks` (uint8) into `out` (float32,
+/// exactly the blocks' values).
+#[pyfunction]
+fn dequantize_gguf(
+    py: Python<'_>,
+    blocks: &Bound<'_, PyAny>,
+    block_type: &str,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let kind = BlockType::parse(block_type).map_err(PyValueError::new_err)?;
+    let blocks = TensorArg::extract("blocks", blocks)?;
+    blocks.check(&[DType::U8], blocks.shape.len().max(1))?;
+    let out = TensorArg::extract("out", out)?;
+    out.check(&[DType::F32], out.shape.len().max(1))?;
+    check_no_overlap(&out, &blocks)?;
+    // SAFETY: both checked (dtype, CPU, contiguous), distinct; alive during the call.
+    let (src, dst) = unsafe { (blocks.slice::<u8>(), out.slice_mut::<f32>()) };
+    py.detach(move || crate::quant::gguf::dequantize(kind, src, dst))?;
+    Ok(())
+}
+
+/// GGUF block types `dequantize_gguf` reads.
+#[pyfunction]
+fn gguf_block_types() -> Vec<&'static str> {
+    BlockType::ALL.iter().map(|(_, n)| *n).collect()
+}
+
 /// Names of the integer kernel paths this CPU runs.
 #[pyfunction]
 fn quant_paths() -> Vec<&'static str> {
@@ -184,5 +213,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant_paths, m)?)?;
     m.add_function(wrap_pyfunction!(quant_default_path, m)?)?;
     m.add_function(wrap_pyfunction!(quant_formats, m)?)?;
+    m.add_function(wrap_pyfunction!(dequantize_gguf, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf_block_types, m)?)?;
     Ok(())
 }

@@ -25,6 +25,7 @@
 //! the work is split into tasks over the thread team as in `gemm`.
 
 pub mod blocks;
+pub mod gguf;
 mod kernel;
 mod pack;
 

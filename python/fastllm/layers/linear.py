@@ -150,16 +150,21 @@ def pack_linears(model: nn.Module, make=None) -> int:
     when tied to the embedding, which keeps its own table here); returns the
     bytes of packed weights. ``make(weight, bias)`` builds one packed layer
     (default: ``_core.PackedLinear`` of the same dtype); the head is
-    ``model.packed_head``; the caller of a custom ``make`` says what it did."""
+    ``model.packed_head`` (kept when the loader already made it); the
+    caller of a custom ``make`` says what it did."""
     default = make is None
     if default:
 
         def make(weight, bias):
             return _core.PackedLinear(weight.detach().contiguous(), _detached(bias))
 
-    head_weight, head_bias = model.head_weights()
-    head = make(head_weight, head_bias)
-    total = head.nbytes
+    head = getattr(model, "packed_head", None)  # a GGUF file's quantized head is ready
+    head_weight = None
+    total = 0
+    if head is None:
+        head_weight, head_bias = model.head_weights()
+        head = make(head_weight, head_bias)
+        total = head.nbytes
     for module in model.modules():
         if isinstance(module, Linear) and module.weight is not None:
             if module.weight is head_weight:

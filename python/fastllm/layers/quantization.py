@@ -48,12 +48,15 @@ def resolve_quantization(name: str | None) -> str | None:
     if name is None:
         return None
     key = name.strip().lower() if isinstance(name, str) else None
-    if key in ("", "none"):
-        return None
+    if key in ("", "none", "gguf"):
+        return None  # "gguf" (vLLM's name): a GGUF file's own tensor types
     fmt = QUANTIZATION_FORMATS.get(key)
     if fmt is None:
         valid = ", ".join(repr(k) for k in QUANTIZATION_FORMATS)
-        raise ValueError(f"quantization={name!r} is not supported; expected None, {valid}")
+        raise ValueError(
+            f"quantization={name!r} is not supported; expected None, {valid} "
+            "(or 'gguf' for a GGUF file's own types)"
+        )
     return fmt
 
 
@@ -95,7 +98,5 @@ def quantize_model(model: nn.Module, fmt: str, vocab_size: int) -> int:
             elif module.weight.shape[0] == vocab_size:
                 module.quantize(make(module.weight, None))
                 total += module.quantized.nbytes
-    logger.info(
-        "quantized %.1f MB of weights to %s for the %s kernel", total / 1e6, fmt, head.path
-    )
+    logger.info("quantized %.1f MB of weights to %s for the %s kernel", total / 1e6, fmt, head.path)
     return total
