@@ -197,7 +197,7 @@ class LLMEngine:
             self.gguf = {
                 "file": folder,
                 "tensor_types": report.tensor_types,
-                "converted": report.converted,
+                "converted": {**report.converted, **report.fused_with},
             }
         if self.quantization is not None:
             from fastllm.layers.quantization import quantize_model

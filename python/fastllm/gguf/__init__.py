@@ -21,3 +21,47 @@ def describe_tensor_types(info: dict[str, Any]) -> str:
             f"{k} x{n}" for k, n in sorted(converted.items())
         )
     return text
+
+
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer of the GGUF file ``path`` (its header only is read)."""
+    from fastllm.gguf.reader import GGUFFile
+    from fastllm.gguf.tokenizer import tokenizer_from_metadata
+
+    with GGUFFile(path) as g:
+        return tokenizer_from_metadata(g.metadata, path)
+
+
+def weight_bytes_per_token(path: str) -> int:
+    """Bytes of weights one decode step reads from the GGUF file ``path``: every
+    matrix once, as stored; the token embedding only when it is also the head."""
+    from fastllm.gguf.reader import GGUFFile
+
+    with GGUFFile(path) as g:
+        tied = "output.weight" not in g.tensors
+        skip = {"position_embd.weight"} | (set() if tied else {"token_embd.weight"})
+        return sum(t.nbytes for t in g.tensors.values() if len(t.shape) == 2 and t.name not in skip)
+
+
+def describe_file(path: str) -> str:
+    """One paragraph about a GGUF file for ``fastllm env --model``: architecture,
+    tensor types and how fastllm runs each."""
+    from fastllm.gguf.loader import CONVERSION_FORMAT, FLOAT_TYPES, KERNEL_TYPES
+    from fastllm.gguf.reader import GGUFFile
+
+    with GGUFFile(path) as g:
+        counts: dict[str, int] = {}
+        for t in g.tensors.values():
+            counts[t.type.name] = counts.get(t.type.name, 0) + 1
+        arch = g.get("general.architecture", "?")
+        name = g.get("general.name")
+        lines = [f"Model: {path} (GGUF v{g.version}, {arch}{', ' + name if name else ''})"]
+    for kind, n in sorted(counts.items(), key=lambda kv: -kv[1]):
+        if kind in FLOAT_TYPES:
+            how = "float"
+        elif kind in KERNEL_TYPES:
+            how = f"{KERNEL_TYPES[kind]} kernel, as stored"
+        else:
+            how = f"no kernel: converted to {CONVERSION_FORMAT} at load"
+        lines.append(f"  {kind} x{n}: {how}")
+    return "\n".join(lines)

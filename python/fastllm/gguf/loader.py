@@ -139,6 +139,8 @@ class LoadReport:
 
     tensor_types: dict[str, int]  # GGUF type -> tensors of that type in the file
     converted: dict[str, int] = field(default_factory=dict)  # GGUF type -> tensors converted
+    # kernel-type tensors converted too, being fused into one matrix with converted ones
+    fused_with: dict[str, int] = field(default_factory=dict)
     quantized_bytes: int = 0
 
 
@@ -239,7 +241,8 @@ def _quantized(
         ]
     )
     for s in param.sources:
-        report.converted[s.type.name] = report.converted.get(s.type.name, 0) + 1
+        counts = report.converted if s.type.name not in KERNEL_TYPES else report.fused_with
+        counts[s.type.name] = counts.get(s.type.name, 0) + 1
     return _core.QuantizedLinear(weight, b, format=CONVERSION_FORMAT)
 
 
@@ -316,15 +319,20 @@ def load_gguf_model(
     if head_table is not None:
         model.packed_head = head_table
     bind_ops(model, select_ops(device, dtype))
-    if report.converted:
+    if report.converted or report.fused_with:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(report.converted.items()))
+        fused = ", ".join(f"{n} {k}" for k, n in sorted(report.fused_with.items()))
+        mix = " (a fused matrix mixes types)" if not kinds else ""
+        also = f", and {fused} tensor(s) fused with them into one matrix" if fused else ""
         logger.warning(
-            "%s: fastllm has no kernel for %s tensor(s); converted them to %s at load "
-            "(%.1f bits per weight in memory; the conversion's rounding adds an error "
-            "below 1/254 of each group's largest weight)",
+            "%s: fastllm has no kernel for %s tensor(s)%s; converted them to %s at load%s "
+            "(%.1f bits per weight in memory; the conversion's rounding adds an error of at "
+            "most 1/254 of each group's largest weight)",
             gguf.path,
-            kinds,
+            kinds or "the mixed types of",
+            mix,
             CONVERSION_FORMAT,
+            also,
             _BITS[CONVERSION_FORMAT],
         )
     return model.eval(), report
