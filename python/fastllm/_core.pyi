@@ -335,7 +335,7 @@ class QuantizedLinear:
     ) -> None: ...
     @staticmethod
     def from_blocks(
-        blocks: torch.Tensor,
+        blocks: torch.Tensor | list[torch.Tensor],
         out_features: int,
         in_features: int,
         format: str,
@@ -343,7 +343,8 @@ class QuantizedLinear:
         path: str | None = None,
     ) -> QuantizedLinear:
         """Adopts GGUF blocks bit for bit: ``blocks`` uint8, out_features rows of
-        in_features / 32 blocks."""
+        in_features / 32 blocks, or a list of such tensors of whole rows (the
+        parts of a fused matrix, in order)."""
     def forward(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """Writes ``x @ weight.T + bias`` into ``out`` [M, out_features] (bf16 or f32);
         x [M, in_features] is quantized to int8 per group of 32. Releases the GIL."""
@@ -362,6 +363,17 @@ def quant_default_path() -> str:
 
 def quant_formats() -> list[str]:
     """Names of the quantized formats."""
+
+def dequantize_gguf(blocks: torch.Tensor, block_type: str, out: torch.Tensor) -> None:
+    """Dequantizes GGUF blocks of ``block_type`` (``gguf_block_types()``) from
+    ``blocks`` (uint8) into ``out`` (float32, exactly the blocks' values)."""
+
+def gguf_block_types() -> list[str]:
+    """GGUF block types ``dequantize_gguf`` reads."""
+
+def gguf_strings(data: torch.Tensor, offset: int, count: int) -> tuple[list[str], int]:
+    """The ``count`` length-prefixed strings of a GGUF string array at byte
+    ``offset`` of ``data`` (uint8): (strings, the offset after them)."""
 
 # ---- layers ----
 

@@ -2,7 +2,7 @@
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyList};
 
 use super::gemm::{bias_arg, linear_args};
 use super::tensor::{check_no_overlap, kernel_dst, kernel_src, DType, TensorArg};
@@ -53,7 +53,8 @@ impl PyQuantizedLinear {
     }
 
     /// Adopts weights already quantized in GGUF's block layout: `blocks` is
-    /// a uint8 tensor of out_features rows of in_features / 32 blocks.
+    /// a uint8 tensor of out_features rows of in_features / 32 blocks, or a
+    /// list of such tensors of whole rows (a fused matrix's parts, in order).
     #[staticmethod]
     #[pyo3(signature = (blocks, out_features, in_features, format, bias=None, path=None))]
     fn from_blocks(
@@ -66,14 +67,24 @@ impl PyQuantizedLinear {
         path: Option<&str>,
     ) -> PyResult<Self> {
         let (format, path) = parse(format, path)?;
-        let blocks = TensorArg::extract("blocks", blocks)?;
-        let ndim = blocks.shape.len().max(1);
-        blocks.check(&[DType::U8], ndim)?;
+        let args: Vec<TensorArg> = match blocks.cast::<PyList>() {
+            Ok(list) => list
+                .iter()
+                .map(|item| TensorArg::extract("blocks", &item))
+                .collect::<PyResult<_>>()?,
+            Err(_) => vec![TensorArg::extract("blocks", blocks)?],
+        };
+        for a in &args {
+            a.check(&[DType::U8], a.shape.len().max(1))?;
+        }
         let bias = bias_arg(bias, out_features)?;
-        // SAFETY: checked (uint8, CPU, contiguous); alive during the call.
-        let (data, bs) = unsafe { (blocks.slice::<u8>(), bias.as_ref().map(|b| kernel_src(b))) };
+        // SAFETY: every part and the bias were checked (dtype, CPU,
+        // contiguous, shape) and the caller keeps them alive during the call.
+        let parts: Vec<&[u8]> = args.iter().map(|a| unsafe { a.slice::<u8>() }).collect();
+        // SAFETY: as above.
+        let bs = bias.as_ref().map(|b| unsafe { kernel_src(b) });
         let inner = py.detach(move || {
-            QuantWeight::from_blocks(format, data, bs, out_features, in_features)
+            QuantWeight::from_block_parts(format, &parts, bs, out_features, in_features)
         })?;
         Ok(PyQuantizedLinear { inner, path })
     }
@@ -184,6 +195,28 @@ fn dequantize_gguf(
     Ok(())
 }
 
+/// The `count` strings of a GGUF string array at byte `offset` of `data`
+/// (uint8): (list of str, the offset after them). Invalid UTF-8 is
+/// replaced (U+FFFD), as some vocabularies hold partial characters.
+#[pyfunction]
+fn gguf_strings<'py>(
+    py: Python<'py>,
+    data: &Bound<'py, PyAny>,
+    offset: usize,
+    count: usize,
+) -> PyResult<(Bound<'py, PyList>, usize)> {
+    let data = TensorArg::extract("data", data)?;
+    data.check(&[DType::U8], 1)?;
+    // SAFETY: checked (uint8, CPU, contiguous); the caller keeps it alive.
+    let bytes = unsafe { data.slice::<u8>() };
+    let (ranges, end) = crate::quant::gguf::string_array(bytes, offset, count)?;
+    let list = PyList::empty(py);
+    for (a, b) in ranges {
+        list.append(String::from_utf8_lossy(&bytes[a..b]))?;
+    }
+    Ok((list, end))
+}
+
 /// GGUF block types `dequantize_gguf` reads.
 #[pyfunction]
 fn gguf_block_types() -> Vec<&'static str> {
@@ -215,5 +248,6 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant_formats, m)?)?;
     m.add_function(wrap_pyfunction!(dequantize_gguf, m)?)?;
     m.add_function(wrap_pyfunction!(gguf_block_types, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf_strings, m)?)?;
     Ok(())
 }

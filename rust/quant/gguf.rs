@@ -1,4 +1,5 @@
-//! Dequantization of the GGUF block types that have no kernel of their own.
+//! Dequantization of the GGUF block types that have no kernel of their own,
+//! and the reader of a GGUF file's string arrays (its vocabulary).
 //!
 //! A GGUF file may hold tensors in types fastllm's kernels do not run
 //! (the K-quants of llama.cpp's "_K_M" mixes, and the older 4/5-bit types
@@ -214,6 +215,38 @@ pub fn dequantize(kind: BlockType, blocks: &[u8], out: &mut [f32]) -> CoreResult
     Ok(())
 }
 
+/// The `count` length-prefixed strings (u64 length, then the bytes) of a
+/// GGUF string array starting at `pos` in `data`: their byte ranges and the
+/// position after the last one; an error names the string that runs past
+/// the end.
+pub fn string_array(
+    data: &[u8],
+    mut pos: usize,
+    count: usize,
+) -> CoreResult<(Vec<(usize, usize)>, usize)> {
+    let mut out = Vec::with_capacity(count.min(data.len() / 8));
+    for i in 0..count {
+        let len = data
+            .get(pos..pos + 8)
+            .map(|b| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]));
+        let end = len
+            .and_then(|n| usize::try_from(n).ok())
+            .and_then(|n| (pos + 8).checked_add(n));
+        match end {
+            Some(end) if end <= data.len() => {
+                out.push((pos + 8, end));
+                pos = end;
+            }
+            _ => {
+                return Err(CoreError::invalid(format!(
+                    "string {i} of {count} runs past the end of the data"
+                )))
+            }
+        }
+    }
+    Ok((out, pos))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -257,6 +290,23 @@ mod tests {
             let fifth = if i % 2 == 0 { 16 } else { 0 };
             assert_eq!(y[i], ((i % 16) as i32 + fifth - 16) as f32, "weight {i}");
         }
+    }
+
+    #[test]
+    fn string_arrays_and_their_bounds() {
+        let mut data = vec![7u8];
+        for s in ["ab", "", "héllo"] {
+            data.extend((s.len() as u64).to_le_bytes());
+            data.extend(s.as_bytes());
+        }
+        let (ranges, end) = string_array(&data, 1, 3).unwrap();
+        let got: Vec<&[u8]> = ranges.iter().map(|&(a, b)| &data[a..b]).collect();
+        assert_eq!(got, [&b"ab"[..], b"", "héllo".as_bytes()]);
+        assert_eq!(end, data.len());
+        assert!(string_array(&data, 1, 4).is_err());
+        assert!(string_array(&data[..data.len() - 1], 1, 3).is_err());
+        let huge = [u64::MAX.to_le_bytes().as_slice(), b"x"].concat();
+        assert!(string_array(&huge, 0, 1).is_err());
     }
 
     #[test]

@@ -359,6 +359,15 @@ mod tests {
             let a = QuantWeight::from_blocks(format, &blocks, None, n, k).unwrap();
             let b = QuantWeight::quantize(format, Src::F32(&wf), None, n, k).unwrap();
             assert_eq!(a.nbytes(), b.nbytes());
+            // The same rows in three parts (one panel straddles two of them).
+            let row = (k / GROUP) * format.block_bytes();
+            let (p1, rest) = blocks.split_at(7 * row);
+            let (p2, p3) = rest.split_at(30 * row);
+            let parts = QuantWeight::from_block_parts(format, &[p1, p2, p3], None, n, k).unwrap();
+            assert_eq!(parts.to_blocks(), a.to_blocks());
+            assert!(
+                QuantWeight::from_block_parts(format, &[&p1[1..], p2, p3], None, n, k).is_err()
+            );
             let (mut ra, mut rb, mut want) = (vec![0f32; k], vec![0f32; k], vec![0f32; GROUP]);
             for j in 0..n {
                 a.dequantize_row(j, &mut ra).unwrap();

@@ -71,7 +71,9 @@ impl QuantWeight {
                     }
                     let mut blocks = vec![0u8; rows * groups * bb];
                     quantize_rows(format, &padded, rows, kp, &mut blocks);
-                    fill_panels(format, &blocks, rows, groups, lines, panel_lines);
+                    let rb = groups * bb;
+                    let row = |r: usize| &blocks[r * rb..(r + 1) * rb];
+                    fill_panels(format, &row, rows, groups, lines, panel_lines);
                 });
         });
         Ok(out)
@@ -86,26 +88,55 @@ impl QuantWeight {
         n: usize,
         k: usize,
     ) -> CoreResult<Self> {
+        Self::from_block_parts(format, &[blocks], bias, n, k)
+    }
+
+    /// As [`from_blocks`](Self::from_blocks), with the rows given in parts
+    /// (whole rows each, in order): the tensors of a fused matrix, such as
+    /// q, k and v, adopted without first copying them into one.
+    pub fn from_block_parts(
+        format: QuantFormat,
+        parts: &[&[u8]],
+        bias: Option<Src<'_>>,
+        n: usize,
+        k: usize,
+    ) -> CoreResult<Self> {
         if !k.is_multiple_of(GROUP) {
             return Err(CoreError::invalid(format!(
                 "{}: in_features ({k}) must be a multiple of {GROUP}",
                 format.name()
             )));
         }
-        let want = n * (k / GROUP) * format.block_bytes();
-        if blocks.len() != want {
+        let row_bytes = k / GROUP * format.block_bytes();
+        let want = n * row_bytes;
+        let got: usize = parts.iter().map(|p| p.len()).sum();
+        if got != want
+            || parts
+                .iter()
+                .any(|p| !p.len().is_multiple_of(row_bytes.max(1)))
+        {
             return Err(CoreError::invalid(format!(
-                "{} blocks: expected {want} bytes for {n} x {k} weights, got {}",
+                "{} blocks: expected {want} bytes for {n} x {k} weights in whole rows, got {got}",
                 format.name(),
-                blocks.len()
             )));
+        }
+        // The first row of each part.
+        let mut starts = Vec::with_capacity(parts.len());
+        let mut rows_before = 0;
+        for p in parts {
+            starts.push(rows_before);
+            rows_before += p.len() / row_bytes.max(1);
         }
         let mut out = Self::empty(format, n, k, bias)?;
         let (groups, panel_lines) = (out.groups, out.panel_lines());
-        let row_bytes = groups * format.block_bytes();
         if panel_lines == 0 {
             return Ok(out);
         }
+        let row = |r: usize| -> &[u8] {
+            let part = starts.partition_point(|&s| s <= r) - 1;
+            let local = r - starts[part];
+            &parts[part][local * row_bytes..(local + 1) * row_bytes]
+        };
         crate::cpu::threads::install(|| {
             out.lines
                 .par_chunks_mut(panel_lines)
@@ -113,8 +144,7 @@ impl QuantWeight {
                 .for_each(|(p, lines)| {
                     let r0 = p * NR;
                     let rows = NR.min(n - r0);
-                    let src = &blocks[r0 * row_bytes..(r0 + rows) * row_bytes];
-                    fill_panels(format, src, rows, groups, lines, panel_lines);
+                    fill_panels(format, &|r| row(r0 + r), rows, groups, lines, panel_lines);
                 });
         });
         Ok(out)
@@ -249,11 +279,12 @@ impl QuantWeight {
     }
 }
 
-/// Writes the blocks of `rows` consecutive rows (`groups` blocks each) into
-/// their panels (`panel_lines` lines each, starting at `lines`).
-fn fill_panels(
+/// Writes the blocks of `rows` consecutive rows (`groups` blocks each;
+/// `row(r)` is row `r`'s) into their panels (`panel_lines` lines each,
+/// starting at `lines`).
+fn fill_panels<'a>(
     format: QuantFormat,
-    blocks: &[u8],
+    row: &dyn Fn(usize) -> &'a [u8],
     rows: usize,
     groups: usize,
     lines: &mut [Line],
@@ -267,8 +298,9 @@ fn fill_panels(
         let bytes: &mut [u8] = unsafe {
             std::slice::from_raw_parts_mut(panel.as_mut_ptr() as *mut u8, panel.len() * 64)
         };
+        let blocks = row(r);
         for g in 0..groups {
-            let block = &blocks[(r * groups + g) * bb..][..bb];
+            let block = &blocks[g * bb..][..bb];
             pack_block(format, block, j, &mut bytes[g * pb..(g + 1) * pb]);
         }
     }

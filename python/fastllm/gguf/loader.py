@@ -226,13 +226,11 @@ def _quantized(
     if len(kinds) == 1 and next(iter(kinds)) in KERNEL_TYPES:
         fmt = KERNEL_TYPES[next(iter(kinds))]
         parts = [
-            _matrix_bytes(gguf, s, h) for s, h in zip(param.sources, param.permute, strict=True)
+            _readonly_tensor(np.ascontiguousarray(_matrix_bytes(gguf, s, h)).reshape(-1))
+            for s, h in zip(param.sources, param.permute, strict=True)
         ]
-        blocks = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
-        blocks = np.ascontiguousarray(blocks).reshape(-1)
-        return _core.QuantizedLinear.from_blocks(
-            _readonly_tensor(blocks), out_features, in_features, fmt, b
-        )
+        # The parts of a fused matrix (q, k, v) go in as they are, uncopied.
+        return _core.QuantizedLinear.from_blocks(parts, out_features, in_features, fmt, b)
     # No kernel for a source's type, or a mix of types in one fused matrix.
     weight = torch.cat(
         [

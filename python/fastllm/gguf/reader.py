@@ -18,6 +18,11 @@ from typing import Any
 
 import numpy as np
 
+from fastllm import _core
+
+# MAP_POPULATE maps every page at once (far cheaper than a fault per page
+# when the tensors are read right after).
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
@@ -141,7 +146,7 @@ class GGUFFile:
             size = os.fstat(self._file.fileno()).st_size
             if size < 24:
                 raise GGUFError(f"{path}: not a GGUF file (only {size} bytes)")
-            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+            self._map = mmap.mmap(self._file.fileno(), 0, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
             self.size = size
             self.metadata: dict[str, Any] = {}
             self.tensors: dict[str, TensorInfo] = {}
@@ -243,7 +248,12 @@ class GGUFFile:
                         raise self._fail(
                             f"metadata key {key!r}: array of {count} strings exceeds the file"
                         )
-                    strings, pos = _string_array(self._map, pos, count, end, self, key)
+                    try:
+                        strings, pos = _core.gguf_strings(self._bytes(), pos, count)
+                    except ValueError as e:
+                        raise self._fail(
+                            f"truncated while reading metadata key {key!r}: {e}"
+                        ) from None
                     return strings
                 raise self._fail(f"metadata key {key!r}: unsupported array element type {itype}")
             fmt = _SCALARS.get(vtype)
@@ -332,29 +342,16 @@ class GGUFFile:
         info = self.tensors[name]
         return np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
 
+    def _bytes(self) -> Any:
+        """The whole file as a uint8 CPU tensor viewing the mapping (for the core)."""
+        import warnings
+
+        import torch
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a read-only buffer: only read
+            return torch.from_numpy(np.frombuffer(self._map, dtype=np.uint8))
+
     def get(self, key: str, default: Any = None) -> Any:
         """A metadata value, or ``default``."""
         return self.metadata.get(key, default)
-
-
-def _string_array(
-    raw: mmap.mmap, pos: int, count: int, end: int, file: GGUFFile, key: str
-) -> tuple[list[str], int]:
-    """``count`` length-prefixed strings from ``pos``: (strings, position after them)."""
-    out: list[str] = []
-    append = out.append
-    unpack = struct.Struct("<Q").unpack_from
-    for _ in range(count):
-        if pos + 8 > end:
-            raise file._fail(f"truncated while reading metadata key {key!r}")
-        (n,) = unpack(raw, pos)
-        pos += 8
-        if pos + n > end:
-            raise file._fail(f"truncated while reading metadata key {key!r}")
-        s = raw[pos : pos + n]
-        pos += n
-        try:
-            append(s.decode("utf-8"))
-        except UnicodeDecodeError:
-            append(bytes(s).decode("utf-8", errors="replace"))
-    return out, pos
