@@ -1,0 +1,445 @@
+"""The tokenizer a GGUF file describes in its metadata (``tokenizer.ggml.*``),
+rebuilt as the ``tokenizers`` pipeline its Hugging Face ``tokenizer.json`` has.
+
+Two vocabularies are supported: ``gpt2`` (byte-level BPE: tokens, merges and a
+pre-tokenizer named by ``tokenizer.ggml.pre``) and ``llama`` (SentencePiece-style
+BPE: tokens and scores, with byte fallback and the ``▁`` space). The pipeline is
+written as one ``tokenizer.json`` document and parsed in Rust by
+``Tokenizer.from_str``: that keeps every token at the id the file gives it
+(added tokens included) and builds a 150k-token vocabulary in a fraction of a
+second.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from fastllm.tokenizer import Tokenizer
+
+# gguf.TokenType, spelled out so that loading a file needs no gguf package.
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+_KEY_MODEL = "tokenizer.ggml.model"
+_KEY_PRE = "tokenizer.ggml.pre"
+_KEY_TOKENS = "tokenizer.ggml.tokens"
+_KEY_TYPES = "tokenizer.ggml.token_type"
+_KEY_MERGES = "tokenizer.ggml.merges"
+_KEY_SCORES = "tokenizer.ggml.scores"
+
+# The pre-tokenizer splits of each ``tokenizer.ggml.pre`` name (the regexes of the
+# tokenizer.json files the names stand for). A list is applied in turn, each regex
+# splitting the pieces the previous one left, matches and gaps alike.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DEFAULT = [
+    r"[\p{P}\$\+<=>\^~\|]+",
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+    r"\p{N}+",
+    r"[0-9][0-9][0-9]",
+]
+_DEEPSEEK_LLM = [
+    r"[\r\n]",
+    r"\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+",
+    r"\s?[!-/:-~！-／：-～‘-‟　-。]+",
+    r"\s+$",
+    r"[一-龥ࠀ-一가-퟿]+",
+    r"\p{N}+",
+]
+
+
+class _Pre:
+    """How one ``tokenizer.ggml.pre`` name splits text before the byte-level BPE."""
+
+    def __init__(
+        self,
+        splits: list[str] | None,
+        gpt2_regex: bool = False,
+        ignore_merges: bool = False,
+        add_bos: bool = False,
+        nfc: bool = False,
+    ) -> None:
+        self.splits = splits or []  # regexes applied first, in turn
+        self.gpt2_regex = gpt2_regex  # then GPT-2's own split (ByteLevel's regex)
+        self.ignore_merges = ignore_merges  # a word found whole in the vocabulary is one token
+        self.add_bos = add_bos  # llama.cpp's default when the file has no add_bos_token
+        self.nfc = nfc  # NFC normalization first, as the model's tokenizer.json does
+
+
+_PRE: dict[str, _Pre] = {
+    "default": _Pre(_DEFAULT),
+    "gpt-2": _Pre(None, gpt2_regex=True),
+    "phi-2": _Pre(None, gpt2_regex=True),
+    "mpt": _Pre(None, gpt2_regex=True),
+    "olmo": _Pre(None, gpt2_regex=True),
+    "smollm": _Pre([r"\p{N}"], gpt2_regex=True),
+    "starcoder": _Pre([r"\p{N}"], gpt2_regex=True),
+    "refact": _Pre([r"\p{N}"], gpt2_regex=True),
+    "codeshell": _Pre([r"\p{N}"], gpt2_regex=True),
+    "llama-bpe": _Pre([_LLAMA3], ignore_merges=True, add_bos=True),
+    "llama3": _Pre([_LLAMA3], ignore_merges=True, add_bos=True),
+    "llama-v3": _Pre([_LLAMA3], ignore_merges=True, add_bos=True),
+    "falcon3": _Pre([_LLAMA3], ignore_merges=True, add_bos=True),
+    "dbrx": _Pre([_LLAMA3]),
+    "smaug-bpe": _Pre([_LLAMA3], ignore_merges=True, add_bos=True),
+    "qwen2": _Pre([_QWEN2], nfc=True),
+    "deepseek-r1-qwen": _Pre([_QWEN2]),
+    "deepseek-llm": _Pre(_DEEPSEEK_LLM),
+    "gpt-4o": _Pre([_GPT4O]),
+    "llama4": _Pre([_GPT4O]),
+    "tekken": _Pre([_TEKKEN], add_bos=True),
+}
+
+SUPPORTED_MODELS = ("gpt2", "llama")
+SUPPORTED_PRE = tuple(sorted(_PRE))
+
+
+def tokenizer_from_metadata(meta: Mapping[str, Any], source: str) -> Tokenizer:
+    """The tokenizer a GGUF file's metadata describes; ``source`` (the file) names
+    it in every error."""
+    from tokenizers import Tokenizer as _HFTokenizer
+
+    model = meta.get(_KEY_MODEL)
+    if model is None:
+        raise ValueError(f"{source}: GGUF metadata has no {_KEY_MODEL}: the file has no tokenizer")
+    if model not in SUPPORTED_MODELS:
+        raise ValueError(
+            f"{source}: {_KEY_MODEL} = {model!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODELS)}"
+        )
+    tokens = _tokens(meta, source)
+    n = len(tokens)
+    types = _int_list(meta, _KEY_TYPES, n, source)
+    if types is None:
+        types = [NORMAL] * n
+    ids = {name: _token_id(meta, name, n, source) for name in _SPECIAL_KEYS}
+
+    if model == "gpt2":
+        pre = _pre(meta, source)
+        doc = _byte_level_bpe(meta, tokens, types, pre, source)
+        add_bos_default = pre.add_bos
+        add_space_prefix = False
+    else:
+        add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+        unk = ids["unknown"]
+        doc = _sentencepiece_bpe(meta, tokens, types, unk, add_space_prefix, source)
+        add_bos_default = True  # llama.cpp's default for SentencePiece vocabularies
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+
+    doc["added_tokens"] = _added_tokens(tokens, types, ids)
+    doc["post_processor"] = _post_processor(
+        tokens, ids["bos"] if add_bos else None, ids["eos"] if add_eos else None, model == "gpt2"
+    )
+    try:
+        tok = _HFTokenizer.from_str(json.dumps(doc, ensure_ascii=False))
+    except Exception as e:  # the library raises its own Exception type
+        key = _KEY_MERGES if "erge" in str(e) else _KEY_TOKENS
+        raise ValueError(f"{source}: could not build the tokenizer from {key}: {e}") from e
+
+    def text(name: str) -> str | None:
+        i = ids[name]
+        return tokens[i] if i is not None else None
+
+    config: dict[str, Any] = {
+        "bos_token": text("bos"),
+        "eos_token": text("eos"),
+        "pad_token": text("padding"),
+        "unk_token": text("unknown"),
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+    }
+    template = meta.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{source}: tokenizer.chat_template must be a string")
+    end_ids = [i for i in (ids["eot"], ids["eom"]) if i is not None]
+    result = Tokenizer.from_backend(tok, config, template or None, end_of_turn_ids=end_ids)
+    # Ids straight from the file: a token text may be spelt twice in a vocabulary.
+    result.bos_token_id = ids["bos"]
+    result.eos_token_id = ids["eos"]
+    return result
+
+
+_SPECIAL_KEYS = ("bos", "eos", "padding", "unknown", "eot", "eom")
+
+
+def _pre(meta: Mapping[str, Any], source: str) -> _Pre:
+    name = meta.get(_KEY_PRE, "default")
+    pre = _PRE.get(name) if isinstance(name, str) else None
+    if pre is None:
+        raise ValueError(
+            f"{source}: {_KEY_PRE} = {name!r} is not a supported pre-tokenizer; "
+            f"supported: {', '.join(SUPPORTED_PRE)}"
+        )
+    return pre
+
+
+def _tokens(meta: Mapping[str, Any], source: str) -> list[str]:
+    raw = meta.get(_KEY_TOKENS)
+    if raw is None:
+        raise ValueError(f"{source}: GGUF metadata has no {_KEY_TOKENS}")
+    if isinstance(raw, (str, bytes)):
+        raise ValueError(f"{source}: {_KEY_TOKENS} must be an array of strings")
+    tokens = list(raw)
+    if not tokens:
+        raise ValueError(f"{source}: {_KEY_TOKENS} is empty")
+    for i, t in enumerate(tokens):
+        if isinstance(t, str):
+            continue
+        if isinstance(t, (bytes, bytearray, memoryview)):
+            # A SentencePiece piece need not be valid UTF-8: such a token can never be
+            # produced from text, so a replacement character is all it needs.
+            tokens[i] = bytes(t).decode("utf-8", errors="replace")
+        else:
+            raise ValueError(f"{source}: {_KEY_TOKENS}[{i}] is {type(t).__name__}, not a string")
+    return tokens
+
+
+def _int_list(meta: Mapping[str, Any], key: str, n: int, source: str) -> list[int] | None:
+    raw = meta.get(key)
+    if raw is None:
+        return None
+    try:
+        values = [int(v) for v in (raw.tolist() if hasattr(raw, "tolist") else raw)]
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{source}: {key} must be an array of integers: {e}") from e
+    if len(values) != n:
+        raise ValueError(f"{source}: {key} has {len(values)} entries but {_KEY_TOKENS} has {n}")
+    return values
+
+
+def _token_id(meta: Mapping[str, Any], name: str, n: int, source: str) -> int | None:
+    key = f"tokenizer.ggml.{name}_token_id"
+    value = meta.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            value = int(value)  # numpy integers
+        except (TypeError, ValueError):
+            raise ValueError(f"{source}: {key} must be an integer, not {value!r}") from None
+    if not 0 <= value < n:
+        raise ValueError(
+            f"{source}: {key} = {value} is out of range: the vocabulary has {n} tokens"
+        )
+    return value
+
+
+def _byte_level_bpe(
+    meta: Mapping[str, Any], tokens: list[str], types: list[int], pre: _Pre, source: str
+) -> dict[str, Any]:
+    raw = meta.get(_KEY_MERGES)
+    if raw is None:
+        raise ValueError(f"{source}: GGUF metadata has no {_KEY_MERGES} (required for gpt2)")
+    merges = []
+    for i, m in enumerate(raw):
+        if isinstance(m, (bytes, bytearray)):
+            m = bytes(m).decode("utf-8", errors="replace")
+        # "left right", split at the first space after the first character.
+        cut = m.find(" ", 1) if isinstance(m, str) else -1
+        if cut < 0:
+            raise ValueError(f"{source}: {_KEY_MERGES}[{i}] = {m!r} is not 'left right'")
+        merges.append((m[:cut], m[cut + 1 :]))
+    vocab = _model_vocab(tokens, types)
+    byte_level = {"add_prefix_space": False, "trim_offsets": True}
+    steps: list[dict[str, Any]] = [
+        {
+            "type": "Split",
+            "pattern": {"Regex": regex},
+            "behavior": "Isolated",
+            "invert": False,
+        }
+        for regex in pre.splits
+    ]
+    steps.append({"type": "ByteLevel", **byte_level, "use_regex": pre.gpt2_regex})
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "normalizer": {"type": "NFC"} if pre.nfc else None,
+        "pre_tokenizer": steps[0]
+        if len(steps) == 1
+        else {"type": "Sequence", "pretokenizers": steps},
+        "decoder": {"type": "ByteLevel", **byte_level, "use_regex": True},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": pre.ignore_merges,
+            "vocab": vocab,
+            "merges": merges,
+        },
+    }
+
+
+def _sentencepiece_bpe(
+    meta: Mapping[str, Any],
+    tokens: list[str],
+    types: list[int],
+    unk: int | None,
+    add_space_prefix: bool,
+    source: str,
+) -> dict[str, Any]:
+    raw = meta.get(_KEY_SCORES)
+    if raw is None:
+        raise ValueError(f"{source}: GGUF metadata has no {_KEY_SCORES} (required for llama)")
+    scores = raw.tolist() if hasattr(raw, "tolist") else list(raw)
+    if len(scores) != len(tokens):
+        raise ValueError(
+            f"{source}: {_KEY_SCORES} has {len(scores)} entries but {_KEY_TOKENS} has {len(tokens)}"
+        )
+    vocab = _model_vocab(tokens, types)
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "normalizer": _spm_normalizer(add_space_prefix),
+        "pre_tokenizer": None,
+        "decoder": _spm_decoder(add_space_prefix),
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": tokens[unk] if unk is not None else None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": True,
+            "byte_fallback": True,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": _spm_merges(tokens, types, scores, vocab),
+        },
+    }
+
+
+def _model_vocab(tokens: list[str], types: list[int]) -> dict[str, int]:
+    """Token text -> id for every token but the unused slots ([PADn] padding of the
+    vocabulary). Added tokens are in it too: ``tokenizers`` keeps an added token at
+    the id its model gives it, and would renumber one the model lacks."""
+    vocab: dict[str, int] = {}
+    for i, (t, ty) in enumerate(zip(tokens, types)):
+        if ty != UNUSED and t not in vocab:
+            vocab[t] = i
+    return vocab
+
+
+def _spm_merges(
+    tokens: list[str], types: list[int], scores: list[float], vocab: dict[str, int]
+) -> list[tuple[str, str]]:
+    """The merges a SentencePiece BPE vocabulary implies: every way of cutting a
+    normal token into two normal tokens, best score first (ties: the lower id), so
+    that BPE merges the pair whose joined piece scores highest, as SentencePiece
+    does. The cuts of one token are ordered by the ids of their halves."""
+    normal = {t: i for t, i in vocab.items() if types[i] == NORMAL}
+    per_token: list[tuple[float, int, list[tuple[str, str]]]] = []
+    for t, i in normal.items():
+        if len(t) < 2:
+            continue
+        cuts = [(t[:k], t[k:]) for k in range(1, len(t)) if t[:k] in normal and t[k:] in normal]
+        if cuts:
+            cuts.sort(key=lambda c: (normal[c[0]], normal[c[1]]))
+            per_token.append((-float(scores[i]), i, cuts))
+    per_token.sort(key=lambda e: (e[0], e[1]))
+    return [cut for _, _, cuts in per_token for cut in cuts]
+
+
+def _spm_normalizer(add_space_prefix: bool) -> dict[str, Any]:
+    replace = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+    if not add_space_prefix:
+        return replace
+    return {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "\u2581"}, replace]}
+
+
+def _spm_decoder(add_space_prefix: bool) -> dict[str, Any]:
+    steps: list[dict[str, Any]] = [
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+    ]
+    if add_space_prefix:  # the prefix space the normalizer added
+        steps.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    return {"type": "Sequence", "decoders": steps}
+
+
+def _added_tokens(
+    tokens: list[str], types: list[int], ids: dict[str, int | None]
+) -> list[dict[str, Any]]:
+    """Control, unknown and user-defined tokens, matched whole in the text before
+    the model runs (control and unknown ones are special), plus the special tokens
+    the metadata names whatever their type."""
+    named = {i for i in ids.values() if i is not None}
+    added = []
+    for i, (t, ty) in enumerate(zip(tokens, types)):
+        if ty in (CONTROL, UNKNOWN, USER_DEFINED) or (i in named and ty != NORMAL):
+            added.append(
+                {
+                    "id": i,
+                    "content": t,
+                    "single_word": False,
+                    "lstrip": False,
+                    "rstrip": False,
+                    "normalized": False,
+                    "special": ty != USER_DEFINED,
+                }
+            )
+    return added
+
+
+def _post_processor(
+    tokens: list[str], bos: int | None, eos: int | None, byte_level: bool
+) -> dict[str, Any] | None:
+    """BOS / EOS added around every encoded text, as the file's add_*_token ask."""
+    offsets = {
+        "type": "ByteLevel",
+        "add_prefix_space": True,
+        "trim_offsets": False,
+        "use_regex": True,
+    }
+    if bos is None and eos is None:
+        return offsets if byte_level else None
+
+    def piece(i: int, type_id: int) -> dict[str, Any]:
+        return {"SpecialToken": {"id": tokens[i], "type_id": type_id}}
+
+    def seq(name: str, type_id: int) -> list[dict[str, Any]]:
+        head = [piece(bos, type_id)] if bos is not None else []
+        tail = [piece(eos, type_id)] if eos is not None else []
+        return [*head, {"Sequence": {"id": name, "type_id": type_id}}, *tail]
+
+    specials = {
+        tokens[i]: {"id": tokens[i], "ids": [i], "tokens": [tokens[i]]}
+        for i in (bos, eos)
+        if i is not None
+    }
+    template = {
+        "type": "TemplateProcessing",
+        "single": seq("A", 0),
+        "pair": seq("A", 0) + seq("B", 1),
+        "special_tokens": specials,
+    }
+    if not byte_level:
+        return template
+    return {"type": "Sequence", "processors": [offsets, template]}
