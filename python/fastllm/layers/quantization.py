@@ -95,7 +95,5 @@ def quantize_model(model: nn.Module, fmt: str, vocab_size: int) -> int:
             elif module.weight.shape[0] == vocab_size:
                 module.quantize(make(module.weight, None))
                 total += module.quantized.nbytes
-    logger.info(
-        "quantized %.1f MB of weights to %s for the %s kernel", total / 1e6, fmt, head.path
-    )
+    logger.info("quantized %.1f MB of weights to %s for the %s kernel", total / 1e6, fmt, head.path)
     return total
