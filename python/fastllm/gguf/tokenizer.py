@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from operator import itemgetter
 from typing import Any
 
 from fastllm.tokenizer import Tokenizer
@@ -137,8 +138,6 @@ SUPPORTED_PRE = tuple(sorted(_PRE))
 def tokenizer_from_metadata(meta: Mapping[str, Any], source: str) -> Tokenizer:
     """The tokenizer a GGUF file's metadata describes; ``source`` (the file) names
     it in every error."""
-    from tokenizers import Tokenizer as _HFTokenizer
-
     model = meta.get(_KEY_MODEL)
     if model is None:
         raise ValueError(f"{source}: GGUF metadata has no {_KEY_MODEL}: the file has no tokenizer")
@@ -153,29 +152,34 @@ def tokenizer_from_metadata(meta: Mapping[str, Any], source: str) -> Tokenizer:
     if types is None:
         types = [NORMAL] * n
     ids = {name: _token_id(meta, name, n, source) for name in _SPECIAL_KEYS}
+    rare = _not_normal(types)
+    vocab = _model_vocab(tokens, types, rare)
 
     if model == "gpt2":
         pre = _pre(meta, source)
-        doc = _byte_level_bpe(meta, tokens, types, pre, source)
+        merges = _merges(meta, source)
+        pipeline = _byte_level_pipeline(pre)
+        options = {"ignore_merges": pre.ignore_merges}
         add_bos_default = pre.add_bos
-        add_space_prefix = False
     else:
         add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+        merges = _spm_merges(tokens, types, _scores(meta, n, source), vocab)
+        pipeline = _spm_pipeline(add_space_prefix)
         unk = ids["unknown"]
-        doc = _sentencepiece_bpe(meta, tokens, types, unk, add_space_prefix, source)
+        options = {
+            "unk_token": tokens[unk] if unk is not None else None,
+            "fuse_unk": True,
+            "byte_fallback": True,
+        }
         add_bos_default = True  # llama.cpp's default for SentencePiece vocabularies
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
-
-    doc["added_tokens"] = _added_tokens(tokens, types, ids)
-    doc["post_processor"] = _post_processor(
+    pipeline["post_processor"] = _post_processor(
         tokens, ids["bos"] if add_bos else None, ids["eos"] if add_eos else None, model == "gpt2"
     )
-    try:
-        tok = _HFTokenizer.from_str(json.dumps(doc, ensure_ascii=False))
-    except Exception as e:  # the library raises its own Exception type
-        key = _KEY_MERGES if "erge" in str(e) else _KEY_TOKENS
-        raise ValueError(f"{source}: could not build the tokenizer from {key}: {e}") from e
+    tok = _assemble(pipeline, vocab, merges, options, source)
+    special, plain = _added_tokens(tokens, types, rare)
+    _add_tokens(tok, special, plain)
 
     def text(name: str) -> str | None:
         i = ids[name]
@@ -201,6 +205,62 @@ def tokenizer_from_metadata(meta: Mapping[str, Any], source: str) -> Tokenizer:
 
 
 _SPECIAL_KEYS = ("bos", "eos", "padding", "unknown", "eot", "eom")
+
+
+def _assemble(
+    pipeline: dict[str, Any],
+    vocab: dict[str, int],
+    merges: list[tuple[str, str]],
+    options: dict[str, Any],
+    source: str,
+) -> Any:
+    """The ``tokenizers.Tokenizer``: the BPE model built from Python objects (the
+    fastest way in), the rest of the pipeline parsed from its tokenizer.json form."""
+    from tokenizers import Tokenizer as _HFTokenizer
+    from tokenizers import models
+
+    doc = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [],
+        **pipeline,
+        "model": {"type": "BPE", "vocab": {}, "merges": []},
+    }
+    skeleton = _HFTokenizer.from_str(json.dumps(doc))
+    try:
+        model = models.BPE(vocab, merges, **options)
+    except BaseException as e:  # an error, or a panic of the library on a bad merge
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        _check_merges(merges, vocab, source)
+        raise ValueError(f"{source}: could not build the tokenizer from {_KEY_MERGES}: {e}") from e
+    tok = _HFTokenizer(model)
+    for part in ("normalizer", "pre_tokenizer", "post_processor", "decoder"):
+        value = getattr(skeleton, part)
+        if value is not None:
+            setattr(tok, part, value)
+    return tok
+
+
+def _check_merges(merges: list[tuple[str, str]], vocab: dict[str, int], source: str) -> None:
+    for i, (left, right) in enumerate(merges):
+        if left not in vocab or right not in vocab or left + right not in vocab:
+            raise ValueError(
+                f"{source}: {_KEY_MERGES}[{i}] = {left + ' ' + right!r} joins tokens "
+                f"missing from {_KEY_TOKENS}"
+            )
+
+
+def _add_tokens(tok: Any, special: list[str], plain: list[str]) -> None:
+    """Added tokens, matched whole in the text before the model runs. Each is in
+    the model's vocabulary, so it keeps the id the file gives it."""
+    from tokenizers import AddedToken
+
+    if special:
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    if plain:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
 
 
 def _pre(meta: Mapping[str, Any], source: str) -> _Pre:
@@ -265,111 +325,97 @@ def _token_id(meta: Mapping[str, Any], name: str, n: int, source: str) -> int | 
     return value
 
 
-def _byte_level_bpe(
-    meta: Mapping[str, Any], tokens: list[str], types: list[int], pre: _Pre, source: str
-) -> dict[str, Any]:
+def _merges(meta: Mapping[str, Any], source: str) -> list[tuple[str, str]]:
+    """``"left right"`` strings as pairs, cut at the first space after the first
+    character (a piece is never empty)."""
     raw = meta.get(_KEY_MERGES)
     if raw is None:
         raise ValueError(f"{source}: GGUF metadata has no {_KEY_MERGES} (required for gpt2)")
+    raw = raw.tolist() if hasattr(raw, "tolist") else list(raw)
+    try:
+        parts = [m.partition(" ") for m in raw]
+    except (AttributeError, TypeError):  # bytes, or not strings at all
+        raw = [m.decode("utf-8", errors="replace") if isinstance(m, bytes) else m for m in raw]
+        bad = next((i for i, m in enumerate(raw) if not isinstance(m, str)), None)
+        if bad is not None:
+            raise ValueError(f"{source}: {_KEY_MERGES}[{bad}] is not a string") from None
+        parts = [m.partition(" ") for m in raw]
+    if all(map(itemgetter(0), parts)) and all(map(itemgetter(1), parts)):
+        return list(zip(map(itemgetter(0), parts), map(itemgetter(2), parts)))
     merges = []
-    for i, m in enumerate(raw):
-        if isinstance(m, (bytes, bytearray)):
-            m = bytes(m).decode("utf-8", errors="replace")
-        # "left right", split at the first space after the first character.
-        cut = m.find(" ", 1) if isinstance(m, str) else -1
+    for i, m in enumerate(raw):  # the rare merge whose left piece starts with a space
+        cut = m.find(" ", 1)
         if cut < 0:
             raise ValueError(f"{source}: {_KEY_MERGES}[{i}] = {m!r} is not 'left right'")
         merges.append((m[:cut], m[cut + 1 :]))
-    vocab = _model_vocab(tokens, types)
-    for i, (left, right) in enumerate(merges):
-        if left not in vocab or right not in vocab or left + right not in vocab:
-            raise ValueError(
-                f"{source}: {_KEY_MERGES}[{i}] = {left + ' ' + right!r} joins tokens "
-                f"missing from {_KEY_TOKENS}"
-            )
+    return merges
+
+
+def _scores(meta: Mapping[str, Any], n: int, source: str) -> list[float]:
+    raw = meta.get(_KEY_SCORES)
+    if raw is None:
+        raise ValueError(f"{source}: GGUF metadata has no {_KEY_SCORES} (required for llama)")
+    scores = raw.tolist() if hasattr(raw, "tolist") else list(raw)
+    if len(scores) != n:
+        raise ValueError(
+            f"{source}: {_KEY_SCORES} has {len(scores)} entries but {_KEY_TOKENS} has {n}"
+        )
+    return scores
+
+
+def _byte_level_pipeline(pre: _Pre) -> dict[str, Any]:
+    """Normalizer, pre-tokenizer and decoder of a byte-level BPE tokenizer.json."""
     byte_level = {"add_prefix_space": False, "trim_offsets": True}
     steps: list[dict[str, Any]] = [
-        {
-            "type": "Split",
-            "pattern": {"Regex": regex},
-            "behavior": "Isolated",
-            "invert": False,
-        }
+        {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
         for regex in pre.splits
     ]
     steps.append({"type": "ByteLevel", **byte_level, "use_regex": pre.gpt2_regex})
     return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
         "normalizer": {"type": "NFC"} if pre.nfc else None,
         "pre_tokenizer": steps[0]
         if len(steps) == 1
         else {"type": "Sequence", "pretokenizers": steps},
         "decoder": {"type": "ByteLevel", **byte_level, "use_regex": True},
-        "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": None,
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
-            "ignore_merges": pre.ignore_merges,
-            "vocab": vocab,
-            "merges": merges,
-        },
     }
 
 
-def _sentencepiece_bpe(
-    meta: Mapping[str, Any],
-    tokens: list[str],
-    types: list[int],
-    unk: int | None,
-    add_space_prefix: bool,
-    source: str,
-) -> dict[str, Any]:
-    raw = meta.get(_KEY_SCORES)
-    if raw is None:
-        raise ValueError(f"{source}: GGUF metadata has no {_KEY_SCORES} (required for llama)")
-    scores = raw.tolist() if hasattr(raw, "tolist") else list(raw)
-    if len(scores) != len(tokens):
-        raise ValueError(
-            f"{source}: {_KEY_SCORES} has {len(scores)} entries but {_KEY_TOKENS} has {len(tokens)}"
-        )
-    vocab = _model_vocab(tokens, types)
+def _spm_pipeline(add_space_prefix: bool) -> dict[str, Any]:
+    """Normalizer and decoder of a Llama-2-style tokenizer.json: ``▁`` for spaces,
+    a ``▁`` prefix (stripped again when decoding), byte tokens fused back."""
+    replace = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+    prefix = {"type": "Prepend", "prepend": "\u2581"}
+    decoders: list[dict[str, Any]] = [
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+    ]
+    if add_space_prefix:
+        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
     return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "normalizer": _spm_normalizer(add_space_prefix),
+        "normalizer": (
+            {"type": "Sequence", "normalizers": [prefix, replace]} if add_space_prefix else replace
+        ),
         "pre_tokenizer": None,
-        "decoder": _spm_decoder(add_space_prefix),
-        "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": tokens[unk] if unk is not None else None,
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": True,
-            "byte_fallback": True,
-            "ignore_merges": False,
-            "vocab": vocab,
-            "merges": _spm_merges(tokens, types, scores, vocab),
-        },
+        "decoder": {"type": "Sequence", "decoders": decoders},
     }
 
 
-def _model_vocab(tokens: list[str], types: list[int]) -> dict[str, int]:
+def _model_vocab(tokens: list[str], types: list[int], rare: list[int]) -> dict[str, int]:
     """Token text -> id for every token but the unused slots ([PADn] padding of the
-    vocabulary). Added tokens are in it too: ``tokenizers`` keeps an added token at
-    the id its model gives it, and would renumber one the model lacks."""
-    vocab: dict[str, int] = {}
-    for i, (t, ty) in enumerate(zip(tokens, types)):
-        if ty != UNUSED and t not in vocab:
-            vocab[t] = i
+    vocabulary); a text spelt twice keeps its first id. Added tokens are in it too:
+    ``tokenizers`` keeps an added token at the id its model gives it, and would
+    renumber one the model lacks."""
+    vocab = dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1)))
+    for i in rare:
+        if types[i] == UNUSED and vocab.get(tokens[i]) == i:
+            del vocab[tokens[i]]
     return vocab
+
+
+def _not_normal(types: list[int]) -> list[int]:
+    """Ids of the tokens that are not normal: a few among a vocabulary."""
+    return [i for i, t in enumerate(types) if t != NORMAL]
 
 
 def _spm_merges(
@@ -392,46 +438,13 @@ def _spm_merges(
     return [cut for _, _, cuts in per_token for cut in cuts]
 
 
-def _spm_normalizer(add_space_prefix: bool) -> dict[str, Any]:
-    replace = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
-    if not add_space_prefix:
-        return replace
-    return {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "\u2581"}, replace]}
-
-
-def _spm_decoder(add_space_prefix: bool) -> dict[str, Any]:
-    steps: list[dict[str, Any]] = [
-        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
-        {"type": "ByteFallback"},
-        {"type": "Fuse"},
-    ]
-    if add_space_prefix:  # the prefix space the normalizer added
-        steps.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
-    return {"type": "Sequence", "decoders": steps}
-
-
 def _added_tokens(
-    tokens: list[str], types: list[int], ids: dict[str, int | None]
-) -> list[dict[str, Any]]:
-    """Control, unknown and user-defined tokens, matched whole in the text before
-    the model runs (control and unknown ones are special), plus the special tokens
-    the metadata names whatever their type."""
-    named = {i for i in ids.values() if i is not None}
-    added = []
-    for i, (t, ty) in enumerate(zip(tokens, types)):
-        if ty in (CONTROL, UNKNOWN, USER_DEFINED) or (i in named and ty != NORMAL):
-            added.append(
-                {
-                    "id": i,
-                    "content": t,
-                    "single_word": False,
-                    "lstrip": False,
-                    "rstrip": False,
-                    "normalized": False,
-                    "special": ty != USER_DEFINED,
-                }
-            )
-    return added
+    tokens: list[str], types: list[int], rare: list[int]
+) -> tuple[list[str], list[str]]:
+    """(special, plain) added tokens: control and unknown tokens are special,
+    user-defined ones plain."""
+    special = [tokens[i] for i in rare if types[i] in (CONTROL, UNKNOWN)]
+    return special, [tokens[i] for i in rare if types[i] == USER_DEFINED]
 
 
 def _post_processor(
