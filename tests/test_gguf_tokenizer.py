@@ -557,3 +557,49 @@ def test_folder_tokenizer_is_unchanged(tokenizer_dir):
     assert tok.bos_token_id is None and not tok.add_bos_token
     assert tok.chat_template == CHAT_TEMPLATE and tok.all_special_ids == {0, 1, 2}
     assert tok.end_of_turn_token_ids() == [2, 0]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_matches_transformers_gguf_loader(cases, name):
+    """transformers' own GGUF tokenizer conversion, an independent reading of the
+    same file, encodes alike, where it means to: it has no NFC step for qwen2 (the
+    model's tokenizer.json has one, so text is NFC here), and for SentencePiece it
+    prepends the space only at the start of the text, where llama.cpp and the
+    Llama-2 tokenizer.json also do after each special token (none in the text)."""
+    import unicodedata
+
+    from transformers import AutoTokenizer
+
+    case = cases[name]
+    hf = AutoTokenizer.from_pretrained(
+        os.path.dirname(case.path), gguf_file=os.path.basename(case.path)
+    )
+    text = unicodedata.normalize("NFC", _text_sample())
+    if name != "spm":
+        text += _specials_text(case.specials)
+    assert case.tok.encode(text, add_special_tokens=False) == hf.encode(
+        text, add_special_tokens=False
+    )
+    assert case.tok.encode("hi") == hf.encode("hi")
+
+
+def test_spm_without_the_prefix_space(cases, tmp_path):
+    """``tokenizer.ggml.add_space_prefix = false``: no ``▁`` prepended (and none
+    stripped when decoding), as a tokenizer.json without the Prepend normalizer."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    case = cases["spm"]
+    doc = json.loads(case.ref.to_str())
+    doc["normalizer"] = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+    doc["decoder"]["decoders"] = doc["decoder"]["decoders"][:3]
+    ref = HFTokenizer.from_str(json.dumps(doc))
+    tok = tokenizer_from_metadata(
+        dict(case.meta, **{"tokenizer.ggml.add_space_prefix": False}), case.path
+    )
+    text = _text_sample() + _specials_text(case.specials)
+    ids = tok.encode(text)
+    assert ids == ref.encode(text).ids
+    plain = text
+    for special in case.specials:
+        plain = plain.replace(special, "")
+    assert tok.decode(ids) == ref.decode(ids) == plain
