@@ -433,17 +433,24 @@ def test_spm_matches_a_brute_force_sentencepiece(cases):
     assert case.tok.encode(text) == _spm_reference(case, text)
 
 
-_TEXT = st.text(
-    alphabet=st.one_of(
-        st.characters(codec="utf-8", exclude_categories=("Cs",)),
-        st.sampled_from(list(" \t\n\r  ") + list("aé日🦙1'")),
+_ALL_SPECIALS = ["<|endoftext|>", "<|im_end|>", "<think>", "<|begin_of_text|>", "<|eot_id|>"]
+_TEXT = st.lists(
+    st.one_of(
+        st.text(
+            alphabet=st.one_of(
+                st.characters(codec="utf-8", exclude_categories=("Cs",)),
+                st.sampled_from(list(" \t\n\r  ") + list("aé日🦙1'")),
+            ),
+            max_size=20,
+        ),
+        st.sampled_from(_ALL_SPECIALS + list(SPM_SPECIALS)),
     ),
-    max_size=40,
-)
+    max_size=6,
+).map("".join)
 
 
 @settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(text=_TEXT)
 def test_random_text_matches(cases, text):
