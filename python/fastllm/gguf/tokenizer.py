@@ -313,11 +313,9 @@ def _token_id(meta: Mapping[str, Any], name: str, n: int, source: str) -> int | 
     value = meta.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        try:
-            value = int(value)  # numpy integers
-        except (TypeError, ValueError):
-            raise ValueError(f"{source}: {key} must be an integer, not {value!r}") from None
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ValueError(f"{source}: {key} must be an integer, not {value!r}")
+    value = int(value)  # numpy integers too
     if not 0 <= value < n:
         raise ValueError(
             f"{source}: {key} = {value} is out of range: the vocabulary has {n} tokens"
