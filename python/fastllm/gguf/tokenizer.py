@@ -300,7 +300,10 @@ def _int_list(meta: Mapping[str, Any], key: str, n: int, source: str) -> list[in
     if raw is None:
         return None
     try:
-        values = [int(v) for v in (raw.tolist() if hasattr(raw, "tolist") else raw)]
+        if getattr(getattr(raw, "dtype", None), "kind", "") in ("i", "u"):  # numpy integers
+            values = raw.tolist()
+        else:
+            values = [int(v) for v in (raw.tolist() if hasattr(raw, "tolist") else raw)]
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: {key} must be an array of integers: {e}") from e
     if len(values) != n:
