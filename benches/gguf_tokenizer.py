@@ -21,6 +21,8 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
+
 from fastllm.gguf.tokenizer import tokenizer_from_metadata
 
 TEXT = (
@@ -58,7 +60,7 @@ def synthetic_meta(seed: int = 0) -> dict[str, Any]:
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "qwen2",
         "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.token_type": np.asarray(types, dtype=np.int32),  # as fastllm's reader
         "tokenizer.ggml.merges": merges,
         "tokenizer.ggml.eos_token_id": len(seen),
     }

@@ -539,6 +539,7 @@ def _broken(meta: dict, **changes) -> dict:
         ("spm", {"tokenizer__ggml__scores": [0.0]}, "tokenizer.ggml.scores", "1 entries"),
         ("gpt2", {"tokenizer__ggml__eos_token_id": 10**6}, "eos_token_id", "out of range"),
         ("gpt2", {"tokenizer__ggml__bos_token_id": -1}, "bos_token_id", "out of range"),
+        ("gpt2", {"tokenizer__ggml__bos_token_id": "1"}, "bos_token_id", "integer"),
         ("gpt2", {"tokenizer__ggml__merges": ["Ġt", "a b"]}, "tokenizer.ggml.merges", "'Ġt'"),
         ("gpt2", {"tokenizer__ggml__merges": ["zz qq"]}, "tokenizer.ggml.merges", "zz"),
         ("gpt2", {"tokenizer__ggml__tokens": []}, "tokenizer.ggml.tokens", "empty"),

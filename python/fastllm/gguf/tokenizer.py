@@ -300,7 +300,10 @@ def _int_list(meta: Mapping[str, Any], key: str, n: int, source: str) -> list[in
     if raw is None:
         return None
     try:
-        values = [int(v) for v in (raw.tolist() if hasattr(raw, "tolist") else raw)]
+        if getattr(getattr(raw, "dtype", None), "kind", "") in ("i", "u"):  # numpy integers
+            values = raw.tolist()
+        else:
+            values = [int(v) for v in (raw.tolist() if hasattr(raw, "tolist") else raw)]
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: {key} must be an array of integers: {e}") from e
     if len(values) != n:
@@ -313,11 +316,9 @@ def _token_id(meta: Mapping[str, Any], name: str, n: int, source: str) -> int | 
     value = meta.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        try:
-            value = int(value)  # numpy integers
-        except (TypeError, ValueError):
-            raise ValueError(f"{source}: {key} must be an integer, not {value!r}") from None
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ValueError(f"{source}: {key} must be an integer, not {value!r}")
+    value = int(value)  # numpy integers too
     if not 0 <= value < n:
         raise ValueError(
             f"{source}: {key} = {value} is out of range: the vocabulary has {n} tokens"
