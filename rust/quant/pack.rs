@@ -7,7 +7,7 @@ use super::{QuantFormat, GROUP, NR};
 use crate::cpu::elem::expect_matrix;
 use crate::cpu::{Dst, Element, Src};
 use crate::error::{CoreError, CoreResult};
-use crate::gemm::Line;
+use crate::gemm::{zeroed_lines, Line};
 
 /// A quantized weight matrix in panel layout, with its bias.
 pub struct QuantWeight {
@@ -164,11 +164,8 @@ impl QuantWeight {
             .div_ceil(NR)
             .checked_mul(groups * format.panel_block_bytes() / 64)
             .ok_or_else(|| CoreError::invalid("weight: packed size overflows"))?;
-        let mut lines: Vec<Line> = Vec::new();
-        lines
-            .try_reserve_exact(total)
-            .map_err(|_| CoreError::Exhausted(format!("weight: cannot allocate {n} x {k}")))?;
-        lines.resize(total, Line([0; 64]));
+        let lines = zeroed_lines(total)
+            .ok_or_else(|| CoreError::Exhausted(format!("weight: cannot allocate {n} x {k}")))?;
         Ok(QuantWeight {
             format,
             n,
@@ -318,8 +315,8 @@ fn pack_block(format: QuantFormat, block: &[u8], j: usize, out: &mut [u8]) {
     let q = &block[2..];
     match format {
         QuantFormat::Q8_0 => {
-            for (i, &v) in q.iter().take(GROUP).enumerate() {
-                out[(i / 4) * 128 + 4 * j + i % 4] = v;
+            for (quad, v) in q[..GROUP].chunks_exact(4).enumerate() {
+                out[quad * 128 + 4 * j..][..4].copy_from_slice(v);
             }
         }
         QuantFormat::Q4_0 | QuantFormat::Iq4Nl => {
