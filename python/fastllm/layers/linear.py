@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastllm import _core
-from fastllm.layers import CPU_KERNEL_DTYPES
+from fastllm.layers import CPU_KERNEL_DTYPES, Module
 
 logger = logging.getLogger("fastllm")
 
@@ -43,7 +43,7 @@ def _packed_forward(packed, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return out.view(*x.shape[:-1], packed.out_features)
 
 
-class Linear(nn.Module):
+class Linear(Module):
     """``y = x @ weight.T + bias`` with ``weight`` of shape [out_features, in_features]."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -76,7 +76,7 @@ class Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}{packed}"
 
 
-class Embedding(nn.Module):
+class Embedding(Module):
     """Token (or position) embedding table of shape [num_embeddings, dim]."""
 
     def __init__(self, num_embeddings: int, dim: int) -> None:

@@ -11,8 +11,8 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
 
+from fastllm.layers import Module
 from fastllm.layers.ops import TORCH_OPS, LayerOps, rotary_torch, split_qkv
 
 # The neox rotary as a torch expression (the reference of the Rust and CUDA kernels).
@@ -68,7 +68,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(Module):
     """Rotates q/k heads by their tokens' positions.
 
     The cos/sin table is computed in float32 on first use on each device (so a
