@@ -286,9 +286,9 @@ mod tests {
         q50.extend(0x5555_5555u32.to_le_bytes());
         q50.extend((0..16u8).map(|i| i | (i << 4)));
         dequantize(BlockType::Q5_0, &q50, &mut y).unwrap();
-        for i in 0..32 {
+        for (i, &v) in y.iter().enumerate() {
             let fifth = if i % 2 == 0 { 16 } else { 0 };
-            assert_eq!(y[i], ((i % 16) as i32 + fifth - 16) as f32, "weight {i}");
+            assert_eq!(v, ((i % 16) as i32 + fifth - 16) as f32, "weight {i}");
         }
     }
 
