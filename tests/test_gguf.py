@@ -396,3 +396,33 @@ def test_missing_key_missing_tensor_and_bad_values(good_file, tmp_path):
         _load_all(path)
     with pytest.raises(FileNotFoundError, match="GGUF file not found"):
         _load_all(str(tmp_path / "nothing.gguf"))
+
+
+# ---- the server -------------------------------------------------------------
+
+
+def test_server_serves_a_gguf_file_with_its_tokenizer_and_template(make_model, tmp_path):
+    """``serve model.gguf``: /v1/models names the file's tensor types, and a chat
+    completion (the file's chat template and tokenizer) answers what the folder
+    quantized at load answers."""
+    import json
+
+    from fastllm import LLM, SamplingParams
+    from test_server import _app_server, _get, _post
+
+    folder = make_model("llama")
+    path = write_gguf(folder, str(tmp_path / "chat.gguf"), "llama", "Q8_0", tokenizer=True)
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    ref = LLM(folder, quantization="q8_0", dtype="float32", max_model_len=256)
+    want = ref.chat(messages, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    with _app_server(path) as (app, addr):
+        status, body = _get(*addr, "/v1/models")
+        assert status == 200
+        (model,) = json.loads(body)["data"]
+        assert model["quantization"] == "gguf"
+        assert model["gguf"]["tensor_types"]["Q8_0"] > 0 and model["gguf"]["file"] == path
+        req = {"messages": messages, "max_tokens": 8, "temperature": 0}
+        status, answer = _post(*addr, "/v1/chat/completions", json.dumps(req))
+        assert status == 200, answer
+        assert answer["choices"][0]["message"]["content"] == want[0].outputs[0].text
+        assert answer["usage"]["prompt_tokens"] == len(want[0].prompt_token_ids)

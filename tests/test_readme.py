@@ -213,9 +213,8 @@ def test_readme_gguf_files(tmp_path):
     """The GGUF section's examples, run in a folder holding ``model.gguf``: the
     demo model written as a Q8_0 GGUF file (tests/gguf_models.py)."""
     pytest.importorskip("gguf")
-    from gguf_models import write_gguf
-
     import fastllm
+    from gguf_models import write_gguf
 
     demo = os.path.join(os.path.dirname(os.path.abspath(fastllm.__file__)), "demo_model")
     write_gguf(demo, str(tmp_path / "model.gguf"), "llama", "Q8_0", tokenizer=True)
