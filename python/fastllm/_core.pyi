@@ -313,8 +313,8 @@ def gemm_default_path() -> str:
 class QuantizedLinear:
     """A linear layer's weight quantized for the CPU's integer kernels.
 
-    ``format``: "q8_0", "q4_0" or "iq4_nl" (GGUF's numbers: 32 inputs per f16
-    scale). ``weight`` [out_features, in_features] bf16 or f32 on the CPU is
+    ``format``: "q8_0", "q4_0", "iq4_nl" or "q4_1" (GGUF's numbers: 32 inputs
+    per f16 scale, and an f16 minimum for "q4_1"). ``weight`` [out_features, in_features] bf16 or f32 on the CPU is
     quantized (round to nearest; rows padded to whole groups); ``bias`` stays
     f32. ``path`` names an integer kernel path (one of ``quant_paths()``);
     default: ``quant_default_path()``. Releases the GIL.
@@ -367,6 +367,11 @@ def quant_formats() -> list[str]:
 def dequantize_gguf(blocks: torch.Tensor, block_type: str, out: torch.Tensor) -> None:
     """Dequantizes GGUF blocks of ``block_type`` (``gguf_block_types()``) from
     ``blocks`` (uint8) into ``out`` (float32, exactly the blocks' values)."""
+
+def gguf_q4_k_to_q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    """Rewrites GGUF Q4_K super-blocks (``blocks``, uint8) as q4_1 blocks in
+    ``out`` (uint8, 8 x 20 bytes per super-block): the same codes, each
+    sub-block's scale and minimum rounded to f16."""
 
 def gguf_block_types() -> list[str]:
     """GGUF block types ``dequantize_gguf`` reads."""

@@ -29,7 +29,7 @@ fn parse(format: &str, path: Option<&str>) -> PyResult<(QuantFormat, IntPath)> {
 #[pymethods]
 impl PyQuantizedLinear {
     /// Quantizes `weight` [out_features, in_features] (bf16 or f32, CPU) to
-    /// `format` ("q8_0", "q4_0" or "iq4_nl"); `bias` [out_features] stays in
+    /// `format` ("q8_0", "q4_0", "iq4_nl" or "q4_1"); `bias` [out_features] stays in
     /// f32. `path` names an integer kernel path (default: fastest).
     #[new]
     #[pyo3(signature = (weight, bias=None, format="q8_0", path=None))]
@@ -217,6 +217,25 @@ fn gguf_strings<'py>(
     Ok((list, end))
 }
 
+/// Rewrites GGUF Q4_K super-blocks (`blocks`, uint8) as q4_1 blocks in
+/// `out` (uint8, 8 * 20 bytes per super-block), for `QuantizedLinear`.
+#[pyfunction]
+fn gguf_q4_k_to_q4_1(
+    py: Python<'_>,
+    blocks: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let blocks = TensorArg::extract("blocks", blocks)?;
+    blocks.check(&[DType::U8], blocks.shape.len().max(1))?;
+    let out = TensorArg::extract("out", out)?;
+    out.check(&[DType::U8], out.shape.len().max(1))?;
+    check_no_overlap(&out, &blocks)?;
+    // SAFETY: both checked (dtype, CPU, contiguous), distinct; alive during the call.
+    let (src, dst) = unsafe { (blocks.slice::<u8>(), out.slice_mut::<u8>()) };
+    py.detach(move || crate::quant::gguf::q4_k_to_q4_1(src, dst))?;
+    Ok(())
+}
+
 /// GGUF block types `dequantize_gguf` reads.
 #[pyfunction]
 fn gguf_block_types() -> Vec<&'static str> {
@@ -249,5 +268,6 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dequantize_gguf, m)?)?;
     m.add_function(wrap_pyfunction!(gguf_block_types, m)?)?;
     m.add_function(wrap_pyfunction!(gguf_strings, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf_q4_k_to_q4_1, m)?)?;
     Ok(())
 }

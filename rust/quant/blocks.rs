@@ -6,6 +6,8 @@
 //! - `q8_0` (34 bytes a block): scale `d`, then 32 int8; `w = d * q`.
 //! - `q4_0` (18 bytes): `d`, then 16 bytes whose low nibbles are weights
 //!   0..16 and high nibbles 16..32; `w = d * (q - 8)`.
+//! - `q4_1` (20 bytes): `d`, a minimum `m` (f16), then nibbles as `q4_0`;
+//!   `w = d * q + m`.
 //! - `iq4_nl` (18 bytes): as `q4_0`, but a nibble indexes the 16 levels of
 //!   [`IQ4_NL_LEVELS`], `w = d * level[q]`: denser near zero, where most
 //!   weights are.
@@ -55,6 +57,20 @@ pub fn quantize_block(format: QuantFormat, x: &[f32; GROUP], out: &mut [u8]) {
             let q = |v: f32| ((v * id + 8.5) as i32).clamp(0, 15) as u8;
             for i in 0..GROUP / 2 {
                 out[2 + i] = q(x[i]) | (q(x[i + GROUP / 2]) << 4);
+            }
+        }
+        QuantFormat::Q4_1 => {
+            // The group's range in 15 steps from its minimum.
+            let (min, max) = x
+                .iter()
+                .fold((f32::MAX, f32::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+            let d = (max - min) / 15.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            out[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+            out[2..4].copy_from_slice(&f16::from_f32(min).to_le_bytes());
+            let q = |v: f32| (((v - min) * id + 0.5) as i8).min(15) as u8;
+            for i in 0..GROUP / 2 {
+                out[4 + i] = q(x[i]) | (q(x[i + GROUP / 2]) << 4);
             }
         }
         QuantFormat::Iq4Nl => {
@@ -146,6 +162,13 @@ fn iq4_nl_fit(x: &[f32; GROUP]) -> (f32, [u8; GROUP]) {
 pub fn dequantize_block(format: QuantFormat, block: &[u8], out: &mut [f32]) {
     let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
     match format {
+        QuantFormat::Q4_1 => {
+            let m = f16::from_le_bytes([block[2], block[3]]).to_f32();
+            for i in 0..GROUP / 2 {
+                out[i] = d * (block[4 + i] & 15) as f32 + m;
+                out[i + GROUP / 2] = d * (block[4 + i] >> 4) as f32 + m;
+            }
+        }
         QuantFormat::Q8_0 => {
             for (o, &q) in out.iter_mut().zip(&block[2..2 + GROUP]) {
                 *o = d * q as i8 as f32;

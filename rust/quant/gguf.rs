@@ -215,6 +215,46 @@ pub fn dequantize(kind: BlockType, blocks: &[u8], out: &mut [f32]) -> CoreResult
     Ok(())
 }
 
+/// Rewrites `q4_k` super-blocks as `q4_1` blocks (eight per super-block),
+/// which the kernels run: sub-block `j`'s scale `d * sc_j` and minimum
+/// `-dmin * mn_j` rounded to f16 (a relative change of at most 2^-11 each),
+/// its 32 codes as they are. Runs on the kernels' threads.
+pub fn q4_k_to_q4_1(src: &[u8], out: &mut [u8]) -> CoreResult<()> {
+    let (sb, ob) = (
+        BlockType::Q4K.block_bytes(),
+        8 * QuantFormat::Q4_1.block_bytes(),
+    );
+    if !src.len().is_multiple_of(sb) || src.len() / sb * ob != out.len() {
+        return Err(CoreError::invalid(format!(
+            "Q4_K: {} bytes of blocks do not match {} bytes of q4_1 blocks",
+            src.len(),
+            out.len()
+        )));
+    }
+    let per_task = 256;
+    crate::cpu::threads::install(|| {
+        out.par_chunks_mut(per_task * ob)
+            .zip(src.par_chunks(per_task * sb))
+            .for_each(|(out, src)| {
+                for (o, b) in out.chunks_exact_mut(ob).zip(src.chunks_exact(sb)) {
+                    let (d, dmin) = (half(b, 0), half(b, 2));
+                    let (scales, qs) = (&b[4..16], &b[16..144]);
+                    for (sub, block) in o.chunks_exact_mut(ob / 8).enumerate() {
+                        let (sc, mn) = scale_min(scales, sub);
+                        block[..2].copy_from_slice(&f16::from_f32(d * sc).to_le_bytes());
+                        block[2..4].copy_from_slice(&f16::from_f32(-dmin * mn).to_le_bytes());
+                        let q = &qs[sub / 2 * 32..sub / 2 * 32 + 32];
+                        let code = |l: usize| if sub % 2 == 0 { q[l] & 15 } else { q[l] >> 4 };
+                        for i in 0..GROUP / 2 {
+                            block[4 + i] = code(i) | (code(i + GROUP / 2) << 4);
+                        }
+                    }
+                }
+            });
+    });
+    Ok(())
+}
+
 /// The `count` length-prefixed strings (u64 length, then the bytes) of a
 /// GGUF string array starting at `pos` in `data`: their byte ranges and the
 /// position after the last one; an error names the string that runs past
@@ -307,6 +347,33 @@ mod tests {
         assert!(string_array(&data[..data.len() - 1], 1, 3).is_err());
         let huge = [u64::MAX.to_le_bytes().as_slice(), b"x"].concat();
         assert!(string_array(&huge, 0, 1).is_err());
+    }
+
+    #[test]
+    fn q4_k_as_q4_1_blocks_dequantizes_alike() {
+        let mut rng = crate::cpu::elem::tests::Rng(3);
+        let mut src = vec![0u8; 2 * 144];
+        for b in src.iter_mut() {
+            *b = (rng.f32() * 256.0) as u8;
+        }
+        for sb in 0..2 {
+            let d = f16::from_f32(0.01 + 0.001 * sb as f32).to_le_bytes();
+            let m = f16::from_f32(0.02).to_le_bytes();
+            src[sb * 144..sb * 144 + 4].copy_from_slice(&[d[0], d[1], m[0], m[1]]);
+        }
+        let mut want = vec![0f32; 512];
+        dequantize(BlockType::Q4K, &src, &mut want).unwrap();
+        let mut blocks = vec![0u8; 16 * 20];
+        q4_k_to_q4_1(&src, &mut blocks).unwrap();
+        let mut got = vec![0f32; 512];
+        for (o, b) in got.chunks_exact_mut(GROUP).zip(blocks.chunks_exact(20)) {
+            dequantize_block(QuantFormat::Q4_1, b, o);
+        }
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() <= scale * 2e-3, "{g} vs {w}");
+        }
+        assert!(q4_k_to_q4_1(&src[1..], &mut blocks).is_err());
     }
 
     #[test]

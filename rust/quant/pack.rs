@@ -312,14 +312,19 @@ fn fill_panels<'a>(
 fn pack_block(format: QuantFormat, block: &[u8], j: usize, out: &mut [u8]) {
     let scales = format.scale_offset();
     out[scales + 2 * j..scales + 2 * j + 2].copy_from_slice(&block[..2]);
-    let q = &block[2..];
+    let mut q = &block[2..];
+    if format == QuantFormat::Q4_1 {
+        let mins = format.min_offset();
+        out[mins + 2 * j..mins + 2 * j + 2].copy_from_slice(&block[2..4]);
+        q = &block[4..];
+    }
     match format {
         QuantFormat::Q8_0 => {
             for (quad, v) in q[..GROUP].chunks_exact(4).enumerate() {
                 out[quad * 128 + 4 * j..][..4].copy_from_slice(v);
             }
         }
-        QuantFormat::Q4_0 | QuantFormat::Iq4Nl => {
+        QuantFormat::Q4_0 | QuantFormat::Iq4Nl | QuantFormat::Q4_1 => {
             let nib = |i: usize| -> u8 {
                 let byte = q[i % (GROUP / 2)];
                 if i < GROUP / 2 {
@@ -341,13 +346,19 @@ fn pack_block(format: QuantFormat, block: &[u8], j: usize, out: &mut [u8]) {
 fn unpack_block(format: QuantFormat, pb: &[u8], j: usize, block: &mut [u8]) {
     let scales = format.scale_offset();
     block[..2].copy_from_slice(&pb[scales + 2 * j..scales + 2 * j + 2]);
+    let mut at = 2;
+    if format == QuantFormat::Q4_1 {
+        let mins = format.min_offset();
+        block[2..4].copy_from_slice(&pb[mins + 2 * j..mins + 2 * j + 2]);
+        at = 4;
+    }
     match format {
         QuantFormat::Q8_0 => {
             for i in 0..GROUP {
                 block[2 + i] = pb[(i / 4) * 128 + 4 * j + i % 4];
             }
         }
-        QuantFormat::Q4_0 | QuantFormat::Iq4Nl => {
+        QuantFormat::Q4_0 | QuantFormat::Iq4Nl | QuantFormat::Q4_1 => {
             let mut nibs = [0u8; GROUP];
             for o in 0..GROUP / 8 {
                 for b in 0..4 {
@@ -357,7 +368,7 @@ fn unpack_block(format: QuantFormat, pb: &[u8], j: usize, block: &mut [u8]) {
                 }
             }
             for i in 0..GROUP / 2 {
-                block[2 + i] = nibs[i] | (nibs[i + GROUP / 2] << 4);
+                block[at + i] = nibs[i] | (nibs[i + GROUP / 2] << 4);
             }
         }
     }

@@ -198,6 +198,7 @@ class LLMEngine:
                 "file": folder,
                 "tensor_types": report.tensor_types,
                 "converted": {**report.converted, **report.fused_with},
+                "rewritten": report.rewritten,
             }
         if self.quantization is not None:
             from fastllm.layers.quantization import quantize_model

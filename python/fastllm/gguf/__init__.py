@@ -15,6 +15,9 @@ def describe_tensor_types(info: dict[str, Any]) -> str:
     """``"Q8_0 x169, F32 x121"`` (and what was converted) for an engine's ``gguf`` info."""
     types = sorted(info["tensor_types"].items(), key=lambda kv: -kv[1])
     text = ", ".join(f"{k} x{n}" for k, n in types)
+    rewritten = info.get("rewritten") or {}
+    if rewritten:
+        text += "; run as q4_1: " + ", ".join(f"{k} x{n}" for k, n in sorted(rewritten.items()))
     converted = info.get("converted") or {}
     if converted:
         text += "; converted to q8_0: " + ", ".join(
@@ -46,7 +49,7 @@ def weight_bytes_per_token(path: str) -> int:
 def describe_file(path: str) -> str:
     """One paragraph about a GGUF file for ``fastllm env --model``: architecture,
     tensor types and how fastllm runs each."""
-    from fastllm.gguf.loader import CONVERSION_FORMAT, FLOAT_TYPES, KERNEL_TYPES
+    from fastllm.gguf.loader import CONVERSION_FORMAT, FLOAT_TYPES, KERNEL_TYPES, REWRITTEN_TYPES
     from fastllm.gguf.reader import GGUFFile
 
     with GGUFFile(path) as g:
@@ -61,6 +64,8 @@ def describe_file(path: str) -> str:
             how = "float"
         elif kind in KERNEL_TYPES:
             how = f"{KERNEL_TYPES[kind]} kernel, as stored"
+        elif kind in REWRITTEN_TYPES:
+            how = f"{REWRITTEN_TYPES[kind]} kernel: scales and minimums rounded to f16 at load"
         else:
             how = f"no kernel: converted to {CONVERSION_FORMAT} at load"
         lines.append(f"  {kind} x{n}: {how}")

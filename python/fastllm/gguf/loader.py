@@ -5,12 +5,14 @@ and nothing is assigned until every parameter is ready, as for a safetensors
 folder. Tensors are read from the file's memory map:
 
 - F32, F16, BF16: float weights, converted to the model's dtype;
-- Q8_0, Q4_0, IQ4_NL: repacked bit for bit into the integer kernels'
+- Q8_0, Q4_0, IQ4_NL, Q4_1: repacked bit for bit into the integer kernels'
   panels (``_core.QuantizedLinear.from_blocks``), never re-quantized;
-- Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: no kernel runs them, so they are
-  dequantized (``_core.dequantize_gguf``) and quantized to ``q8_0``, the
-  nearest kernel format that loses nothing measurable; a warning names the
-  tensors, the extra memory and the error the conversion adds.
+- Q4_K: its super-blocks rewritten as q4_1 blocks (``_core.gguf_q4_k_to_q4_1``:
+  the same codes, every 32 weights' scale and minimum rounded to f16);
+- Q5_0, Q5_1, Q5_K, Q6_K: no kernel runs them, so they are dequantized
+  (``_core.dequantize_gguf``) and quantized to ``q8_0``, the nearest kernel
+  format that loses nothing measurable; a warning names the tensors, the
+  extra memory and the error the conversion adds.
 
 llama.cpp's converter permutes the rows of Llama-family q and k weights for
 its rotary layout; the permutation is undone here (a reordering of whole
@@ -39,12 +41,15 @@ logger = logging.getLogger("fastllm")
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # GGUF type -> the kernel format that runs it as it is.
-KERNEL_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "IQ4_NL": "iq4_nl"}
-# GGUF types without a kernel: converted at load to this format.
-CONVERTED_TYPES = ("Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+KERNEL_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "IQ4_NL": "iq4_nl", "Q4_1": "q4_1"}
+# Q4_K super-blocks are rewritten as q4_1 blocks: the same codes, each
+# sub-block's scale and minimum rounded to f16.
+REWRITTEN_TYPES = {"Q4_K": "q4_1"}
+# GGUF types without a kernel: dequantized and quantized to this format.
+CONVERTED_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
 CONVERSION_FORMAT = "q8_0"
-SUPPORTED_TYPES = FLOAT_TYPES + tuple(KERNEL_TYPES) + CONVERTED_TYPES
-_BITS = {"q8_0": 8.5, "q4_0": 4.5, "iq4_nl": 4.5}
+SUPPORTED_TYPES = FLOAT_TYPES + tuple(KERNEL_TYPES) + tuple(REWRITTEN_TYPES) + CONVERTED_TYPES
+_BITS = {"q8_0": 8.5, "q4_0": 4.5, "iq4_nl": 4.5, "q4_1": 5.0}
 
 _LLAMA_LAYER = {
     "self_attn.q_proj": "attn_q",
@@ -141,6 +146,7 @@ class LoadReport:
     converted: dict[str, int] = field(default_factory=dict)  # GGUF type -> tensors converted
     # kernel-type tensors converted too, being fused into one matrix with converted ones
     fused_with: dict[str, int] = field(default_factory=dict)
+    rewritten: dict[str, int] = field(default_factory=dict)  # Q4_K -> q4_1 tensors
     quantized_bytes: int = 0
 
 
@@ -220,15 +226,22 @@ def _quantized(
     gguf: GGUFFile, param: _Param, bias: torch.Tensor | None, report: LoadReport
 ) -> object:
     """A ``_core.QuantizedLinear`` of the parameter's sources."""
-    kinds = {s.type.name for s in param.sources}
+    formats = {
+        KERNEL_TYPES.get(s.type.name) or REWRITTEN_TYPES.get(s.type.name) for s in param.sources
+    }
     out_features, in_features = param.shape
     b = None if bias is None else bias.float().contiguous()
-    if len(kinds) == 1 and next(iter(kinds)) in KERNEL_TYPES:
-        fmt = KERNEL_TYPES[next(iter(kinds))]
-        parts = [
-            _readonly_tensor(np.ascontiguousarray(_matrix_bytes(gguf, s, h)).reshape(-1))
-            for s, h in zip(param.sources, param.permute, strict=True)
-        ]
+    if len(formats) == 1 and None not in formats:
+        fmt = formats.pop()
+        parts = []
+        for s, h in zip(param.sources, param.permute, strict=True):
+            blocks = _readonly_tensor(np.ascontiguousarray(_matrix_bytes(gguf, s, h)).reshape(-1))
+            if s.type.name in REWRITTEN_TYPES:
+                rewritten = torch.empty(blocks.numel() // 144 * 160, dtype=torch.uint8)
+                _core.gguf_q4_k_to_q4_1(blocks, rewritten)
+                report.rewritten[s.type.name] = report.rewritten.get(s.type.name, 0) + 1
+                blocks = rewritten
+            parts.append(blocks)
         # The parts of a fused matrix (q, k, v) go in as they are, uncopied.
         return _core.QuantizedLinear.from_blocks(parts, out_features, in_features, fmt, b)
     # No kernel for a source's type, or a mix of types in one fused matrix.
@@ -317,6 +330,14 @@ def load_gguf_model(
     if head_table is not None:
         model.packed_head = head_table
     bind_ops(model, select_ops(device, dtype))
+    if report.rewritten:
+        logger.warning(
+            "%s: %d Q4_K tensor(s) run as q4_1 (the same 4-bit codes; each 32 weights' scale "
+            "and minimum rounded to f16, a relative change of at most 2^-11; 5.0 bits per "
+            "weight in memory instead of 4.5)",
+            gguf.path,
+            report.rewritten["Q4_K"],
+        )
     if report.converted or report.fused_with:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(report.converted.items()))
         fused = ", ".join(f"{n} {k}" for k, n in sorted(report.fused_with.items()))
