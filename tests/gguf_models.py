@@ -40,6 +40,27 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
+def _llama3_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """Llama 3's rope scaling as one divisor per frequency (what the converter stores)."""
+    import math
+
+    base = rope.get("rope_theta", 10000.0)
+    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     """The inverse of ``_permute``."""
     return (
@@ -73,13 +94,17 @@ def write_gguf(
     types: str | Callable[[str, tuple[int, ...]], str] = "F32",
     tokenizer: bool = False,
     seed: int = 0,
+    fuse_qkv: bool = False,
 ) -> str:
     """Writes the model in ``folder`` (config.json + model.safetensors) to ``path``.
 
     ``kind`` is the test's model name ("llama", "qwen2", "qwen3", "phi", "gpt2");
     ``types`` a GGML type name for every matrix, or a function of (GGUF name,
     shape) giving one. With ``tokenizer``, the folder's tokenizer is written
-    too (``gguf_writer.add_tokenizer_metadata``)."""
+    too (``gguf_writer.add_tokenizer_metadata``). ``fuse_qkv`` stores each
+    layer's q, k and v as one ``attn_qkv`` tensor (as some phi2 files do).
+    A Llama 3 rope scaling is written as llama.cpp's converter writes it: one
+    divisor per frequency in a ``rope_freqs.weight`` tensor."""
     with open(os.path.join(folder, "config.json")) as f:
         cfg = json.load(f)
     state = load_file(os.path.join(folder, "model.safetensors"))
@@ -128,12 +153,25 @@ def write_gguf(
         add_tokenizer_metadata(w, folder)
     rng = np.random.default_rng(seed)
     tied = cfg.get("tie_word_embeddings", is_gpt2)
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", _llama3_factors(rope, head_dim))
+    if fuse_qkv:
+        for i in range(n_layers):
+            for kind_ in ("weight", "bias"):
+                names_qkv = [f"model.layers.{i}.self_attn.{p}_proj.{kind_}" for p in "qkv"]
+                if names_qkv[0] in state:
+                    fused = torch.cat([state.pop(n) for n in names_qkv])
+                    state[f"model.layers.{i}.self_attn.qkv_proj.{kind_}"] = fused
     for hf_name, t in state.items():
         if is_gpt2 and hf_name.endswith((".attn.bias", ".attn.masked_bias")):
             continue
         if tied and hf_name == "lm_head.weight":
             continue
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if ".qkv_proj." in hf_name:  # fused above
+            layer = hf_name.split(".")[2]
+            name = f"blk.{layer}.attn_qkv.{hf_name.rsplit('.', 1)[1]}"
+        else:
+            name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name
         arr = t.float().numpy()
         if is_gpt2 and hf_name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):

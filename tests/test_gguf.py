@@ -112,6 +112,31 @@ def test_f32_file_matches_transformers(name, saved, tmp_path):
         _assert_close_f32(ours, ref, f"{name} sequence {i}")
 
 
+@pytest.mark.parametrize("name", ["llama3-rope", "llama-linear-rope"])
+def test_rope_scaling_from_the_file(name, tmp_path_factory):
+    """Llama 3's scaling (a rope_freqs.weight tensor) and linear scaling (metadata)."""
+    folder = str(tmp_path_factory.mktemp(name))
+    ref_model = _build(name, folder)
+    path = write_gguf(folder, os.path.join(folder, "m.gguf"), "llama", "F32")
+    with GGUFFile(path) as g:
+        assert ("rope_freqs.weight" in g.tensors) == (name == "llama3-rope")
+    model, _ = _load_gguf(path)
+    seqs = _sequences(7, [40, 9])  # long enough for the scaled frequencies to matter
+    for i, (ours, ref) in enumerate(zip(_logits(model, seqs), _reference(ref_model, seqs))):
+        _assert_close_f32(ours, ref, f"{name} sequence {i}")
+
+
+def test_phi2_file_with_fused_qkv(saved, tmp_path):
+    folder, ref_model = saved["phi"]
+    path = write_gguf(folder, str(tmp_path / "m.gguf"), "phi", "F32", fuse_qkv=True)
+    with GGUFFile(path) as g:
+        assert "blk.0.attn_qkv.weight" in g.tensors and "blk.0.attn_q.weight" not in g.tensors
+    model, _ = _load_gguf(path)
+    seqs = _sequences(8, LENGTHS)
+    for i, (ours, ref) in enumerate(zip(_logits(model, seqs), _reference(ref_model, seqs))):
+        _assert_close_f32(ours, ref, f"phi fused sequence {i}")
+
+
 @pytest.mark.parametrize("types", ["Q8_0", "Q4_0", "Q5_1", "mixed"])
 @pytest.mark.parametrize("name", NAMES)
 def test_quantized_file_close_to_dequantized_reference(name, types, saved, tmp_path):

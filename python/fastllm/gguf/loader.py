@@ -163,8 +163,9 @@ def _plan(model: nn.Module, gguf: GGUFFile, arch: str, config: ModelConfig) -> l
             fused = names[0].replace(".attn_q.", ".attn_qkv.")
             if fused in gguf.tensors:  # q, k and v stored as one tensor
                 names, shapes = [fused], [tuple(param.shape)]
+        labels = spec.sources if len(names) == len(spec.sources) else (pname,)
         sources, permute = [], []
-        for source, name, shape in zip(spec.sources, names, shapes, strict=True):
+        for source, name, shape in zip(labels, names, shapes, strict=True):
             if name is None:
                 raise GGUFError(f"{gguf.path}: no GGUF tensor is known for {source!r} ({arch})")
             info = gguf.tensors.get(name)

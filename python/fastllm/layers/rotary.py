@@ -35,7 +35,9 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any] | None)
         return _llama3_inv_freq(inv_freq, scaling)
     if rope_type == "freq_factors":
         # One divisor per frequency, as GGUF files store Llama 3's scaling.
-        factors = torch.tensor(_scaling_field(scaling, "factors"), dtype=torch.float32)
+        factors = torch.tensor(
+            _scaling_field(scaling, "factors"), dtype=torch.float32, device="cpu"
+        )
         if factors.shape != inv_freq.shape:
             raise ValueError(
                 f"rope frequency factors: {factors.numel()} values for {inv_freq.numel()} frequencies"
