@@ -46,7 +46,13 @@ from fastllm.layers.quantization import quantize_model  # noqa: E402
 from fastllm.models.loader import load_model  # noqa: E402
 from gguf_models import dequantized_state, write_gguf  # noqa: E402
 from paged_helpers import PagedRunner  # noqa: E402
-from test_models import _assert_close_f32, _build, _reference, _sequences  # noqa: E402
+from test_models import (  # noqa: E402
+    _assert_close_f32,
+    _build,
+    _one_thread,  # noqa: F401 - the autouse fixture: one torch thread for tiny models
+    _reference,
+    _sequences,
+)
 
 transformers.logging.set_verbosity_error()
 
@@ -59,14 +65,6 @@ TRANSFORMERS_READS = {"llama"}
 # max |fastllm - dequantized reference| / max|reference| (observed: about 0.01)
 QUANT_BOUND = 0.04
 LENGTHS = [7, 13, 1]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
