@@ -368,6 +368,11 @@ def dequantize_gguf(blocks: torch.Tensor, block_type: str, out: torch.Tensor) ->
     """Dequantizes GGUF blocks of ``block_type`` (``gguf_block_types()``) from
     ``blocks`` (uint8) into ``out`` (float32, exactly the blocks' values)."""
 
+def gguf_to_q8_0(blocks: torch.Tensor, block_type: str, out: torch.Tensor) -> None:
+    """Converts GGUF blocks of ``block_type`` (``gguf_block_types()``) to q8_0
+    blocks in ``out`` (uint8, 34 bytes per 32 weights): each block dequantized
+    and quantized again, in parallel."""
+
 def gguf_q4_k_to_q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
     """Rewrites GGUF Q4_K super-blocks (``blocks``, uint8) as q4_1 blocks in
     ``out`` (uint8, 8 x 20 bytes per super-block): the same codes, each

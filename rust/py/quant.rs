@@ -217,6 +217,30 @@ fn gguf_strings<'py>(
     Ok((list, end))
 }
 
+/// Converts GGUF blocks of `block_type` (`gguf_block_types()`) from
+/// `blocks` (uint8) to q8_0 blocks in `out` (uint8, 34 bytes per 32
+/// weights): each block dequantized and quantized again, in parallel.
+#[pyfunction]
+fn gguf_to_q8_0(
+    py: Python<'_>,
+    blocks: &Bound<'_, PyAny>,
+    block_type: &str,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let kind = BlockType::parse(block_type).map_err(PyValueError::new_err)?;
+    let (src, dst) = (
+        TensorArg::extract("blocks", blocks)?,
+        TensorArg::extract("out", out)?,
+    );
+    src.check(&[DType::U8], src.shape.len().max(1))?;
+    dst.check(&[DType::U8], dst.shape.len().max(1))?;
+    check_no_overlap(&dst, &src)?;
+    // SAFETY: both checked (dtype, CPU, contiguous), distinct; alive during the call.
+    let (s, d) = unsafe { (src.slice::<u8>(), dst.slice_mut::<u8>()) };
+    py.detach(move || crate::quant::gguf::to_q8_0(kind, s, d))?;
+    Ok(())
+}
+
 /// Rewrites GGUF Q4_K super-blocks (`blocks`, uint8) as q4_1 blocks in
 /// `out` (uint8, 8 * 20 bytes per super-block), for `QuantizedLinear`.
 #[pyfunction]
@@ -269,5 +293,6 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gguf_block_types, m)?)?;
     m.add_function(wrap_pyfunction!(gguf_strings, m)?)?;
     m.add_function(wrap_pyfunction!(gguf_q4_k_to_q4_1, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf_to_q8_0, m)?)?;
     Ok(())
 }

@@ -23,18 +23,46 @@ pub const IQ4_NL_LEVELS: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 
-/// Quantizes `rows` rows of `k` (a multiple of 32) weights into blocks.
+/// Quantizes `rows` rows of `k` (a multiple of 32) weights into blocks. The
+/// loops compile inside the fastest SIMD path's entry point (vector rounding
+/// instead of a libm call per weight) with the same IEEE operations, so the
+/// blocks do not depend on the path.
 pub fn quantize_rows(format: QuantFormat, w: &[f32], rows: usize, k: usize, out: &mut [u8]) {
-    debug_assert!(k.is_multiple_of(GROUP) && w.len() >= rows * k);
-    let bb = format.block_bytes();
-    debug_assert!(out.len() >= rows * (k / GROUP) * bb);
-    let blocks = out.chunks_exact_mut(bb).take(rows * k / GROUP);
-    for (block, vals) in blocks.zip(w.as_chunks::<GROUP>().0) {
-        quantize_block(format, vals, block);
+    struct Rows<'a> {
+        format: QuantFormat,
+        w: &'a [f32],
+        rows: usize,
+        k: usize,
+        out: &'a mut [u8],
     }
+    impl crate::cpu::simd::Kernel for Rows<'_> {
+        type Output = ();
+        #[inline(always)]
+        fn run<S: crate::cpu::simd::Simd>(self) {
+            let bb = self.format.block_bytes();
+            let blocks = self
+                .out
+                .chunks_exact_mut(bb)
+                .take(self.rows * self.k / GROUP);
+            for (block, vals) in blocks.zip(self.w.as_chunks::<GROUP>().0) {
+                quantize_block(self.format, vals, block);
+            }
+        }
+    }
+    debug_assert!(k.is_multiple_of(GROUP) && w.len() >= rows * k);
+    debug_assert!(out.len() >= rows * (k / GROUP) * format.block_bytes());
+    let task = Rows {
+        format,
+        w,
+        rows,
+        k,
+        out,
+    };
+    crate::cpu::simd::dispatch(crate::cpu::best_path(), task);
 }
 
-/// One block of 32 weights.
+/// One block of 32 weights (inlined into the SIMD entry points that call it).
+#[inline(always)]
 pub fn quantize_block(format: QuantFormat, x: &[f32; GROUP], out: &mut [u8]) {
     match format {
         QuantFormat::Q8_0 => {
@@ -123,6 +151,7 @@ fn nearest_level(v: f32) -> u8 {
 /// A scale and level indices for one block of `iq4_nl`: nearest levels for
 /// a few candidate scales around "largest magnitude to the outer level",
 /// each refit by least squares; the one of smallest squared error wins.
+#[inline(always)]
 fn iq4_nl_fit(x: &[f32; GROUP]) -> (f32, [u8; GROUP]) {
     let max = x
         .iter()

@@ -27,7 +27,7 @@
 use half::f16;
 use rayon::prelude::*;
 
-use super::blocks::dequantize_block;
+use super::blocks::{dequantize_block, quantize_block};
 use super::{QuantFormat, GROUP};
 use crate::error::{CoreError, CoreResult};
 
@@ -97,6 +97,7 @@ impl BlockType {
     }
 }
 
+#[inline(always)]
 fn half(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
@@ -105,6 +106,7 @@ fn half(b: &[u8], at: usize) -> f32 {
 /// `q4_k` / `q5_k` block: six bits each, the first four pairs in the low
 /// bits of bytes 0..8, the last four split over bytes 8..12 and the top two
 /// bits of bytes 0..8.
+#[inline(always)]
 fn scale_min(q: &[u8], j: usize) -> (f32, f32) {
     let (sc, mn) = if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
@@ -118,6 +120,7 @@ fn scale_min(q: &[u8], j: usize) -> (f32, f32) {
 }
 
 /// Dequantizes one block of `kind` into `out` (`kind.block_len()` values).
+#[inline(always)]
 fn dequantize_one(kind: BlockType, b: &[u8], out: &mut [f32]) {
     match kind {
         BlockType::Q8_0 => dequantize_block(QuantFormat::Q8_0, b, out),
@@ -215,6 +218,68 @@ pub fn dequantize(kind: BlockType, blocks: &[u8], out: &mut [f32]) -> CoreResult
     Ok(())
 }
 
+/// Converts blocks of `kind` to `q8_0` blocks (`out`: 34 bytes per 32
+/// weights), group by group, without a float copy of the whole tensor:
+/// each block is dequantized and quantized again on the kernels' threads.
+pub fn to_q8_0(kind: BlockType, blocks: &[u8], out: &mut [u8]) -> CoreResult<()> {
+    let (len, bytes) = (kind.block_len(), kind.block_bytes());
+    let q8 = QuantFormat::Q8_0.block_bytes();
+    let out_per_block = len / GROUP * q8;
+    if !blocks.len().is_multiple_of(bytes) || blocks.len() / bytes * out_per_block != out.len() {
+        return Err(CoreError::invalid(format!(
+            "{kind:?}: {} bytes of blocks do not match {} bytes of q8_0 blocks",
+            blocks.len(),
+            out.len()
+        )));
+    }
+    let per_task = (1 << 14) / len;
+    crate::cpu::threads::install(|| {
+        out.par_chunks_mut(per_task * out_per_block)
+            .zip(blocks.par_chunks(per_task * bytes))
+            .for_each(|(out, src)| {
+                let task = ToQ8 { kind, src, out };
+                crate::cpu::simd::dispatch(crate::cpu::best_path(), task)
+            });
+    });
+    Ok(())
+}
+
+/// One task of [`to_q8_0`] as a kernel: the loops compile inside the
+/// fastest SIMD path's entry point (vector rounding instead of a libm call
+/// per weight), with the same IEEE operations, so the same blocks.
+struct ToQ8<'a> {
+    kind: BlockType,
+    src: &'a [u8],
+    out: &'a mut [u8],
+}
+
+impl crate::cpu::simd::Kernel for ToQ8<'_> {
+    type Output = ();
+    #[inline(always)]
+    fn run<S: crate::cpu::simd::Simd>(self) {
+        let (len, bytes) = (self.kind.block_len(), self.kind.block_bytes());
+        let q8 = QuantFormat::Q8_0.block_bytes();
+        let mut vals = [0f32; 256];
+        let vals = &mut vals[..len];
+        let out_per_block = len / GROUP * q8;
+        for (o, b) in self
+            .out
+            .chunks_exact_mut(out_per_block)
+            .zip(self.src.chunks_exact(bytes))
+        {
+            dequantize_one(self.kind, b, vals);
+            for (group, block) in vals
+                .as_chunks::<GROUP>()
+                .0
+                .iter()
+                .zip(o.chunks_exact_mut(q8))
+            {
+                quantize_block(QuantFormat::Q8_0, group, block);
+            }
+        }
+    }
+}
+
 /// Rewrites `q4_k` super-blocks as `q4_1` blocks (eight per super-block),
 /// which the kernels run: sub-block `j`'s scale `d * sc_j` and minimum
 /// `-dmin * mn_j` rounded to f16 (a relative change of at most 2^-11 each),
@@ -290,7 +355,6 @@ pub fn string_array(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::blocks::quantize_block;
 
     #[test]
     fn kernel_formats_dequantize_as_their_blocks_do() {
@@ -347,6 +411,41 @@ mod tests {
         assert!(string_array(&data[..data.len() - 1], 1, 3).is_err());
         let huge = [u64::MAX.to_le_bytes().as_slice(), b"x"].concat();
         assert!(string_array(&huge, 0, 1).is_err());
+    }
+
+    #[test]
+    fn to_q8_0_is_dequantize_then_quantize() {
+        let mut rng = crate::cpu::elem::tests::Rng(5);
+        for (kind, _) in BlockType::ALL {
+            let n = 3 * kind.block_bytes();
+            let mut src: Vec<u8> = (0..n).map(|_| (rng.f32() * 256.0) as u8).collect();
+            let d = f16::from_f32(0.01).to_le_bytes();
+            for b in src.chunks_exact_mut(kind.block_bytes()) {
+                let at = if kind == BlockType::Q6K { 208 } else { 0 };
+                b[at..at + 2].copy_from_slice(&d);
+                if matches!(
+                    kind,
+                    BlockType::Q4_1 | BlockType::Q5_1 | BlockType::Q4K | BlockType::Q5K
+                ) {
+                    b[2..4].copy_from_slice(&d);
+                }
+            }
+            let mut vals = vec![0f32; 3 * kind.block_len()];
+            dequantize(kind, &src, &mut vals).unwrap();
+            let mut want = vec![0u8; vals.len() / GROUP * 34];
+            for (g, o) in vals
+                .as_chunks::<GROUP>()
+                .0
+                .iter()
+                .zip(want.chunks_exact_mut(34))
+            {
+                quantize_block(QuantFormat::Q8_0, g, o);
+            }
+            let mut got = vec![0u8; want.len()];
+            to_q8_0(kind, &src, &mut got).unwrap();
+            assert_eq!(got, want, "{kind:?}");
+            assert!(to_q8_0(kind, &src[1..], &mut got).is_err());
+        }
     }
 
     #[test]

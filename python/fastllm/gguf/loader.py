@@ -246,16 +246,28 @@ def _quantized(
         # The parts of a fused matrix (q, k, v) go in as they are, uncopied.
         return _core.QuantizedLinear.from_blocks(parts, out_features, in_features, fmt, b)
     # No kernel for a source's type, or a mix of types in one fused matrix.
-    weight = torch.cat(
-        [
-            _float_tensor(gguf, s, h).float()
-            for s, h in zip(param.sources, param.permute, strict=True)
-        ]
-    )
     for s in param.sources:
         counts = report.converted if s.type.name not in KERNEL_TYPES else report.fused_with
         counts[s.type.name] = counts.get(s.type.name, 0) + 1
-    return _core.QuantizedLinear(weight, b, format=CONVERSION_FORMAT)
+    if any(s.type.name in FLOAT_TYPES for s in param.sources):
+        weight = torch.cat(
+            [
+                _float_tensor(gguf, s, h).float()
+                for s, h in zip(param.sources, param.permute, strict=True)
+            ]
+        )
+        return _core.QuantizedLinear(weight, b, format=CONVERSION_FORMAT)
+    # Block by block in the core: the same q8_0 blocks as dequantizing the
+    # whole matrix and quantizing it, without the float copy.
+    parts = []
+    for s, h in zip(param.sources, param.permute, strict=True):
+        blocks = _readonly_tensor(np.ascontiguousarray(_matrix_bytes(gguf, s, h)).reshape(-1))
+        if s.type.name != "Q8_0":
+            q8 = torch.empty(s.rows * (s.shape[-1] // 32) * 34, dtype=torch.uint8)
+            _core.gguf_to_q8_0(blocks, s.type.name, q8)
+            blocks = q8
+        parts.append(blocks)
+    return _core.QuantizedLinear.from_blocks(parts, out_features, in_features, CONVERSION_FORMAT, b)
 
 
 def load_gguf_model(
