@@ -7,6 +7,7 @@ writer and quantizers; q/k rows permuted as llama.cpp's converter does), then
 
 * F32 files: fastllm's logits from the file equal transformers' on the
   original folder within the float32 bound of test_models (1e-4 of max|ref|);
+  BF16 files: the same logits, bit for bit, as the folder loaded in bf16;
 * quantized files (Q8_0, Q4_0 kept as they are; Q5_1 and the K-quants
   converted to q8_0): fastllm's logits are within ``QUANT_BOUND`` of max|ref|
   of transformers' ``from_pretrained(folder, gguf_file=...)``, which
@@ -108,6 +109,24 @@ def test_f32_file_matches_transformers(name, saved, tmp_path):
     seqs = _sequences(3, LENGTHS)
     for i, (ours, ref) in enumerate(zip(_logits(model, seqs), _reference(ref_model, seqs))):
         _assert_close_f32(ours, ref, f"{name} sequence {i}")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bf16_file_equals_the_folder_in_bf16(name, saved, tmp_path):
+    """BF16 matrices (rounded to nearest even, as torch rounds): the same
+    logits, bit for bit, as the folder loaded by fastllm in bfloat16."""
+    folder, _ = saved[name]
+    path = write_gguf(folder, str(tmp_path / "m.gguf"), _kind(name), "BF16")
+    with GGUFFile(path) as g:
+        assert hf_config(g)["torch_dtype"] == "bfloat16"
+    from_file, _ = _load_gguf(path, torch.bfloat16)
+    folder_model = load_model(ModelConfig.from_pretrained(folder), folder, torch.bfloat16, "cpu")
+    pack_linears(folder_model)
+    seqs = _sequences(9, LENGTHS)
+    a = PagedRunner(from_file, torch.bfloat16).step(list(enumerate(seqs)))
+    b = PagedRunner(folder_model, torch.bfloat16).step(list(enumerate(seqs)))
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
 
 
 @pytest.mark.parametrize("name", ["llama3-rope", "llama-linear-rope"])
