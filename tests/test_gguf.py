@@ -154,21 +154,25 @@ def test_phi2_file_with_fused_qkv(saved, tmp_path):
         _assert_close_f32(ours, ref, f"phi fused sequence {i}")
 
 
-@pytest.mark.parametrize("types", ["Q8_0", "Q4_0", "Q5_1", "mixed"])
+@pytest.mark.parametrize("types", ["Q8_0", "Q4_0", "Q5_1", "mixed", "exact-mix"])
 @pytest.mark.parametrize("name", NAMES)
 def test_quantized_file_close_to_dequantized_reference(name, types, saved, tmp_path):
     folder, ref_model = saved[name]
     cycle = ["Q8_0", "Q4_0", "Q5_0", "Q4_1", "F16"]
+    if types == "exact-mix":
+        cycle = ["Q8_0", "Q4_0", "Q5_0"]  # to q8_0 exactly, fused with each other or not
 
     def mixed(tensor: str, shape) -> str:  # a different type per matrix, fused ones included
         return cycle[sum(map(ord, tensor)) % len(cycle)]
 
     path = write_gguf(
-        folder, str(tmp_path / "m.gguf"), _kind(name), mixed if types == "mixed" else types
+        folder, str(tmp_path / "m.gguf"), _kind(name), mixed if "mix" in types else types
     )
     model, report = _load_gguf(path)
     if types == "Q5_1":
         assert report.converted.get("Q5_1", 0) > 0
+    if types == "exact-mix":
+        assert report.converted == {} and report.fused_with == {} and report.exact
     seqs = _sequences(4, LENGTHS)
     ours = _logits(model, seqs)
     if name in TRANSFORMERS_READS:
@@ -260,6 +264,23 @@ def test_k_quants_close_to_dequantized_reference(tmp_path, mix):
     seqs = _sequences(6, LENGTHS)
     err = _max_rel(_logits(model, seqs), _reference(ref, seqs))
     assert err <= QUANT_BOUND, f"K-quants: max error {err:.4f} of max|ref|"
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q8_0"])
+def test_exact_conversion_to_q8_0_keeps_the_weights(kind):
+    """Q4_0 / Q5_0 / Q8_0 blocks as q8_0 blocks: the kernel's weights are the
+    file's weights as the gguf package dequantizes them, bit for bit."""
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((40, 96)).astype(np.float32)
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    blocks = gguf.quants.quantize(w, qtype)
+    want = gguf.quants.dequantize(blocks, qtype).astype(np.float32)
+    q8 = torch.empty(40 * 3 * 34, dtype=torch.uint8)
+    _core.gguf_to_q8_0(torch.from_numpy(blocks.reshape(-1).copy()), kind, q8)
+    layer = _core.QuantizedLinear.from_blocks(q8, 40, 96, "q8_0")
+    rows = torch.empty(40, 96)
+    layer.embed(rows, torch.arange(40))
+    np.testing.assert_array_equal(rows.numpy(), want)
 
 
 def test_dequantize_matches_the_gguf_package():

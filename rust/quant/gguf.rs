@@ -27,7 +27,7 @@
 use half::f16;
 use rayon::prelude::*;
 
-use super::blocks::{dequantize_block, quantize_block};
+use super::blocks::{dequantize_block, quantize_block, IQ4_NL_LEVELS};
 use super::{QuantFormat, GROUP};
 use crate::error::{CoreError, CoreResult};
 
@@ -219,8 +219,9 @@ pub fn dequantize(kind: BlockType, blocks: &[u8], out: &mut [f32]) -> CoreResult
 }
 
 /// Converts blocks of `kind` to `q8_0` blocks (`out`: 34 bytes per 32
-/// weights), group by group, without a float copy of the whole tensor:
-/// each block is dequantized and quantized again on the kernels' threads.
+/// weights), group by group, without a float copy of the whole tensor, on
+/// the kernels' threads: exactly for the types of [`converts_exactly`],
+/// otherwise each block dequantized and quantized again.
 pub fn to_q8_0(kind: BlockType, blocks: &[u8], out: &mut [u8]) -> CoreResult<()> {
     let (len, bytes) = (kind.block_len(), kind.block_bytes());
     let q8 = QuantFormat::Q8_0.block_bytes();
@@ -242,6 +243,56 @@ pub fn to_q8_0(kind: BlockType, blocks: &[u8], out: &mut [u8]) -> CoreResult<()>
             });
     });
     Ok(())
+}
+
+/// Whether `kind` converts to `q8_0` exactly: its weights are `d` times
+/// integers in -128..127 (`q4_0`: `q - 8`, `q5_0`: `q - 16`, `iq4_nl`: its
+/// levels), so the `q8_0` block keeps `d` and those integers, bit for bit
+/// the same weights.
+pub fn converts_exactly(kind: BlockType) -> bool {
+    matches!(
+        kind,
+        BlockType::Q8_0 | BlockType::Q4_0 | BlockType::Q5_0 | BlockType::Iq4Nl
+    )
+}
+
+/// Writes the exact `q8_0` block of `b` into `out` when `kind` has one
+/// ([`converts_exactly`]); false otherwise.
+#[inline(always)]
+fn exact_codes(kind: BlockType, b: &[u8], out: &mut [u8]) -> bool {
+    if !converts_exactly(kind) {
+        return false;
+    }
+    out[..2].copy_from_slice(&b[..2]);
+    let codes = &mut out[2..2 + GROUP];
+    match kind {
+        BlockType::Q8_0 => codes.copy_from_slice(&b[2..2 + GROUP]),
+        BlockType::Q4_0 | BlockType::Iq4Nl => {
+            for i in 0..GROUP / 2 {
+                let (lo, hi) = (b[2 + i] & 15, b[2 + i] >> 4);
+                let code = |q: u8| -> i8 {
+                    if kind == BlockType::Q4_0 {
+                        q as i8 - 8
+                    } else {
+                        IQ4_NL_LEVELS[q as usize]
+                    }
+                };
+                codes[i] = code(lo) as u8;
+                codes[i + GROUP / 2] = code(hi) as u8;
+            }
+        }
+        _ => {
+            // q5_0: nibbles and a fifth bit, minus 16.
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            for i in 0..GROUP / 2 {
+                let lo = (b[6 + i] & 15) as u32 | (((qh >> i) & 1) << 4);
+                let hi = (b[6 + i] >> 4) as u32 | (((qh >> (i + 16)) & 1) << 4);
+                codes[i] = (lo as i32 - 16) as i8 as u8;
+                codes[i + GROUP / 2] = (hi as i32 - 16) as i8 as u8;
+            }
+        }
+    }
+    true
 }
 
 /// One task of [`to_q8_0`] as a kernel: the loops compile inside the
@@ -267,6 +318,9 @@ impl crate::cpu::simd::Kernel for ToQ8<'_> {
             .chunks_exact_mut(out_per_block)
             .zip(self.src.chunks_exact(bytes))
         {
+            if exact_codes(self.kind, b, o) {
+                continue;
+            }
             dequantize_one(self.kind, b, vals);
             for (group, block) in vals
                 .as_chunks::<GROUP>()
@@ -443,7 +497,16 @@ mod tests {
             }
             let mut got = vec![0u8; want.len()];
             to_q8_0(kind, &src, &mut got).unwrap();
-            assert_eq!(got, want, "{kind:?}");
+            if converts_exactly(kind) {
+                // The very weights: the q8_0 blocks dequantize to them.
+                let mut back = vec![0f32; vals.len()];
+                for (y, b) in back.chunks_exact_mut(GROUP).zip(got.chunks_exact(34)) {
+                    dequantize_block(QuantFormat::Q8_0, b, y);
+                }
+                assert_eq!(back, vals, "{kind:?}");
+            } else {
+                assert_eq!(got, want, "{kind:?}");
+            }
             assert!(to_q8_0(kind, &src[1..], &mut got).is_err());
         }
     }

@@ -199,6 +199,7 @@ class LLMEngine:
                 "tensor_types": report.tensor_types,
                 "converted": {**report.converted, **report.fused_with},
                 "rewritten": report.rewritten,
+                "exact": report.exact,
             }
         if self.quantization is not None:
             from fastllm.layers.quantization import quantize_model

@@ -18,6 +18,9 @@ def describe_tensor_types(info: dict[str, Any]) -> str:
     rewritten = info.get("rewritten") or {}
     if rewritten:
         text += "; run as q4_1: " + ", ".join(f"{k} x{n}" for k, n in sorted(rewritten.items()))
+    exact = info.get("exact") or {}
+    if exact:
+        text += "; q8_0 exactly: " + ", ".join(f"{k} x{n}" for k, n in sorted(exact.items()))
     converted = info.get("converted") or {}
     if converted:
         text += "; converted to q8_0: " + ", ".join(
@@ -49,7 +52,13 @@ def weight_bytes_per_token(path: str) -> int:
 def describe_file(path: str) -> str:
     """One paragraph about a GGUF file for ``fastllm env --model``: architecture,
     tensor types and how fastllm runs each."""
-    from fastllm.gguf.loader import CONVERSION_FORMAT, FLOAT_TYPES, KERNEL_TYPES, REWRITTEN_TYPES
+    from fastllm.gguf.loader import (
+        CONVERSION_FORMAT,
+        EXACT_TYPES,
+        FLOAT_TYPES,
+        KERNEL_TYPES,
+        REWRITTEN_TYPES,
+    )
     from fastllm.gguf.reader import GGUFFile
 
     with GGUFFile(path) as g:
@@ -66,7 +75,9 @@ def describe_file(path: str) -> str:
             how = f"{KERNEL_TYPES[kind]} kernel, as stored"
         elif kind in REWRITTEN_TYPES:
             how = f"{REWRITTEN_TYPES[kind]} kernel: scales and minimums rounded to f16 at load"
+        elif kind in EXACT_TYPES:
+            how = f"no kernel: converted to {CONVERSION_FORMAT} exactly at load"
         else:
-            how = f"no kernel: converted to {CONVERSION_FORMAT} at load"
+            how = f"no kernel: converted to {CONVERSION_FORMAT} at load (rounded)"
         lines.append(f"  {kind} x{n}: {how}")
     return "\n".join(lines)

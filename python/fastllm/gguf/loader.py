@@ -9,10 +9,13 @@ folder. Tensors are read from the file's memory map:
   panels (``_core.QuantizedLinear.from_blocks``), never re-quantized;
 - Q4_K: its super-blocks rewritten as q4_1 blocks (``_core.gguf_q4_k_to_q4_1``:
   the same codes, every 32 weights' scale and minimum rounded to f16);
-- Q5_0, Q5_1, Q5_K, Q6_K: no kernel runs them, so they are dequantized
-  (``_core.dequantize_gguf``) and quantized to ``q8_0``, the nearest kernel
-  format that loses nothing measurable; a warning names the tensors, the
-  extra memory and the error the conversion adds.
+- Q5_0, Q5_1, Q5_K, Q6_K: no kernel runs them, so they are converted to
+  ``q8_0`` block by block in the core (``_core.gguf_to_q8_0``): Q5_0 exactly
+  (its weights are a scale times integers in -16..15), the others
+  dequantized and quantized again, the nearest kernel format, which loses
+  nothing measurable; a warning names those tensors, the extra memory and
+  the error the conversion adds. A fused matrix (q/k/v, gate/up) whose
+  parts have different types is converted the same way as a whole.
 
 llama.cpp's converter permutes the rows of Llama-family q and k weights for
 its rotary layout; the permutation is undone here (a reordering of whole
@@ -45,9 +48,13 @@ KERNEL_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "IQ4_NL": "iq4_nl", "Q4_1": "q4_
 # Q4_K super-blocks are rewritten as q4_1 blocks: the same codes, each
 # sub-block's scale and minimum rounded to f16.
 REWRITTEN_TYPES = {"Q4_K": "q4_1"}
-# GGUF types without a kernel: dequantized and quantized to this format.
+# GGUF types without a kernel: converted to this format, exactly for the
+# types whose weights are a scale times int8 codes (``EXACT_TYPES``, as
+# ``rust/quant/gguf.rs: converts_exactly``), otherwise dequantized and
+# quantized again.
 CONVERTED_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
 CONVERSION_FORMAT = "q8_0"
+EXACT_TYPES = ("Q8_0", "Q4_0", "IQ4_NL", "Q5_0")
 SUPPORTED_TYPES = FLOAT_TYPES + tuple(KERNEL_TYPES) + tuple(REWRITTEN_TYPES) + CONVERTED_TYPES
 _BITS = {"q8_0": 8.5, "q4_0": 4.5, "iq4_nl": 4.5, "q4_1": 5.0}
 
@@ -147,6 +154,8 @@ class LoadReport:
     # kernel-type tensors converted too, being fused into one matrix with converted ones
     fused_with: dict[str, int] = field(default_factory=dict)
     rewritten: dict[str, int] = field(default_factory=dict)  # Q4_K -> q4_1 tensors
+    # tensors converted to q8_0 exactly (the same weights), by type
+    exact: dict[str, int] = field(default_factory=dict)
     quantized_bytes: int = 0
 
 
@@ -246,8 +255,14 @@ def _quantized(
         # The parts of a fused matrix (q, k, v) go in as they are, uncopied.
         return _core.QuantizedLinear.from_blocks(parts, out_features, in_features, fmt, b)
     # No kernel for a source's type, or a mix of types in one fused matrix.
+    exact = all(s.type.name in EXACT_TYPES for s in param.sources)
     for s in param.sources:
-        counts = report.converted if s.type.name not in KERNEL_TYPES else report.fused_with
+        if exact:
+            counts = report.exact
+        elif s.type.name in KERNEL_TYPES:
+            counts = report.fused_with
+        else:
+            counts = report.converted
         counts[s.type.name] = counts.get(s.type.name, 0) + 1
     if any(s.type.name in FLOAT_TYPES for s in param.sources):
         weight = torch.cat(
@@ -343,6 +358,14 @@ def load_gguf_model(
     if head_table is not None:
         model.packed_head = head_table
     bind_ops(model, select_ops(device, dtype))
+    if report.exact:
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(report.exact.items()))
+        logger.info(
+            "%s: %s tensor(s) run on the q8_0 kernel, converted exactly (the same weights; "
+            "8.5 bits per weight in memory)",
+            gguf.path,
+            kinds,
+        )
     if report.rewritten:
         logger.warning(
             "%s: %d Q4_K tensor(s) run as q4_1 (the same 4-bit codes; each 32 weights' scale "
