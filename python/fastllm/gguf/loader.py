@@ -56,7 +56,6 @@ CONVERTED_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
 CONVERSION_FORMAT = "q8_0"
 EXACT_TYPES = ("Q8_0", "Q4_0", "IQ4_NL", "Q5_0")
 SUPPORTED_TYPES = FLOAT_TYPES + tuple(KERNEL_TYPES) + tuple(REWRITTEN_TYPES) + CONVERTED_TYPES
-_BITS = {"q8_0": 8.5, "q4_0": 4.5, "iq4_nl": 4.5, "q4_1": 5.0}
 
 _LLAMA_LAYER = {
     "self_attn.q_proj": "attn_q",
@@ -377,18 +376,20 @@ def load_gguf_model(
     if report.converted or report.fused_with:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(report.converted.items()))
         fused = ", ".join(f"{n} {k}" for k, n in sorted(report.fused_with.items()))
-        mix = " (a fused matrix mixes types)" if not kinds else ""
-        also = f", and {fused} tensor(s) fused with them into one matrix" if fused else ""
+        if kinds:
+            what = f"fastllm has no kernel for {kinds} tensor(s); converted them to q8_0 at load"
+            if fused:
+                what += f", and {fused} tensor(s) fused with them into one matrix"
+        else:
+            what = (
+                f"{fused} tensor(s) are fused into matrices that mix kernel formats; "
+                "converted those matrices to q8_0 at load"
+            )
         logger.warning(
-            "%s: fastllm has no kernel for %s tensor(s)%s; converted them to %s at load%s "
-            "(%.1f bits per weight in memory; the conversion's rounding adds an error of at "
-            "most 1/254 of each group's largest weight)",
+            "%s: %s (8.5 bits per weight in memory; the conversion's rounding adds an error "
+            "of at most 1/254 of each group's largest weight)",
             gguf.path,
-            kinds or "the mixed types of",
-            mix,
-            CONVERSION_FORMAT,
-            also,
-            _BITS[CONVERSION_FORMAT],
+            what,
         )
     return model.eval(), report
 
