@@ -143,11 +143,12 @@ def write_gguf(
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rope["factor"]))
     w.add_vocab_size(cfg["vocab_size"])
-    if cfg.get("bos_token_id") is not None:
-        w.add_bos_token_id(cfg["bos_token_id"])
-    if cfg.get("eos_token_id") is not None:
-        w.add_eos_token_id(cfg["eos_token_id"])
-    if tokenizer:
+    if not tokenizer:  # otherwise the tokenizer's keys carry them
+        if cfg.get("bos_token_id") is not None:
+            w.add_bos_token_id(cfg["bos_token_id"])
+        if cfg.get("eos_token_id") is not None:
+            w.add_eos_token_id(cfg["eos_token_id"])
+    else:
         from gguf_writer import add_tokenizer_metadata
 
         add_tokenizer_metadata(w, folder)
