@@ -56,6 +56,10 @@ class Tokenizer:
                 return f.read()
         return None
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what the grammar engine reads)."""
+        return self._tok.to_str()
+
     @property
     def vocab_size(self) -> int:
         """Number of tokens, added tokens included."""

@@ -183,6 +183,9 @@ class LLMEngine:
             self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, eos
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        from fastllm.engine.structured import StructuredOutputs
+
+        self.structured = StructuredOutputs(self.tokenizer, eos, mc.vocab_size)
         self._request_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
@@ -231,6 +234,11 @@ class LLMEngine:
                     f"or `--max-logprobs`)",
                     name,
                 )
+        if params.structured_outputs is not None:
+            try:
+                self.structured.vocabulary  # noqa: B018 - built here, so errors name the request
+            except ValueError as e:
+                raise RequestError(f"{where}: {e}", "structured_outputs") from None
         n = len(prompt_token_ids)
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise RequestError(
@@ -258,6 +266,8 @@ class LLMEngine:
         )
         if params.bad_words:
             req.seqs[0].bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        if params.structured_outputs is not None:
+            req.seqs[0].grammar = self.structured.start(params.structured_outputs)
         self.output_processor.add_request(req)
         self.scheduler.add(req.seqs[0])
         return req

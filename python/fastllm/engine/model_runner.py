@@ -12,6 +12,7 @@ import torch
 from fastllm import _core
 from fastllm.engine.scheduler import SampledToken, SchedulerOutput, StepResult
 from fastllm.engine.sequence import Sequence
+from fastllm.engine.structured import apply_grammar_masks
 from fastllm.forward_context import AttentionMetadata, set_context
 from fastllm.outputs import Logprob
 
@@ -183,12 +184,14 @@ class ModelRunner:
         CUDA logits go to the CUDA sampler (same semantics and random draw as
         the CPU one); CPU logits, or CUDA ones when the kernels are off, go to
         the Rust CPU sampler. ``suppress[i]`` lists tokens row i may not
-        produce (EOS and stop tokens before ``min_tokens``).
+        produce (EOS and stop tokens before ``min_tokens``); a sequence with a
+        grammar may only produce what its grammar allows next.
         """
         for i, toks in enumerate(suppress):
             if toks:
                 logits[i, toks] = float("-inf")
         logits = logits.contiguous()
+        apply_grammar_masks(logits, seqs)
         batch = sampling_batch(seqs, seeds)
         if logits.is_cuda:
             from fastllm.layers import cuda_ops
