@@ -29,9 +29,11 @@ fn constraint(kind: &str, value: Option<&Bound<'_, PyAny>>) -> PyResult<Constrai
                 .extract::<Vec<String>>()
                 .map_err(|_| PyValueError::new_err("choice: must be a list of strings"))?,
         ),
-        other => return Err(PyValueError::new_err(format!(
+        other => {
+            return Err(PyValueError::new_err(format!(
             "unknown structured output kind {other:?} (json, json_object, regex, choice, grammar)"
-        ))),
+        )))
+        }
     })
 }
 
