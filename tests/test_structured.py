@@ -126,9 +126,7 @@ JSON_CASES = [(name, "compact") for name in sorted(SCHEMAS)] + [
 def test_json_schema_outputs_validate(llm, name, whitespace):
     schema = SCHEMAS[name]
     budget = 480 if whitespace == "any" else 160
-    params = [
-        constrained(s, budget, json=schema, **WHITESPACE[whitespace]) for s in range(N)
-    ]
+    params = [constrained(s, budget, json=schema, **WHITESPACE[whitespace]) for s in range(N)]
     for out in run(llm, params):
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), schema)
