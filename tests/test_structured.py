@@ -374,3 +374,23 @@ def test_bitmask_layout_matches_allowed_tokens(llm):
     bits = torch.frombuffer(bytearray(raw), dtype=torch.int32).view(1, words)
     allowed = unpack_bitmask(bits, vocab.vocab_size)[0].nonzero().flatten().tolist()
     assert allowed == m.allowed_tokens()
+
+
+def test_chat_end_of_turn_ends_an_accepting_grammar(llm):
+    # (ab|cd)+ may go on after any complete match: the template's end of turn
+    # (a stop token, not the model's EOS) is allowed exactly there.
+    tok = llm.get_tokenizer()
+    end_of_turn = tok.convert_tokens_to_ids("<|im_end|>")
+    rx = r"(ab|cd)+"
+    convs = [[{"role": "user", "content": f"Say {i}"}] for i in range(N)]
+    params = [constrained(s, regex=rx, max_tokens=60) for s in range(N)]
+    outs = llm.chat(convs, params, use_tqdm=False)
+    ended_by_turn = 0
+    for o in outs:
+        c = o.outputs[0]
+        if c.finish_reason == "stop":
+            assert re.fullmatch(rx, c.text), c.text
+            ended_by_turn += c.stop_reason == end_of_turn
+        else:  # out of tokens mid-way: still a prefix of a match
+            assert c.finish_reason == "length" and re.fullmatch(r"((ab|cd)*)(a|c)?", c.text)
+    assert ended_by_turn > N // 4

@@ -244,7 +244,8 @@ class Scheduler:
         seq.token_ids.append(token)
         p = seq.params
         n_out = seq.num_output_tokens
-        if seq.grammar is not None and not (token in self.eos_token_ids and not p.ignore_eos):
+        ends = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        if seq.grammar is not None and not (ends and n_out >= p.min_tokens):
             try:
                 seq.grammar.consume(token)
             except ValueError:

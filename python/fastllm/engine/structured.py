@@ -51,7 +51,9 @@ class StructuredOutputs:
 
 def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """Sets to -inf, in place, every logit of row i that ``seqs[i]``'s grammar
-    does not allow next; rows without a grammar are left as they are.
+    does not allow next; rows without a grammar are left as they are. A
+    request's stop tokens (a chat template's end of turn) count as EOS: they
+    stay allowed exactly when the grammar accepts.
 
     A sequence listed on several rows (the first tokens of an ``n > 1``
     request come from one row) has its mask computed once and copied.
@@ -71,6 +73,13 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         matchers.append(seq.grammar)
     if not matchers:
         return
+    # Stop tokens of rows whose grammar accepts keep their logits.
+    keep = []
+    for i, m in zip(rows, matchers):
+        stops = seqs[i].params.stop_token_ids
+        if stops and m.is_accepting():
+            ids = torch.tensor(stops, device=logits.device)
+            keep.append((i, ids, logits[i, ids].clone()))
     if logits.is_cuda:
         vocab = logits.shape[1]
         words = (vocab + 31) // 32
@@ -81,6 +90,8 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
     else:
         _core.apply_grammar_masks(logits, rows, matchers)
+    for i, ids, values in keep:
+        logits[i, ids] = values
     for i, j in repeats:
         logits[i] = logits[j]
 
