@@ -394,3 +394,56 @@ def test_chat_end_of_turn_ends_an_accepting_grammar(llm):
         else:  # out of tokens mid-way: still a prefix of a match
             assert c.finish_reason == "length" and re.fullmatch(r"((ab|cd)*)(a|c)?", c.text)
     assert ended_by_turn > N // 4
+
+
+def test_bitmask_path_equals_the_sampler_pass(llm):
+    # The CUDA sampler's masks go through the bitmask; here on CPU logits, the
+    # same code must give exactly what the Rust pass writes.
+    import torch
+
+    from fastllm.engine.sequence import Sequence
+    from fastllm.engine.structured import GrammarMasks
+
+    vocab = llm.llm_engine.structured.vocabulary
+    rng = random.Random(7)
+    seqs = []
+    for i, (kind, value) in enumerate(CONSTRAINTS * 2):
+        seq = Sequence(str(i), [1, 2, 3], SamplingParams(stop_token_ids=[2]), seed=i)
+        if i % 3:  # some rows unconstrained
+            seq.grammar = vocab.start(kind, value)
+            for _ in range(rng.randrange(6)):
+                allowed = [t for t in seq.grammar.allowed_tokens() if t not in (0, 2)]
+                if not allowed:
+                    break
+                seq.grammar.consume(rng.choice(allowed))
+        seqs.append(seq)
+    seqs.append(seqs[1])  # one sequence on two rows (n > 1 first tokens)
+    logits = torch.randn(len(seqs), vocab.vocab_size, generator=torch.Generator().manual_seed(0))
+    a, b = logits.clone(), logits.clone()
+    GrammarMasks(seqs).apply(a)
+    GrammarMasks(seqs).apply(b, bitmask=True)
+    assert torch.equal(a, b)
+    assert torch.equal(a[-1], a[1])
+    for i, seq in enumerate(seqs):
+        finite = a[i].isfinite().nonzero().flatten().tolist()
+        if seq.grammar is None:
+            assert len(finite) == vocab.vocab_size
+        else:
+            expect = set(seq.grammar.allowed_tokens())
+            if seq.grammar.is_accepting():
+                expect.add(2)  # the stop token counts as EOS
+            assert finite == sorted(expect)
+
+
+def test_masks_computed_during_the_forward_pass_give_the_same_tokens(llm):
+    runner = llm.llm_engine.runner
+    params = mixed_params(9)
+    prompts = [f"Item {i}:" for i in range(9)]
+    ref = llm.generate(prompts, params, use_tqdm=False)
+    runner.overlap_masks = True  # as on a GPU: masks on a worker thread during the forward
+    try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        runner.overlap_masks = False
+    assert runner._mask_worker is not None
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]

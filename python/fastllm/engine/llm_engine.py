@@ -177,6 +177,7 @@ class LLMEngine:
             block_size=bs,
             dtype=self.dtype,
             device=torch_device,
+            vocab_size=mc.vocab_size,
         )
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(

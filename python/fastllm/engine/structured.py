@@ -4,6 +4,7 @@ one grammar matcher per constrained sequence, and the step's token masks."""
 
 from __future__ import annotations
 
+from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,51 +50,74 @@ class StructuredOutputs:
             raise ValueError(f"structured_outputs.{e}") from None
 
 
-def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """Sets to -inf, in place, every logit of row i that ``seqs[i]``'s grammar
-    does not allow next; rows without a grammar are left as they are. A
-    request's stop tokens (a chat template's end of turn) count as EOS: they
-    stay allowed exactly when the grammar accepts.
+class GrammarMasks:
+    """The token masks of one step's constrained rows.
 
-    A sequence listed on several rows (the first tokens of an ``n > 1``
-    request come from one row) has its mask computed once and copied.
+    ``start`` may run before the forward pass: on a worker thread it computes
+    the bitmask of every constrained row (the Rust core releases the GIL), so
+    the masks overlap the model's work; ``apply`` then waits for them and sets
+    the disallowed logits to -inf. Without a worker, ``apply`` computes them
+    itself (on CPU logits, in the Rust pass that also writes the -inf).
     """
-    first: dict[int, int] = {}
-    rows: list[int] = []
-    matchers: list[_core.GrammarMatcher] = []
-    repeats: list[tuple[int, int]] = []
-    for i, seq in enumerate(seqs):
-        if seq.grammar is None:
-            continue
-        j = first.setdefault(seq.seq_id, i)
-        if j != i:
-            repeats.append((i, j))
-            continue
-        rows.append(i)
-        matchers.append(seq.grammar)
-    if not matchers:
-        return
-    # Stop tokens of rows whose grammar accepts keep their logits.
-    keep = []
-    for i, m in zip(rows, matchers):
-        stops = seqs[i].params.stop_token_ids
-        if stops and m.is_accepting():
-            ids = torch.tensor(stops, device=logits.device)
-            keep.append((i, ids, logits[i, ids].clone()))
-    if logits.is_cuda:
+
+    def __init__(self, seqs: list[Sequence]) -> None:
+        self.seqs = seqs
+        first: dict[int, int] = {}
+        self.rows: list[int] = []
+        self.matchers: list[_core.GrammarMatcher] = []
+        # A sequence listed on several rows (the first tokens of an n > 1 request
+        # come from one row) has its mask computed once and copied.
+        self.repeats: list[tuple[int, int]] = []
+        for i, seq in enumerate(seqs):
+            if seq.grammar is None:
+                continue
+            j = first.setdefault(seq.seq_id, i)
+            if j != i:
+                self.repeats.append((i, j))
+                continue
+            self.rows.append(i)
+            self.matchers.append(seq.grammar)
+        self._future: Future[bytes] | None = None
+        self._vocab = 0
+
+    def start(self, executor: Executor, vocab: int) -> GrammarMasks:
+        """Begins computing the bitmasks on ``executor`` (vocabulary width ``vocab``)."""
+        if self.matchers:
+            self._vocab = vocab
+            self._future = executor.submit(_core.grammar_bitmask, self.matchers, vocab)
+        return self
+
+    def apply(self, logits: torch.Tensor, bitmask: bool | None = None) -> None:
+        """Sets to -inf, in place, every logit of row i that ``seqs[i]``'s grammar
+        does not allow next; rows without a grammar are left as they are. A
+        request's stop tokens (a chat template's end of turn) count as EOS: they
+        stay allowed exactly when the grammar accepts. ``bitmask``: go through
+        the bitmask (as for CUDA logits) even on the CPU."""
+        if not self.matchers:
+            return
+        raw = self._future.result() if self._future is not None else None
+        # Stop tokens of rows whose grammar accepts keep their logits.
+        keep = []
+        for i, m in zip(self.rows, self.matchers):
+            stops = self.seqs[i].params.stop_token_ids
+            if stops and m.is_accepting():
+                ids = torch.tensor(stops, device=logits.device)
+                keep.append((i, ids, logits[i, ids].clone()))
         vocab = logits.shape[1]
-        words = (vocab + 31) // 32
-        raw = _core.grammar_bitmask(matchers, vocab)
-        bits = torch.frombuffer(bytearray(raw), dtype=torch.int32).view(len(matchers), words)
-        allowed = unpack_bitmask(bits.to(logits.device), vocab)
-        idx = torch.tensor(rows, device=logits.device)
-        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
-    else:
-        _core.apply_grammar_masks(logits, rows, matchers)
-    for i, ids, values in keep:
-        logits[i, ids] = values
-    for i, j in repeats:
-        logits[i] = logits[j]
+        if raw is not None or logits.is_cuda or bitmask:
+            if raw is None or self._vocab != vocab:
+                raw = _core.grammar_bitmask(self.matchers, vocab)
+            words = (vocab + 31) // 32
+            bits = torch.frombuffer(bytearray(raw), dtype=torch.int32).view(len(self.rows), words)
+            allowed = unpack_bitmask(bits.to(logits.device), vocab)
+            idx = torch.tensor(self.rows, device=logits.device)
+            logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+        else:
+            _core.apply_grammar_masks(logits, self.rows, self.matchers)
+        for i, ids, values in keep:
+            logits[i, ids] = values
+        for i, j in self.repeats:
+            logits[i] = logits[j]
 
 
 def unpack_bitmask(bits: torch.Tensor, vocab: int) -> torch.Tensor:
