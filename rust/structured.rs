@@ -375,7 +375,11 @@ impl Vocabulary {
             if let Some((m, used)) = cache.entries.get_mut(&key) {
                 *used = tick;
                 let matcher = guarded(constraint.field(), || m.deep_clone())?;
-                return Ok(GrammarState::new(matcher, self.vocab_size));
+                return Ok(GrammarState::new(
+                    matcher,
+                    self.vocab_size,
+                    self.eos_tokens(),
+                ));
             }
         }
         let matcher = compile(&self.factory, constraint, whitespace_flexible)?;
@@ -394,7 +398,15 @@ impl Vocabulary {
             let copy = guarded(constraint.field(), || matcher.deep_clone())?;
             cache.entries.insert(key, (copy, tick));
         }
-        Ok(GrammarState::new(matcher, self.vocab_size))
+        Ok(GrammarState::new(
+            matcher,
+            self.vocab_size,
+            self.eos_tokens(),
+        ))
+    }
+
+    fn eos_tokens(&self) -> Vec<u32> {
+        self.factory.tok_env().tok_trie().eos_tokens().to_vec()
     }
 
     /// How many compiled grammars this vocabulary holds.
@@ -446,14 +458,16 @@ pub struct GrammarState {
     matcher: Matcher,
     vocab_size: usize,
     consumed: usize,
+    eos: Vec<u32>,
 }
 
 impl GrammarState {
-    fn new(matcher: Matcher, vocab_size: usize) -> Self {
+    fn new(matcher: Matcher, vocab_size: usize, eos: Vec<u32>) -> Self {
         GrammarState {
             matcher,
             vocab_size,
             consumed: 0,
+            eos,
         }
     }
 
@@ -464,6 +478,7 @@ impl GrammarState {
             matcher,
             vocab_size: self.vocab_size,
             consumed: self.consumed,
+            eos: self.eos.clone(),
         })
     }
 
@@ -477,6 +492,24 @@ impl GrammarState {
     pub fn mask(&mut self) -> CoreResult<SimpleVob> {
         guarded("mask", || self.matcher.compute_mask_or_eos())?
             .map_err(|e| CoreError::invalid(format!("structured output: {e}")))
+    }
+
+    /// The mask a sampling row gets: `mask()`, or, if the grammar engine
+    /// failed on this sequence (its limits, an internal error), EOS alone, so
+    /// that this sequence ends and the rest of the batch goes on.
+    pub fn mask_or_end(&mut self) -> SimpleVob {
+        match self.mask() {
+            Ok(m) => m,
+            Err(_) => {
+                let mut m = SimpleVob::alloc(self.vocab_size);
+                for &t in &self.eos {
+                    if (t as usize) < self.vocab_size {
+                        m.allow_token(t);
+                    }
+                }
+                m
+            }
+        }
     }
 
     /// Advances by one appended token; an error if the grammar does not allow it.
@@ -528,6 +561,7 @@ impl GrammarState {
 
 /// Writes `-inf` into every logit row `rows[i]` of `logits` (`[_, vocab]`)
 /// whose token `states[i]` does not allow; the masks are computed in parallel.
+/// A state whose grammar engine failed allows only EOS (`mask_or_end`).
 /// Logit columns past the grammar's vocabulary are disallowed too.
 pub fn apply_masks(
     logits: &mut [f32],
@@ -576,13 +610,8 @@ pub fn apply_masks(
         .collect();
     crate::cpu::threads::install(|| {
         jobs.into_par_iter()
-            .map(|(row, st)| {
-                let mask = st.mask()?;
-                mask_row(row, &mask);
-                Ok(())
-            })
-            .collect::<CoreResult<Vec<()>>>()
-    })?;
+            .for_each(|(row, st)| mask_row(row, &st.mask_or_end()));
+    });
     Ok(())
 }
 
@@ -707,6 +736,15 @@ mod tests {
             .collect();
         assert_eq!(finite, vec![b'x' as usize]);
         assert!(apply_masks(&mut logits, vocab, &[2], &mut [&mut st]).is_err());
+    }
+
+    #[test]
+    fn a_failed_grammar_allows_only_eos() {
+        let v = byte_vocab();
+        let mut st = v.start(&Constraint::Regex("ab".into()), true).unwrap();
+        assert!(st.consume(b'x' as u32).is_err()); // the matcher is now in its error state
+        assert!(st.mask().is_err());
+        assert_eq!(st.mask_or_end().to_list(), vec![256]);
     }
 
     #[test]

@@ -183,7 +183,7 @@ fn apply_grammar_masks(
     Ok(py.detach(|| structured::apply_masks(values, vocab, &rows, &mut states))?)
 }
 
-/// The allowed tokens of each grammar state as a bitmask: `len(matchers)`
+/// The allowed tokens of each grammar state (EOS alone for a failed one) as a bitmask: `len(matchers)`
 /// rows of `ceil(vocab / 32)` little-endian int32 words (token i at bit
 /// i % 32 of word i / 32), the layout the CUDA sampler's mask uses.
 #[pyfunction]
@@ -199,10 +199,10 @@ fn grammar_bitmask<'py>(
         crate::cpu::threads::install(|| {
             states
                 .into_par_iter()
-                .map(|st| st.mask().map(|m| structured::mask_words(&m, vocab)))
-                .collect::<crate::CoreResult<Vec<Vec<u32>>>>()
+                .map(|st| structured::mask_words(&st.mask_or_end(), vocab))
+                .collect::<Vec<Vec<u32>>>()
         })
-    })?;
+    });
     let bytes: Vec<u8> = words
         .iter()
         .flatten()

@@ -258,6 +258,11 @@ class ToolStream:
                     out.append({"content": rest})
                     self.sent_content = len(self.text)
                 return out
+            # Text between or after the calls: what the whole reply's content has
+            # beyond what was streamed before the first call.
+            sent = self.text[: self.sent_content].strip()
+            if content and content.startswith(sent) and len(content) > len(sent):
+                out.append({"content": content[len(sent) :]})
         limit = self._content_limit()
         if limit > self.sent_content and not self.ids:
             out.append({"content": self.text[self.sent_content : limit]})
@@ -311,14 +316,18 @@ class ToolStream:
             if not m:
                 break
             call, end, _ = _decode_call(self.text, j)
-            if call is not None:
+            if call is not None and call.name in {t.name for t in self.tools}:
                 found.append((call.name, call.arguments, True))
                 pos = end
                 continue
+            if call is not None:
+                break
             try:
                 name = json.loads(f'"{m.group(1)}"')
             except ValueError:
                 break
+            if name not in {t.name for t in self.tools}:
+                break  # not a call to one of the tools: left for the final parse
             found.append((name, self.text[m.end() :], False))
             break
         return found
