@@ -450,3 +450,24 @@ def test_masks_computed_during_the_forward_pass_give_the_same_tokens(llm):
         runner.overlap_masks = False
     assert runner._mask_worker is not None
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_structured_bench_script_runs(make_model, tmp_path):
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "so.json"
+    cmd = [
+        sys.executable,
+        os.path.join(root, "benches", "structured_outputs.py"),
+        make_model("llama"),
+        "--batch", "4", "--steps", "2", "--rounds", "1", "--dtype", "float32",
+        "--json", str(out),
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=os.path.join(root, "python"))
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["sequences_alive_at_last_step"]["json"] == [4]
+    assert report["json_over_free"] > 0 and report["ttft_new_schema_over_free"] > 0
