@@ -7,10 +7,15 @@ Every configuration runs in the same process, interleaved round by round, so
 the ratios compare like with like on a shared machine.
 
     PYTHONPATH=python python benches/structured_outputs.py [MODEL] --batch 16 \\
-        [--steps 16] [--rounds 3] [--dtype bfloat16] [--json FILE]
+        [--steps 16] [--rounds 3] [--dtype bfloat16] [--full-vocab] [--json FILE]
 
 MODEL defaults to the benchmark model (/work/benchmodels/qwen2-0.5b-random,
-made by benches/make_bench_model.py when missing).
+made by benches/make_bench_model.py when missing). Its tokenizer has 8,192
+real tokens (the rest of its 151,936 logits are padding), and a mask costs in
+proportion to the real tokens: ``--full-vocab`` first trains a byte-level BPE
+tokenizer of as many tokens as the model has logits on the local Python
+sources (about a minute; kept in MODEL-fullvocab/, beside the model's other
+files), so the masks are those of a full-size vocabulary.
 """
 
 from __future__ import annotations
@@ -44,6 +49,49 @@ SCHEMA = {
         "additionalProperties": False,
     },
 }
+
+
+def full_vocab_model(model: str) -> str:
+    """A folder with ``model``'s files and a BPE tokenizer of as many tokens as
+    the model has logits (trained on the local Python sources once, then kept)."""
+    import glob
+    import sysconfig
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    out = model.rstrip("/") + "-fullvocab"
+    tok_path = os.path.join(out, "tokenizer.json")
+    if os.path.isfile(tok_path):
+        return out
+    os.makedirs(out, exist_ok=True)
+    for name in os.listdir(model):
+        if name != "tokenizer.json" and not os.path.exists(os.path.join(out, name)):
+            os.symlink(os.path.abspath(os.path.join(model, name)), os.path.join(out, name))
+    with open(os.path.join(model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    with open(os.path.join(model, "tokenizer.json")) as f:
+        specials = [t["content"] for t in json.load(f)["added_tokens"]]
+    paths = sysconfig.get_paths()
+    files = sorted(glob.glob(os.path.join(paths["stdlib"], "**/*.py"), recursive=True))
+    files += sorted(glob.glob(os.path.join(paths["purelib"], "**/*.py"), recursive=True))[:20000]
+
+    def corpus():
+        for p in files:
+            with open(p, encoding="utf-8", errors="ignore") as f:
+                yield f.read()
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=specials,  # the same ids as the model's tokenizer: EOS stays EOS
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    tok.save(tok_path)
+    return out
 
 
 def params(kind: str, i: int, max_tokens: int) -> SamplingParams:
@@ -119,11 +167,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--full-vocab", action="store_true", help="a tokenizer as large as the logits")
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args()
     if not os.path.isdir(args.model):
         maker = os.path.join(os.path.dirname(__file__), "make_bench_model.py")
-        subprocess.run([sys.executable, maker, args.model], check=True)
+        subprocess.run([sys.executable, maker, os.path.dirname(args.model.rstrip("/"))], check=True)
+    if args.full_vocab:
+        args.model = full_vocab_model(args.model)
 
     llm = LLM(
         args.model, dtype=args.dtype, device="cpu", max_num_seqs=args.batch, max_model_len=512
@@ -151,8 +202,10 @@ def main() -> None:
     masks = mask_only(llm, args.batch, args.steps * args.rounds)
 
     med = {k: statistics.median(v) for k, v in step_times.items()}
+    tok = llm.llm_engine.tokenizer
     result = {
         "model": args.model,
+        "tokenizer_tokens": tok.vocab_size if tok is not None else None,
         "batch": args.batch,
         "dtype": args.dtype,
         "vocabulary_build_s": vocab_s,
@@ -165,6 +218,9 @@ def main() -> None:
         "ttft_new_schema_over_free": statistics.median(ttft["new_schema"])
         / statistics.median(ttft["free"]),
     }
+    print(
+        f"tokenizer: {result['tokenizer_tokens']} tokens; logits: {llm.llm_engine.model_config.vocab_size}"
+    )
     print(f"vocabulary (token trie) built once: {vocab_s * 1e3:.0f} ms")
     for k in kinds:
         print(f"decode step, batch {args.batch}, {k:5s}: {1e3 * med[k]:8.1f} ms (median)")
