@@ -190,25 +190,59 @@ def test_grammar_outputs_parse(llm):
 
 
 @pytest.fixture(scope="module")
-def reference(llm):
-    """llguidance's own Python build over the same tokenizer (HF tokenizers' view of it)."""
+def big_tokenizer(tmp_path_factory) -> str:
+    """A byte-level BPE tokenizer.json of 8,192 tokens (multi-token keys and
+    numbers, so forced text has several tokenizations to choose from)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from conftest import SPECIALS, _corpus
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=8192,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    path = tmp_path_factory.mktemp("big-tokenizer") / "tokenizer.json"
+    tok.save(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=["model", "big"])
+def reference(request, llm, big_tokenizer):
+    """Ours and llguidance's own Python build over the same tokenizer (the
+    test model's, and a larger one with padding logits past its tokens):
+    (our GrammarVocabulary, llguidance module, its tokenizer, EOS ids)."""
     import llguidance
     import llguidance.hf
     import transformers
 
     eng = llm.llm_engine
-    path = os.path.join(eng.folder, "tokenizer.json")
+    if request.param == "model":
+        path = os.path.join(eng.folder, "tokenizer.json")
+        ours, n_vocab = eng.structured.vocabulary, eng.model_config.vocab_size
+    else:
+        path, n_vocab = big_tokenizer, 8192 + 64
+        with open(path, "rb") as f:
+            ours = _core.GrammarVocabulary(f.read(), [0], n_vocab)
+    eos = [0] if request.param == "big" else sorted(eng.eos_token_ids)
     hf = transformers.PreTrainedTokenizerFast(tokenizer_file=path)
-    tok = llguidance.hf.from_tokenizer(
-        hf, n_vocab=eng.model_config.vocab_size, eos_token=sorted(eng.eos_token_ids)
-    )
-    return llguidance, tok
+    tok = llguidance.hf.from_tokenizer(hf, n_vocab=n_vocab, eos_token=eos)
+    return ours, llguidance, tok, set(eos)
 
 
 def reference_grammar(llguidance, kind: str, value, flexible: bool) -> str:
     M = llguidance.LLMatcher
     if kind == "json":
         return M.grammar_from_json_schema(value, defaults={"whitespace_flexible": flexible})
+    if kind == "json_object":
+        return M.grammar_from_json_schema(
+            {"type": "object"}, defaults={"whitespace_flexible": flexible}
+        )
     if kind == "regex":
         return M.grammar_from_regex(value)
     if kind == "choice":
@@ -226,6 +260,7 @@ CONSTRAINTS = [
     *(("regex", r) for r in REGEXES),
     ("choice", CHOICES),
     ("grammar", GRAMMAR),
+    ("json_object", None),
 ]
 
 
@@ -238,16 +273,14 @@ CONSTRAINTS = [
     seed=st.integers(0, 2**32 - 1),
     steps=st.integers(1, 40),
 )
-def test_mask_equals_llguidance_python(llm, reference, which, flexible, seed, steps):
-    llguidance, tok = reference
+def test_mask_equals_llguidance_python(reference, which, flexible, seed, steps):
+    vocab, llguidance, tok, eos = reference
     kind, value = CONSTRAINTS[which]
-    vocab = llm.llm_engine.structured.vocabulary
     ours = vocab.start(kind, value, flexible)
     ref_value = json.loads(value) if kind == "json" else value
     theirs = llguidance.LLMatcher(tok, reference_grammar(llguidance, kind, ref_value, flexible))
     assert not theirs.is_error(), theirs.get_error()
     rng = random.Random(seed)
-    eos = llm.llm_engine.eos_token_ids
     for _ in range(steps):
         allowed = ours.allowed_tokens()
         assert allowed == reference_allowed(theirs, vocab.vocab_size)
@@ -352,6 +385,19 @@ def test_preemption_with_constrained_requests(make_model, llm):
     got = small.generate(prompts, params, use_tqdm=False)
     assert small.llm_engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_bad_tokenizers_are_errors(big_tokenizer):
+    with open(big_tokenizer, "rb") as f:
+        data = f.read()
+    with pytest.raises(ValueError, match="EOS token id 9000 is outside"):
+        _core.GrammarVocabulary(data, [9000], 9100)
+    with pytest.raises(ValueError, match="more than the model's vocabulary"):
+        _core.GrammarVocabulary(data, [0], 100)
+    with pytest.raises(ValueError, match="tokenizer.json: not valid JSON"):
+        _core.GrammarVocabulary(b"{not json", [0], 100)
+    with pytest.raises(ValueError, match="at least one EOS"):
+        _core.GrammarVocabulary(data, [], 9000)
 
 
 def test_no_tokenizer_is_a_request_error(make_model, tmp_path):
