@@ -517,3 +517,12 @@ def test_structured_bench_script_runs(make_model, tmp_path):
     report = json.loads(out.read_text())
     assert report["sequences_alive_at_last_step"]["json"] == [4]
     assert report["json_over_free"] > 0 and report["ttft_new_schema_over_free"] > 0
+
+
+def test_stream_joins_to_generate(llm):
+    for s in range(5):
+        p = constrained(s, json=SCHEMAS["person"], disable_any_whitespace=True)
+        whole = llm.generate(["Person:"], p, use_tqdm=False)[0].outputs[0]
+        parts = [c.outputs[0].text for c in llm.stream("Person:", p)]
+        assert "".join(parts) == whole.text
+        jsonschema.validate(json.loads(whole.text), SCHEMAS["person"])

@@ -237,7 +237,7 @@ class LLMEngine:
                 )
         if params.structured_outputs is not None:
             try:
-                self.structured.vocabulary  # noqa: B018 - built here, so errors name the request
+                self.structured.check()
             except ValueError as e:
                 raise RequestError(f"{where}: {e}", "structured_outputs") from None
         n = len(prompt_token_ids)

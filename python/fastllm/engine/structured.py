@@ -28,14 +28,21 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self._vocab: _core.GrammarVocabulary | None = None
 
+    def check(self) -> None:
+        """A ValueError if this engine cannot run constrained requests (cheap:
+        the vocabulary itself is built by the first request that needs it)."""
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer; this engine has none")
+        if not self.eos_token_ids:
+            raise ValueError("structured_outputs needs the model's EOS token id; it has none")
+
     @property
     def vocabulary(self) -> _core.GrammarVocabulary:
-        """The token trie and grammar compiler (built on first use)."""
+        """The token trie and grammar compiler (built on first use, by the
+        thread that runs the engine)."""
         if self._vocab is None:
-            if self.tokenizer is None:
-                raise ValueError("structured_outputs needs a tokenizer; this engine has none")
-            if not self.eos_token_ids:
-                raise ValueError("structured_outputs needs the model's EOS token id; it has none")
+            self.check()
+            assert self.tokenizer is not None
             self._vocab = _core.GrammarVocabulary(
                 self.tokenizer.to_json().encode(), self.eos_token_ids, self.vocab_size
             )
