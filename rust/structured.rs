@@ -4,8 +4,9 @@
 //! * A [`Vocabulary`] is built once per tokenizer: the byte string of every
 //!   token and the tokenizer itself (from `tokenizer.json`, through the HF
 //!   tokenizers library, so text a grammar forces is tokenized canonically),
-//!   its token trie, and the parser factory that compiles grammars against it. Vocabularies are cached per
-//!   process by the content of the tokenizer and the EOS ids.
+//!   its token trie, and the parser factory that compiles grammars against
+//!   it. A process shares one per (tokenizer, EOS ids, logits) while anyone
+//!   holds it.
 //! * A [`Constraint`] (JSON schema, JSON object, regex, choice, Lark grammar)
 //!   is compiled once per vocabulary and cached; every sequence that uses it
 //!   starts from a deep clone of the compiled matcher.
@@ -22,7 +23,7 @@ use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokEnv, TokRxInfo, TokTrie};
@@ -276,11 +277,14 @@ struct GrammarCache {
     entries: HashMap<(Constraint, bool), (Matcher, u64)>,
 }
 
-static VOCABULARIES: OnceLock<Mutex<HashMap<u64, Arc<Vocabulary>>>> = OnceLock::new();
+/// The vocabularies alive in this process, by the hash of what built them
+/// (weak: a vocabulary no engine holds any more is freed).
+static VOCABULARIES: OnceLock<Mutex<HashMap<u64, Weak<Vocabulary>>>> = OnceLock::new();
 
 impl Vocabulary {
     /// The vocabulary of a `tokenizer.json` for a model with `vocab_size`
-    /// logits and these EOS ids, built once per process and then shared.
+    /// logits and these EOS ids: the one already alive in this process, or a
+    /// new one.
     pub fn from_tokenizer_json(
         tokenizer_json: &[u8],
         eos_token_ids: &[u32],
@@ -292,13 +296,18 @@ impl Vocabulary {
         vocab_size.hash(&mut h);
         let key = h.finish();
         let cache = VOCABULARIES.get_or_init(Default::default);
-        if let Some(v) = cache.lock().ok().and_then(|c| c.get(&key).cloned()) {
+        if let Some(v) = cache
+            .lock()
+            .ok()
+            .and_then(|c| c.get(&key).and_then(Weak::upgrade))
+        {
             return Ok(v);
         }
         let env = tokenizer_env(tokenizer_json, eos_token_ids, vocab_size)?;
         let vocab = Arc::new(Self::from_env(env)?);
         if let Ok(mut c) = cache.lock() {
-            c.insert(key, vocab.clone());
+            c.retain(|_, v| v.strong_count() > 0);
+            c.insert(key, Arc::downgrade(&vocab));
         }
         Ok(vocab)
     }
