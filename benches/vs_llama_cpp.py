@@ -123,6 +123,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per subprocess")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the STREAM-triad runs")
+    p.add_argument(
+        "--same-file",
+        action="store_true",
+        help="fastllm loads each format's GGUF file too (instead of the folder quantized at load)",
+    )
     p.add_argument("--json", default=None, metavar="FILE", help="write all figures as JSON")
     return p.parse_args(argv)
 
@@ -220,7 +225,7 @@ class FastllmRejected(RuntimeError):
     """fastllm refused the quantization option (not implemented, or not this format)."""
 
 
-def run_fastllm(args: argparse.Namespace, quant: str | None) -> dict[str, Any]:
+def run_fastllm(args: argparse.Namespace, quant: str | None, model: str) -> dict[str, Any]:
     """One ``fastllm bench latency`` run in a subprocess: prefill and decode tokens/s."""
     with tempfile.TemporaryDirectory() as tmp:
         out_json = os.path.join(tmp, "latency.json")
@@ -230,7 +235,7 @@ def run_fastllm(args: argparse.Namespace, quant: str | None) -> dict[str, Any]:
             FASTLLM_MAIN,
             "bench",
             "latency",
-            args.model,
+            model,
             "--input-len",
             str(args.input_len),
             "--output-len",
@@ -359,7 +364,10 @@ def main(argv: list[str] | None = None) -> int:
                     if side == "llama":
                         r = run_llama(args, files[fmt])
                     else:
-                        r = run_fastllm(args, quants[fmt])
+                        if args.same_file:  # fastllm runs the very file llama.cpp runs
+                            r = run_fastllm(args, None, files[fmt])
+                        else:
+                            r = run_fastllm(args, quants[fmt], args.model)
                 except FastllmRejected as e:
                     rejected[fmt] = str(e)
                     samples[fmt]["errors"].append(f"fastllm: {e}")
@@ -394,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "format": fmt,
                 "gguf": files[fmt],
-                "fastllm_quantization": quants[fmt],
+                "fastllm_quantization": "gguf" if args.same_file else quants[fmt],
                 "llama_pp": lp,
                 "fastllm_pp": fp,
                 "pp_ratio": _ratio(fp, lp),

@@ -268,8 +268,6 @@ def test_read_chat_template(tmp_path):
         read_chat_template(str(tmp_path / "empty.jinja"))
 
 
-
-
 def _no_input(prompt=""):
     raise AssertionError("fastllm chat asked for input: it should have failed at startup")
 

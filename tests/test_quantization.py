@@ -23,7 +23,7 @@ from fastllm.demo import demo_model_path  # noqa: E402
 from fastllm.layers.quantization import QUANTIZATION_FORMATS, resolve_quantization  # noqa: E402
 
 PATHS = _core.quant_paths()
-GGUF_TYPES = {"q8_0": GT.Q8_0, "q4_0": GT.Q4_0, "iq4_nl": GT.IQ4_NL}
+GGUF_TYPES = {"q8_0": GT.Q8_0, "q4_0": GT.Q4_0, "iq4_nl": GT.IQ4_NL, "q4_1": GT.Q4_1}
 
 
 def blocks_of(q) -> np.ndarray:
@@ -50,7 +50,7 @@ def quantized_activations(x: np.ndarray) -> np.ndarray:
     return (q * d).reshape(m, kp)[:, :k].astype(np.float64)
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
 def test_blocks_equal_the_gguf_packages_quantization(fmt):
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((70, 96)) * 0.05).astype(np.float32)

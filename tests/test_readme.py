@@ -224,6 +224,45 @@ def test_readme_quantized_weights():
         assert "quantized" in r.stderr and r.stdout.strip(), line
 
 
+def test_readme_gguf_files(tmp_path):
+    """The GGUF section's examples, run in a folder holding ``model.gguf``: the
+    demo model written as a Q8_0 GGUF file (tests/gguf_models.py)."""
+    pytest.importorskip("gguf")
+    import fastllm
+    from gguf_models import write_gguf
+
+    demo = os.path.join(os.path.dirname(os.path.abspath(fastllm.__file__)), "demo_model")
+    write_gguf(demo, str(tmp_path / "model.gguf"), "llama", "Q8_0", tokenizer=True)
+    blocks = _readme_blocks("GGUF files")
+    (code,) = [c for lang, c in blocks if lang == "python"]
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "quantization='gguf' (Q8_0 x" in r.stdout and len(r.stdout.splitlines()) >= 2
+    (bash,) = [c for lang, c in blocks if lang == "bash"]
+    outputs = []
+    for line in _commands(bash):
+        argv = shlex.split(line.split("  #")[0])
+        r = subprocess.run(
+            _fastllm_command() + argv[1:],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=300,
+            cwd=tmp_path,
+        )
+        assert r.returncode == 0, (line, r.stderr)
+        assert r.stdout.strip(), line
+        outputs.append(r.stdout)
+    assert "Q8_0 x" in outputs[0] and "q8_0 kernel, as stored" in outputs[0]  # fastllm env --model
+
+
 def test_readme_overview_commands_run_as_written():
     """The command overview's one-shot commands on the demo model (not the
     interactive chat, the long-running serve, nor a placeholder MODEL)."""

@@ -643,7 +643,9 @@ def _app_server(model: str, chat_template: str | None = None, **engine):
     from fastllm.config import EngineConfig
     from fastllm.server.app import create_app
 
-    config = EngineConfig(model=model, dtype="float32", device="cpu", max_model_len=MAX_LEN, **engine)
+    config = EngineConfig(
+        model=model, dtype="float32", device="cpu", max_model_len=MAX_LEN, **engine
+    )
     app = create_app(config, chat_template=chat_template)
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -675,23 +677,28 @@ def _record_params(app) -> list[SamplingParams]:
     return seen
 
 
-
-
 def test_no_chat_template_names_the_server_option(untemplated_model_dir):
     from fastllm.server.app import startup_summary
 
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     with _app_server(untemplated_model_dir, max_logprobs=2) as (app, addr):
-        for path, body in (("/v1/chat/completions", chat), ("/tokenize", {"messages": chat["messages"]})):
+        for path, body in (
+            ("/v1/chat/completions", chat),
+            ("/tokenize", {"messages": chat["messages"]}),
+        ):
             status, answer = _post(*addr, path, json.dumps(body))
             assert status == 400, answer
             msg = answer["error"]["message"]
             assert "start the server with --chat-template FILE|STRING" in msg
             assert "chat()" not in msg and "chat_template=" not in msg
         # a request's own template still works, and completions need none
-        status, answer = _post(*addr, "/v1/chat/completions", json.dumps({**chat, "chat_template": PLAIN_TEMPLATE}))
+        status, answer = _post(
+            *addr, "/v1/chat/completions", json.dumps({**chat, "chat_template": PLAIN_TEMPLATE})
+        )
         assert status == 200, answer
-        status, answer = _post(*addr, "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2}))
+        status, answer = _post(
+            *addr, "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2})
+        )
         assert status == 200, answer
         # the logprobs limit is the engine's max_logprobs (--max-logprobs)
         body = {"prompt": "x", "max_tokens": 2, "logprobs": 3}
@@ -746,7 +753,9 @@ def test_chat_template_option_and_end_of_turn(model_dir, llm):
         assert status == 200, body
         assert body["usage"]["prompt_tokens"] == len(rendered(model_template))
         assert im_end in seen[-1].stop_token_ids
-        status, body = _post(*addr, "/v1/chat/completions", json.dumps({**with_own, "ignore_eos": True}))
+        status, body = _post(
+            *addr, "/v1/chat/completions", json.dumps({**with_own, "ignore_eos": True})
+        )
         assert status == 200 and im_end not in seen[-1].stop_token_ids
         conn = http.client.HTTPConnection(*addr, timeout=30)
         try:

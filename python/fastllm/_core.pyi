@@ -377,8 +377,8 @@ def gemm_default_path() -> str:
 class QuantizedLinear:
     """A linear layer's weight quantized for the CPU's integer kernels.
 
-    ``format``: "q8_0", "q4_0" or "iq4_nl" (GGUF's numbers: 32 inputs per f16
-    scale). ``weight`` [out_features, in_features] bf16 or f32 on the CPU is
+    ``format``: "q8_0", "q4_0", "iq4_nl" or "q4_1" (GGUF's numbers: 32 inputs
+    per f16 scale, and an f16 minimum for "q4_1"). ``weight`` [out_features, in_features] bf16 or f32 on the CPU is
     quantized (round to nearest; rows padded to whole groups); ``bias`` stays
     f32. ``path`` names an integer kernel path (one of ``quant_paths()``);
     default: ``quant_default_path()``. Releases the GIL.
@@ -399,7 +399,7 @@ class QuantizedLinear:
     ) -> None: ...
     @staticmethod
     def from_blocks(
-        blocks: torch.Tensor,
+        blocks: torch.Tensor | list[torch.Tensor],
         out_features: int,
         in_features: int,
         format: str,
@@ -407,7 +407,8 @@ class QuantizedLinear:
         path: str | None = None,
     ) -> QuantizedLinear:
         """Adopts GGUF blocks bit for bit: ``blocks`` uint8, out_features rows of
-        in_features / 32 blocks."""
+        in_features / 32 blocks, or a list of such tensors of whole rows (the
+        parts of a fused matrix, in order)."""
     def forward(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """Writes ``x @ weight.T + bias`` into ``out`` [M, out_features] (bf16 or f32);
         x [M, in_features] is quantized to int8 per group of 32. Releases the GIL."""
@@ -426,6 +427,27 @@ def quant_default_path() -> str:
 
 def quant_formats() -> list[str]:
     """Names of the quantized formats."""
+
+def dequantize_gguf(blocks: torch.Tensor, block_type: str, out: torch.Tensor) -> None:
+    """Dequantizes GGUF blocks of ``block_type`` (``gguf_block_types()``) from
+    ``blocks`` (uint8) into ``out`` (float32, exactly the blocks' values)."""
+
+def gguf_to_q8_0(blocks: torch.Tensor, block_type: str, out: torch.Tensor) -> None:
+    """Converts GGUF blocks of ``block_type`` (``gguf_block_types()``) to q8_0
+    blocks in ``out`` (uint8, 34 bytes per 32 weights): each block dequantized
+    and quantized again, in parallel."""
+
+def gguf_q4_k_to_q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    """Rewrites GGUF Q4_K super-blocks (``blocks``, uint8) as q4_1 blocks in
+    ``out`` (uint8, 8 x 20 bytes per super-block): the same codes, each
+    sub-block's scale and minimum rounded to f16."""
+
+def gguf_block_types() -> list[str]:
+    """GGUF block types ``dequantize_gguf`` reads."""
+
+def gguf_strings(data: torch.Tensor, offset: int, count: int) -> tuple[list[str], int]:
+    """The ``count`` length-prefixed strings of a GGUF string array at byte
+    ``offset`` of ``data`` (uint8): (strings, the offset after them)."""
 
 # ---- layers ----
 

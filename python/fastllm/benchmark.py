@@ -233,6 +233,15 @@ def transformers_latency(args: Any) -> LatencyResult:
 
 def weight_bytes_per_token(folder: str, args: Any) -> int | None:
     """Bytes of weights one decode step reads (every matrix once; embeddings only if tied)."""
+    from fastllm.engine.llm_engine import is_gguf_file
+
+    if is_gguf_file(folder):
+        from fastllm.gguf import weight_bytes_per_token as gguf_bytes
+
+        try:
+            return gguf_bytes(folder)
+        except (OSError, ValueError):
+            return None
     try:
         from fastllm.config import ModelConfig
 

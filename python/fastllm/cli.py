@@ -161,16 +161,35 @@ def add_env_parser(sub: Any) -> None:
     """Registers ``fastllm env``."""
     p = sub.add_parser("env", help="show what fastllm sees on this machine and why")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="also describe this model: a GGUF file's architecture and tensor types "
+        "(only its header is read)",
+    )
     p.set_defaults(func=cmd_env)
 
 
 def cmd_env(args: argparse.Namespace) -> int:
     """Runs ``fastllm env``."""
     info = collect_env()
+    model = getattr(args, "model", None)
+    if model:
+        from fastllm.engine.llm_engine import is_gguf_file
+
+        if is_gguf_file(model):
+            from fastllm.gguf import describe_file
+
+            info["model"] = describe_file(model)
+        else:
+            info["model"] = f"Model: {model} (a Hugging Face folder)"
     if args.json:
         print(json.dumps(info, indent=2))
     else:
         print(format_env(info))
+        if model:
+            print()
+            print(info["model"])
     return 0
 
 
@@ -680,13 +699,18 @@ def check_chat_template(tokenizer: Any, template: str | None, folder: str) -> No
 
 def _check_chat_template_early(config: Any, template: str | None) -> None:
     """``check_chat_template`` on the tokenizer alone, before any weights are read."""
-    from fastllm.engine.llm_engine import resolve_model_folder
+    from fastllm.engine.llm_engine import is_gguf_file, resolve_model_folder
     from fastllm.tokenizer import Tokenizer
 
     if config.tokenizer:
         folder = resolve_model_folder(
             config.tokenizer, config.tokenizer_revision, config.download_dir
         )
+    elif is_gguf_file(config.model):
+        from fastllm.gguf import load_tokenizer
+
+        check_chat_template(load_tokenizer(config.model), template, config.model)
+        return
     else:
         folder = resolve_model_folder(config.model, config.revision, config.download_dir)
     check_chat_template(Tokenizer(folder), template, folder)

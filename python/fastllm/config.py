@@ -304,9 +304,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
         if self.block_size > 1024:
             raise ValueError(f"block_size must be at most 1024, got {self.block_size}")
-        if self.load_format not in ("auto", "safetensors", "dummy"):
+        if self.load_format not in ("auto", "safetensors", "dummy", "gguf"):
             raise ValueError(
-                f"load_format must be one of 'auto', 'safetensors', 'dummy', got {self.load_format!r}"
+                "load_format must be one of 'auto', 'safetensors', 'dummy', 'gguf', "
+                f"got {self.load_format!r}"
             )
 
 

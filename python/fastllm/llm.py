@@ -119,10 +119,17 @@ class LLM:
 
     def __repr__(self) -> str:
         e = self.llm_engine
+        quant = f"quantization={e.quantization!r}"
+        if e.gguf is not None:
+            from fastllm.gguf import describe_tensor_types
+
+            quant = f"quantization='gguf' ({describe_tensor_types(e.gguf)})"
+            if e.quantization is not None:
+                quant += f", float tensors quantized to {e.quantization!r}"
         return (
             f"LLM(model={self.config.model!r}, device={e.device!r}, "
             f"dtype={str(e.dtype).removeprefix('torch.')}, "
-            f"quantization={e.quantization!r}, max_model_len={e.max_model_len})"
+            f"{quant}, max_model_len={e.max_model_len})"
         )
 
     # ---- generate -------------------------------------------------------

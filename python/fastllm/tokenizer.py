@@ -19,42 +19,52 @@ class Tokenizer:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"tokenizer file not found: {path}")
         try:
-            self._tok = _HFTokenizer.from_file(path)
+            tok = _HFTokenizer.from_file(path)
         except Exception as e:  # the library raises its own Exception type
             raise ValueError(f"could not read tokenizer file {path}: {e}") from e
-        self._tok.no_padding()
-        self._tok.no_truncation()
-        self.config: dict[str, Any] = {}
+        config: dict[str, Any] = {}
         cfg_path = os.path.join(folder, "tokenizer_config.json")
         if os.path.isfile(cfg_path):
             try:
                 with open(cfg_path, encoding="utf-8") as f:
-                    self.config = json.load(f)
+                    config = json.load(f)
             except (OSError, json.JSONDecodeError) as e:
                 raise ValueError(f"malformed tokenizer config {cfg_path}: {e}") from e
-        self.chat_template: str | None = self._find_chat_template(folder)
+        self._setup(tok, config, _find_chat_template(folder, config))
+
+    @classmethod
+    def from_backend(
+        cls,
+        tok: Any,
+        config: dict[str, Any],
+        chat_template: str | None = None,
+        end_of_turn_ids: list[int] | None = None,
+    ) -> Tokenizer:
+        """A tokenizer from an in-memory ``tokenizers.Tokenizer`` and a config shaped
+        like ``tokenizer_config.json`` (``bos_token``, ``eos_token``, ``pad_token``,
+        ``add_bos_token``), with no folder behind it (a GGUF file's tokenizer).
+        ``end_of_turn_ids`` are tokens that also end a chat turn (GGUF's EOT/EOM)."""
+        self = cls.__new__(cls)
+        self._setup(tok, dict(config), chat_template)
+        self._extra_end_of_turn = list(end_of_turn_ids or [])
+        return self
+
+    def _setup(self, tok: Any, config: dict[str, Any], chat_template: str | None) -> None:
+        self._tok = tok
+        self._tok.no_padding()
+        self._tok.no_truncation()
+        self.config = config
+        self.chat_template: str | None = chat_template
         self.eos_token = _token_text(self.config.get("eos_token"))
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token_id = self.token_to_id(self.eos_token) if self.eos_token else None
         self.bos_token_id = self.token_to_id(self.bos_token) if self.bos_token else None
         self.add_bos_token = bool(self.config.get("add_bos_token", False))
         self._end_of_turn: dict[str, list[int]] = {}  # template -> its end-of-turn ids
+        self._extra_end_of_turn: list[int] = []
         self.all_special_ids = {
             i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
         }
-
-    def _find_chat_template(self, folder: str) -> str | None:
-        tmpl = self.config.get("chat_template")
-        if isinstance(tmpl, list):  # named templates: prefer "default"
-            named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}
-            tmpl = named.get("default") or next(iter(named.values()), None)
-        if tmpl:
-            return tmpl
-        jinja = os.path.join(folder, "chat_template.jinja")
-        if os.path.isfile(jinja):
-            with open(jinja, encoding="utf-8") as f:
-                return f.read()
-        return None
 
     def to_json(self) -> str:
         """The tokenizer as ``tokenizer.json`` text (what the grammar engine reads)."""
@@ -150,9 +160,24 @@ class Tokenizer:
             ((tail.find(tok), tok) for tok in specials if tok and tok in tail), default=None
         )
         ids = [specials[first[1]]] if first is not None else []
-        if self.eos_token_id is not None and self.eos_token_id not in ids:
-            ids.append(self.eos_token_id)
+        for extra in (self.eos_token_id, *self._extra_end_of_turn):
+            if extra is not None and extra not in ids:
+                ids.append(extra)
         return ids
+
+
+def _find_chat_template(folder: str, config: dict[str, Any]) -> str | None:
+    tmpl = config.get("chat_template")
+    if isinstance(tmpl, list):  # named templates: prefer "default"
+        named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}
+        tmpl = named.get("default") or next(iter(named.values()), None)
+    if tmpl:
+        return tmpl
+    jinja = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            return f.read()
+    return None
 
 
 def _token_text(value: Any) -> str | None:

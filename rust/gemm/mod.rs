@@ -31,8 +31,8 @@
 mod pack;
 mod tile;
 
-pub(crate) use pack::Line;
 pub use pack::PackedWeight;
+pub(crate) use pack::{zeroed_lines, Line};
 
 use crate::cpu::elem::{expect_matrix, SharedOut};
 use crate::cpu::{simd, Dst, Element, Path, Src};

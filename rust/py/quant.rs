@@ -2,11 +2,12 @@
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyList};
 
 use super::gemm::{bias_arg, linear_args};
-use super::tensor::{kernel_dst, kernel_src, DType, TensorArg};
+use super::tensor::{check_no_overlap, kernel_dst, kernel_src, DType, TensorArg};
 use crate::cpu::IntPath;
+use crate::quant::gguf::BlockType;
 use crate::quant::{QuantFormat, QuantWeight};
 
 /// A linear layer's weight quantized to 8 or 4 bits for the integer kernels.
@@ -28,7 +29,7 @@ fn parse(format: &str, path: Option<&str>) -> PyResult<(QuantFormat, IntPath)> {
 #[pymethods]
 impl PyQuantizedLinear {
     /// Quantizes `weight` [out_features, in_features] (bf16 or f32, CPU) to
-    /// `format` ("q8_0", "q4_0" or "iq4_nl"); `bias` [out_features] stays in
+    /// `format` ("q8_0", "q4_0", "iq4_nl" or "q4_1"); `bias` [out_features] stays in
     /// f32. `path` names an integer kernel path (default: fastest).
     #[new]
     #[pyo3(signature = (weight, bias=None, format="q8_0", path=None))]
@@ -52,7 +53,8 @@ impl PyQuantizedLinear {
     }
 
     /// Adopts weights already quantized in GGUF's block layout: `blocks` is
-    /// a uint8 tensor of out_features rows of in_features / 32 blocks.
+    /// a uint8 tensor of out_features rows of in_features / 32 blocks, or a
+    /// list of such tensors of whole rows (a fused matrix's parts, in order).
     #[staticmethod]
     #[pyo3(signature = (blocks, out_features, in_features, format, bias=None, path=None))]
     fn from_blocks(
@@ -65,14 +67,24 @@ impl PyQuantizedLinear {
         path: Option<&str>,
     ) -> PyResult<Self> {
         let (format, path) = parse(format, path)?;
-        let blocks = TensorArg::extract("blocks", blocks)?;
-        let ndim = blocks.shape.len().max(1);
-        blocks.check(&[DType::U8], ndim)?;
+        let args: Vec<TensorArg> = match blocks.cast::<PyList>() {
+            Ok(list) => list
+                .iter()
+                .map(|item| TensorArg::extract("blocks", &item))
+                .collect::<PyResult<_>>()?,
+            Err(_) => vec![TensorArg::extract("blocks", blocks)?],
+        };
+        for a in &args {
+            a.check(&[DType::U8], a.shape.len().max(1))?;
+        }
         let bias = bias_arg(bias, out_features)?;
-        // SAFETY: checked (uint8, CPU, contiguous); alive during the call.
-        let (data, bs) = unsafe { (blocks.slice::<u8>(), bias.as_ref().map(|b| kernel_src(b))) };
+        // SAFETY: every part and the bias were checked (dtype, CPU,
+        // contiguous, shape) and the caller keeps them alive during the call.
+        let parts: Vec<&[u8]> = args.iter().map(|a| unsafe { a.slice::<u8>() }).collect();
+        // SAFETY: as above.
+        let bs = bias.as_ref().map(|b| unsafe { kernel_src(b) });
         let inner = py.detach(move || {
-            QuantWeight::from_blocks(format, data, bs, out_features, in_features)
+            QuantWeight::from_block_parts(format, &parts, bs, out_features, in_features)
         })?;
         Ok(PyQuantizedLinear { inner, path })
     }
@@ -161,6 +173,99 @@ impl PyQuantizedLinear {
     }
 }
 
+/// Dequantizes GGUF blocks of `block_type` ("Q4_K", "Q6_K", "Q5_0", ...;
+/// see `gguf_block_types`) from `blocks` (uint8) into `out` (float32,
+/// exactly the blocks' values).
+#[pyfunction]
+fn dequantize_gguf(
+    py: Python<'_>,
+    blocks: &Bound<'_, PyAny>,
+    block_type: &str,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let kind = BlockType::parse(block_type).map_err(PyValueError::new_err)?;
+    let blocks = TensorArg::extract("blocks", blocks)?;
+    blocks.check(&[DType::U8], blocks.shape.len().max(1))?;
+    let out = TensorArg::extract("out", out)?;
+    out.check(&[DType::F32], out.shape.len().max(1))?;
+    check_no_overlap(&out, &blocks)?;
+    // SAFETY: both checked (dtype, CPU, contiguous), distinct; alive during the call.
+    let (src, dst) = unsafe { (blocks.slice::<u8>(), out.slice_mut::<f32>()) };
+    py.detach(move || crate::quant::gguf::dequantize(kind, src, dst))?;
+    Ok(())
+}
+
+/// The `count` strings of a GGUF string array at byte `offset` of `data`
+/// (uint8): (list of str, the offset after them). Invalid UTF-8 is
+/// replaced (U+FFFD), as some vocabularies hold partial characters.
+#[pyfunction]
+fn gguf_strings<'py>(
+    py: Python<'py>,
+    data: &Bound<'py, PyAny>,
+    offset: usize,
+    count: usize,
+) -> PyResult<(Bound<'py, PyList>, usize)> {
+    let data = TensorArg::extract("data", data)?;
+    data.check(&[DType::U8], 1)?;
+    // SAFETY: checked (uint8, CPU, contiguous); the caller keeps it alive.
+    let bytes = unsafe { data.slice::<u8>() };
+    let (ranges, end) = crate::quant::gguf::string_array(bytes, offset, count)?;
+    let list = PyList::empty(py);
+    for (a, b) in ranges {
+        list.append(String::from_utf8_lossy(&bytes[a..b]))?;
+    }
+    Ok((list, end))
+}
+
+/// Converts GGUF blocks of `block_type` (`gguf_block_types()`) from
+/// `blocks` (uint8) to q8_0 blocks in `out` (uint8, 34 bytes per 32
+/// weights): each block dequantized and quantized again, in parallel.
+#[pyfunction]
+fn gguf_to_q8_0(
+    py: Python<'_>,
+    blocks: &Bound<'_, PyAny>,
+    block_type: &str,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let kind = BlockType::parse(block_type).map_err(PyValueError::new_err)?;
+    let (src, dst) = (
+        TensorArg::extract("blocks", blocks)?,
+        TensorArg::extract("out", out)?,
+    );
+    src.check(&[DType::U8], src.shape.len().max(1))?;
+    dst.check(&[DType::U8], dst.shape.len().max(1))?;
+    check_no_overlap(&dst, &src)?;
+    // SAFETY: both checked (dtype, CPU, contiguous), distinct; alive during the call.
+    let (s, d) = unsafe { (src.slice::<u8>(), dst.slice_mut::<u8>()) };
+    py.detach(move || crate::quant::gguf::to_q8_0(kind, s, d))?;
+    Ok(())
+}
+
+/// Rewrites GGUF Q4_K super-blocks (`blocks`, uint8) as q4_1 blocks in
+/// `out` (uint8, 8 * 20 bytes per super-block), for `QuantizedLinear`.
+#[pyfunction]
+fn gguf_q4_k_to_q4_1(
+    py: Python<'_>,
+    blocks: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let blocks = TensorArg::extract("blocks", blocks)?;
+    blocks.check(&[DType::U8], blocks.shape.len().max(1))?;
+    let out = TensorArg::extract("out", out)?;
+    out.check(&[DType::U8], out.shape.len().max(1))?;
+    check_no_overlap(&out, &blocks)?;
+    // SAFETY: both checked (dtype, CPU, contiguous), distinct; alive during the call.
+    let (src, dst) = unsafe { (blocks.slice::<u8>(), out.slice_mut::<u8>()) };
+    py.detach(move || crate::quant::gguf::q4_k_to_q4_1(src, dst))?;
+    Ok(())
+}
+
+/// GGUF block types `dequantize_gguf` reads.
+#[pyfunction]
+fn gguf_block_types() -> Vec<&'static str> {
+    BlockType::ALL.iter().map(|(_, n)| *n).collect()
+}
+
 /// Names of the integer kernel paths this CPU runs.
 #[pyfunction]
 fn quant_paths() -> Vec<&'static str> {
@@ -184,5 +289,10 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant_paths, m)?)?;
     m.add_function(wrap_pyfunction!(quant_default_path, m)?)?;
     m.add_function(wrap_pyfunction!(quant_formats, m)?)?;
+    m.add_function(wrap_pyfunction!(dequantize_gguf, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf_block_types, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf_strings, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf_q4_k_to_q4_1, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf_to_q8_0, m)?)?;
     Ok(())
 }

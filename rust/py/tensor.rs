@@ -4,6 +4,7 @@
 
 use pyo3::exceptions::{PyAttributeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 
 /// Element types the kernels accept.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,6 +40,33 @@ impl DType {
     }
 }
 
+/// torch's dtype objects of the kernels' element types, looked up once: a
+/// tensor's dtype is then found by identity, without making its name.
+static DTYPES: PyOnceLock<Vec<(Py<PyAny>, DType)>> = PyOnceLock::new();
+
+fn known_dtype(dtype: &Bound<'_, PyAny>) -> PyResult<Option<DType>> {
+    let py = dtype.py();
+    let table = DTYPES.get_or_try_init(py, || -> PyResult<_> {
+        let torch = py.import("torch")?;
+        let names = [
+            ("float32", DType::F32),
+            ("bfloat16", DType::BF16),
+            ("float16", DType::F16),
+            ("int32", DType::I32),
+            ("int64", DType::I64),
+            ("uint8", DType::U8),
+        ];
+        names
+            .iter()
+            .map(|(n, d)| Ok((torch.getattr(*n)?.unbind(), *d)))
+            .collect()
+    })?;
+    Ok(table
+        .iter()
+        .find(|(obj, _)| obj.bind(py).is(dtype))
+        .map(|(_, d)| *d))
+}
+
 /// A torch tensor seen from Rust: pointer, dtype, device, shape, strides.
 /// Built only through `TensorArg::extract`, which reads torch's own accessors.
 #[allow(dead_code)]
@@ -66,13 +94,24 @@ impl TensorArg {
         // `extract`, not `Display`: Display would swallow an exception raised
         // while the text is made (printing "<unprintable ...>") instead of
         // returning it.
-        let dtype_name: String = dtype_obj.str()?.extract()?;
-        let dtype = DType::from_torch(&dtype_name).ok_or_else(|| {
-            PyValueError::new_err(format!("{name}: unsupported dtype {dtype_name}"))
-        })?;
-        let device_obj = obj.getattr("device")?;
-        let device: String = device_obj.getattr("type")?.extract()?;
-        let device_index: Option<i64> = device_obj.getattr("index")?.extract()?;
+        let dtype = match known_dtype(&dtype_obj)? {
+            Some(d) => d,
+            None => {
+                let dtype_name: String = dtype_obj.str()?.extract()?;
+                DType::from_torch(&dtype_name).ok_or_else(|| {
+                    PyValueError::new_err(format!("{name}: unsupported dtype {dtype_name}"))
+                })?
+            }
+        };
+        // `is_cpu` first: one attribute for the common case instead of three.
+        let (device, device_index) = if obj.getattr("is_cpu")?.extract::<bool>()? {
+            ("cpu".to_string(), None)
+        } else {
+            let device_obj = obj.getattr("device")?;
+            let device: String = device_obj.getattr("type")?.extract()?;
+            let device_index: Option<i64> = device_obj.getattr("index")?.extract()?;
+            (device, device_index)
+        };
         let shape: Vec<usize> = obj.getattr("shape")?.extract()?;
         let strides: Vec<isize> = obj.call_method0("stride")?.extract()?;
         let ptr: usize = obj.call_method0("data_ptr")?.extract()?;

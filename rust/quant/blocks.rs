@@ -6,6 +6,8 @@
 //! - `q8_0` (34 bytes a block): scale `d`, then 32 int8; `w = d * q`.
 //! - `q4_0` (18 bytes): `d`, then 16 bytes whose low nibbles are weights
 //!   0..16 and high nibbles 16..32; `w = d * (q - 8)`.
+//! - `q4_1` (20 bytes): `d`, a minimum `m` (f16), then nibbles as `q4_0`;
+//!   `w = d * q + m`.
 //! - `iq4_nl` (18 bytes): as `q4_0`, but a nibble indexes the 16 levels of
 //!   [`IQ4_NL_LEVELS`], `w = d * level[q]`: denser near zero, where most
 //!   weights are.
@@ -21,18 +23,46 @@ pub const IQ4_NL_LEVELS: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 
-/// Quantizes `rows` rows of `k` (a multiple of 32) weights into blocks.
+/// Quantizes `rows` rows of `k` (a multiple of 32) weights into blocks. The
+/// loops compile inside the fastest SIMD path's entry point (vector rounding
+/// instead of a libm call per weight) with the same IEEE operations, so the
+/// blocks do not depend on the path.
 pub fn quantize_rows(format: QuantFormat, w: &[f32], rows: usize, k: usize, out: &mut [u8]) {
-    debug_assert!(k.is_multiple_of(GROUP) && w.len() >= rows * k);
-    let bb = format.block_bytes();
-    debug_assert!(out.len() >= rows * (k / GROUP) * bb);
-    let blocks = out.chunks_exact_mut(bb).take(rows * k / GROUP);
-    for (block, vals) in blocks.zip(w.as_chunks::<GROUP>().0) {
-        quantize_block(format, vals, block);
+    struct Rows<'a> {
+        format: QuantFormat,
+        w: &'a [f32],
+        rows: usize,
+        k: usize,
+        out: &'a mut [u8],
     }
+    impl crate::cpu::simd::Kernel for Rows<'_> {
+        type Output = ();
+        #[inline(always)]
+        fn run<S: crate::cpu::simd::Simd>(self) {
+            let bb = self.format.block_bytes();
+            let blocks = self
+                .out
+                .chunks_exact_mut(bb)
+                .take(self.rows * self.k / GROUP);
+            for (block, vals) in blocks.zip(self.w.as_chunks::<GROUP>().0) {
+                quantize_block(self.format, vals, block);
+            }
+        }
+    }
+    debug_assert!(k.is_multiple_of(GROUP) && w.len() >= rows * k);
+    debug_assert!(out.len() >= rows * (k / GROUP) * format.block_bytes());
+    let task = Rows {
+        format,
+        w,
+        rows,
+        k,
+        out,
+    };
+    crate::cpu::simd::dispatch(crate::cpu::best_path(), task);
 }
 
-/// One block of 32 weights.
+/// One block of 32 weights (inlined into the SIMD entry points that call it).
+#[inline(always)]
 pub fn quantize_block(format: QuantFormat, x: &[f32; GROUP], out: &mut [u8]) {
     match format {
         QuantFormat::Q8_0 => {
@@ -55,6 +85,20 @@ pub fn quantize_block(format: QuantFormat, x: &[f32; GROUP], out: &mut [u8]) {
             let q = |v: f32| ((v * id + 8.5) as i32).clamp(0, 15) as u8;
             for i in 0..GROUP / 2 {
                 out[2 + i] = q(x[i]) | (q(x[i + GROUP / 2]) << 4);
+            }
+        }
+        QuantFormat::Q4_1 => {
+            // The group's range in 15 steps from its minimum.
+            let (min, max) = x
+                .iter()
+                .fold((f32::MAX, f32::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+            let d = (max - min) / 15.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            out[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+            out[2..4].copy_from_slice(&f16::from_f32(min).to_le_bytes());
+            let q = |v: f32| (((v - min) * id + 0.5) as i8).min(15) as u8;
+            for i in 0..GROUP / 2 {
+                out[4 + i] = q(x[i]) | (q(x[i + GROUP / 2]) << 4);
             }
         }
         QuantFormat::Iq4Nl => {
@@ -107,6 +151,7 @@ fn nearest_level(v: f32) -> u8 {
 /// A scale and level indices for one block of `iq4_nl`: nearest levels for
 /// a few candidate scales around "largest magnitude to the outer level",
 /// each refit by least squares; the one of smallest squared error wins.
+#[inline(always)]
 fn iq4_nl_fit(x: &[f32; GROUP]) -> (f32, [u8; GROUP]) {
     let max = x
         .iter()
@@ -146,6 +191,13 @@ fn iq4_nl_fit(x: &[f32; GROUP]) -> (f32, [u8; GROUP]) {
 pub fn dequantize_block(format: QuantFormat, block: &[u8], out: &mut [f32]) {
     let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
     match format {
+        QuantFormat::Q4_1 => {
+            let m = f16::from_le_bytes([block[2], block[3]]).to_f32();
+            for i in 0..GROUP / 2 {
+                out[i] = d * (block[4 + i] & 15) as f32 + m;
+                out[i + GROUP / 2] = d * (block[4 + i] >> 4) as f32 + m;
+            }
+        }
         QuantFormat::Q8_0 => {
             for (o, &q) in out.iter_mut().zip(&block[2..2 + GROUP]) {
                 *o = d * q as i8 as f32;

@@ -180,6 +180,7 @@ unsafe fn pass<S: IntSimd, const R: usize, const V: usize>(t: &mut QuantTile<'_>
     let offset = S::VNNI;
     let corr = match format {
         QuantFormat::Q4_0 => -8,
+        QuantFormat::Q4_1 => 0, // its minimum comes in after the group (below)
         _ if offset => -128,
         _ => 0,
     };
@@ -228,7 +229,7 @@ unsafe fn pass<S: IntSimd, const R: usize, const V: usize>(t: &mut QuantTile<'_>
                     }
                 }
             }
-            QuantFormat::Q4_0 | QuantFormat::Iq4Nl => {
+            QuantFormat::Q4_0 | QuantFormat::Iq4Nl | QuantFormat::Q4_1 => {
                 let levels = format == QuantFormat::Iq4Nl;
                 for oct in 0..GROUP / 8 {
                     let (mut lo, mut hi) = ([S::splat_i32(0); V], [S::splat_i32(0); V]);
@@ -264,11 +265,25 @@ unsafe fn pass<S: IntSimd, const R: usize, const V: usize>(t: &mut QuantTile<'_>
         for (v, d) in dw.iter_mut().enumerate() {
             *d = S::load_f16(blk.add(scales + (v0 + v) * lanes * 2));
         }
+        let with_min = format == QuantFormat::Q4_1;
+        let mut mw = [S::splat_f32(0.0); V];
+        if with_min {
+            let mins = format.min_offset();
+            for (v, m) in mw.iter_mut().enumerate() {
+                *m = S::load_f16(blk.add(mins + (v0 + v) * lanes * 2));
+            }
+        }
         for (r, (a, row)) in acc.iter().zip(tile.iter_mut()).enumerate() {
-            let dx = S::splat_f32(x.d[(i + r) * groups + g]);
+            let rg = (i + r) * groups + g;
+            let dx = S::splat_f32(x.d[rg]);
+            // q4_1: sum_c m * x_c = m * d_x * sum(q_x).
+            let sx = S::splat_f32(x.d[rg] * x.sum[rg] as f32);
             for v in 0..V {
                 let p = row.as_mut_ptr().add((v0 + v) * lanes);
-                let scaled = S::fmadd(S::to_f32(a[v]), S::mul(dw[v], dx), S::load_f32(p));
+                let mut scaled = S::fmadd(S::to_f32(a[v]), S::mul(dw[v], dx), S::load_f32(p));
+                if with_min {
+                    scaled = S::fmadd(mw[v], sx, scaled);
+                }
                 S::store_f32(p, scaled);
             }
         }

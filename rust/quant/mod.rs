@@ -25,6 +25,7 @@
 //! the work is split into tasks over the thread team as in `gemm`.
 
 pub mod blocks;
+pub mod gguf;
 mod kernel;
 mod pack;
 
@@ -57,11 +58,19 @@ pub enum QuantFormat {
     Q4_0,
     /// 4-bit codes of 16 non-linear levels, one scale per 32.
     Iq4Nl,
+    /// 4-bit `d * q + m`: a scale and a minimum per 32 (GGUF's Q4_1, and the
+    /// form GGUF's Q4_K super-blocks take in the kernels).
+    Q4_1,
 }
 
 impl QuantFormat {
     /// Every format.
-    pub const ALL: [QuantFormat; 3] = [QuantFormat::Q8_0, QuantFormat::Q4_0, QuantFormat::Iq4Nl];
+    pub const ALL: [QuantFormat; 4] = [
+        QuantFormat::Q8_0,
+        QuantFormat::Q4_0,
+        QuantFormat::Iq4Nl,
+        QuantFormat::Q4_1,
+    ];
 
     /// The format's name (as GGUF spells it, lower case).
     pub fn name(self) -> &'static str {
@@ -69,6 +78,7 @@ impl QuantFormat {
             QuantFormat::Q8_0 => "q8_0",
             QuantFormat::Q4_0 => "q4_0",
             QuantFormat::Iq4Nl => "iq4_nl",
+            QuantFormat::Q4_1 => "q4_1",
         }
     }
 
@@ -84,25 +94,32 @@ impl QuantFormat {
             })
     }
 
-    /// Bytes of one GGUF block (32 weights and their scale).
+    /// Bytes of one GGUF block (32 weights, their scale and minimum).
     pub fn block_bytes(self) -> usize {
         match self {
             QuantFormat::Q8_0 => 2 + GROUP,
             QuantFormat::Q4_0 | QuantFormat::Iq4Nl => 2 + GROUP / 2,
+            QuantFormat::Q4_1 => 4 + GROUP / 2,
         }
     }
 
     /// Bytes of one group of a panel (32 features).
     pub(crate) fn panel_block_bytes(self) -> usize {
-        self.scale_offset() + 2 * NR
+        let mins = if self == QuantFormat::Q4_1 { 2 * NR } else { 0 };
+        self.scale_offset() + 2 * NR + mins
     }
 
     /// Where the scales start in a panel block.
     pub(crate) fn scale_offset(self) -> usize {
         match self {
             QuantFormat::Q8_0 => NR * GROUP,
-            QuantFormat::Q4_0 | QuantFormat::Iq4Nl => NR * GROUP / 2,
+            QuantFormat::Q4_0 | QuantFormat::Iq4Nl | QuantFormat::Q4_1 => NR * GROUP / 2,
         }
+    }
+
+    /// Where the minimums (`q4_1`) start in a panel block: after the scales.
+    pub(crate) fn min_offset(self) -> usize {
+        self.scale_offset() + 2 * NR
     }
 }
 
@@ -328,6 +345,7 @@ mod tests {
             (QuantFormat::Q8_0, 0.02),
             (QuantFormat::Q4_0, 0.15),
             (QuantFormat::Iq4Nl, 0.15),
+            (QuantFormat::Q4_1, 0.15),
         ] {
             let w = QuantWeight::quantize(format, Src::F32(&wf), None, n, k).unwrap();
             let mut out = vec![0f32; m * n];
@@ -358,6 +376,15 @@ mod tests {
             let a = QuantWeight::from_blocks(format, &blocks, None, n, k).unwrap();
             let b = QuantWeight::quantize(format, Src::F32(&wf), None, n, k).unwrap();
             assert_eq!(a.nbytes(), b.nbytes());
+            // The same rows in three parts (one panel straddles two of them).
+            let row = (k / GROUP) * format.block_bytes();
+            let (p1, rest) = blocks.split_at(7 * row);
+            let (p2, p3) = rest.split_at(30 * row);
+            let parts = QuantWeight::from_block_parts(format, &[p1, p2, p3], None, n, k).unwrap();
+            assert_eq!(parts.to_blocks(), a.to_blocks());
+            assert!(
+                QuantWeight::from_block_parts(format, &[&p1[1..], p2, p3], None, n, k).is_err()
+            );
             let (mut ra, mut rb, mut want) = (vec![0f32; k], vec![0f32; k], vec![0f32; GROUP]);
             for j in 0..n {
                 a.dequantize_row(j, &mut ra).unwrap();

@@ -7,7 +7,7 @@ use super::{QuantFormat, GROUP, NR};
 use crate::cpu::elem::expect_matrix;
 use crate::cpu::{Dst, Element, Src};
 use crate::error::{CoreError, CoreResult};
-use crate::gemm::Line;
+use crate::gemm::{zeroed_lines, Line};
 
 /// A quantized weight matrix in panel layout, with its bias.
 pub struct QuantWeight {
@@ -71,7 +71,9 @@ impl QuantWeight {
                     }
                     let mut blocks = vec![0u8; rows * groups * bb];
                     quantize_rows(format, &padded, rows, kp, &mut blocks);
-                    fill_panels(format, &blocks, rows, groups, lines, panel_lines);
+                    let rb = groups * bb;
+                    let row = |r: usize| &blocks[r * rb..(r + 1) * rb];
+                    fill_panels(format, &row, rows, groups, lines, panel_lines);
                 });
         });
         Ok(out)
@@ -86,26 +88,55 @@ impl QuantWeight {
         n: usize,
         k: usize,
     ) -> CoreResult<Self> {
+        Self::from_block_parts(format, &[blocks], bias, n, k)
+    }
+
+    /// As [`from_blocks`](Self::from_blocks), with the rows given in parts
+    /// (whole rows each, in order): the tensors of a fused matrix, such as
+    /// q, k and v, adopted without first copying them into one.
+    pub fn from_block_parts(
+        format: QuantFormat,
+        parts: &[&[u8]],
+        bias: Option<Src<'_>>,
+        n: usize,
+        k: usize,
+    ) -> CoreResult<Self> {
         if !k.is_multiple_of(GROUP) {
             return Err(CoreError::invalid(format!(
                 "{}: in_features ({k}) must be a multiple of {GROUP}",
                 format.name()
             )));
         }
-        let want = n * (k / GROUP) * format.block_bytes();
-        if blocks.len() != want {
+        let row_bytes = k / GROUP * format.block_bytes();
+        let want = n * row_bytes;
+        let got: usize = parts.iter().map(|p| p.len()).sum();
+        if got != want
+            || parts
+                .iter()
+                .any(|p| !p.len().is_multiple_of(row_bytes.max(1)))
+        {
             return Err(CoreError::invalid(format!(
-                "{} blocks: expected {want} bytes for {n} x {k} weights, got {}",
+                "{} blocks: expected {want} bytes for {n} x {k} weights in whole rows, got {got}",
                 format.name(),
-                blocks.len()
             )));
+        }
+        // The first row of each part.
+        let mut starts = Vec::with_capacity(parts.len());
+        let mut rows_before = 0;
+        for p in parts {
+            starts.push(rows_before);
+            rows_before += p.len() / row_bytes.max(1);
         }
         let mut out = Self::empty(format, n, k, bias)?;
         let (groups, panel_lines) = (out.groups, out.panel_lines());
-        let row_bytes = groups * format.block_bytes();
         if panel_lines == 0 {
             return Ok(out);
         }
+        let row = |r: usize| -> &[u8] {
+            let part = starts.partition_point(|&s| s <= r) - 1;
+            let local = r - starts[part];
+            &parts[part][local * row_bytes..(local + 1) * row_bytes]
+        };
         crate::cpu::threads::install(|| {
             out.lines
                 .par_chunks_mut(panel_lines)
@@ -113,8 +144,7 @@ impl QuantWeight {
                 .for_each(|(p, lines)| {
                     let r0 = p * NR;
                     let rows = NR.min(n - r0);
-                    let src = &blocks[r0 * row_bytes..(r0 + rows) * row_bytes];
-                    fill_panels(format, src, rows, groups, lines, panel_lines);
+                    fill_panels(format, &|r| row(r0 + r), rows, groups, lines, panel_lines);
                 });
         });
         Ok(out)
@@ -134,11 +164,8 @@ impl QuantWeight {
             .div_ceil(NR)
             .checked_mul(groups * format.panel_block_bytes() / 64)
             .ok_or_else(|| CoreError::invalid("weight: packed size overflows"))?;
-        let mut lines: Vec<Line> = Vec::new();
-        lines
-            .try_reserve_exact(total)
-            .map_err(|_| CoreError::Exhausted(format!("weight: cannot allocate {n} x {k}")))?;
-        lines.resize(total, Line([0; 64]));
+        let lines = zeroed_lines(total)
+            .ok_or_else(|| CoreError::Exhausted(format!("weight: cannot allocate {n} x {k}")))?;
         Ok(QuantWeight {
             format,
             n,
@@ -249,11 +276,12 @@ impl QuantWeight {
     }
 }
 
-/// Writes the blocks of `rows` consecutive rows (`groups` blocks each) into
-/// their panels (`panel_lines` lines each, starting at `lines`).
-fn fill_panels(
+/// Writes the blocks of `rows` consecutive rows (`groups` blocks each;
+/// `row(r)` is row `r`'s) into their panels (`panel_lines` lines each,
+/// starting at `lines`).
+fn fill_panels<'a>(
     format: QuantFormat,
-    blocks: &[u8],
+    row: &dyn Fn(usize) -> &'a [u8],
     rows: usize,
     groups: usize,
     lines: &mut [Line],
@@ -267,8 +295,9 @@ fn fill_panels(
         let bytes: &mut [u8] = unsafe {
             std::slice::from_raw_parts_mut(panel.as_mut_ptr() as *mut u8, panel.len() * 64)
         };
+        let blocks = row(r);
         for g in 0..groups {
-            let block = &blocks[(r * groups + g) * bb..][..bb];
+            let block = &blocks[g * bb..][..bb];
             pack_block(format, block, j, &mut bytes[g * pb..(g + 1) * pb]);
         }
     }
@@ -283,14 +312,19 @@ fn fill_panels(
 fn pack_block(format: QuantFormat, block: &[u8], j: usize, out: &mut [u8]) {
     let scales = format.scale_offset();
     out[scales + 2 * j..scales + 2 * j + 2].copy_from_slice(&block[..2]);
-    let q = &block[2..];
+    let mut q = &block[2..];
+    if format == QuantFormat::Q4_1 {
+        let mins = format.min_offset();
+        out[mins + 2 * j..mins + 2 * j + 2].copy_from_slice(&block[2..4]);
+        q = &block[4..];
+    }
     match format {
         QuantFormat::Q8_0 => {
-            for (i, &v) in q.iter().take(GROUP).enumerate() {
-                out[(i / 4) * 128 + 4 * j + i % 4] = v;
+            for (quad, v) in q[..GROUP].chunks_exact(4).enumerate() {
+                out[quad * 128 + 4 * j..][..4].copy_from_slice(v);
             }
         }
-        QuantFormat::Q4_0 | QuantFormat::Iq4Nl => {
+        QuantFormat::Q4_0 | QuantFormat::Iq4Nl | QuantFormat::Q4_1 => {
             let nib = |i: usize| -> u8 {
                 let byte = q[i % (GROUP / 2)];
                 if i < GROUP / 2 {
@@ -312,13 +346,19 @@ fn pack_block(format: QuantFormat, block: &[u8], j: usize, out: &mut [u8]) {
 fn unpack_block(format: QuantFormat, pb: &[u8], j: usize, block: &mut [u8]) {
     let scales = format.scale_offset();
     block[..2].copy_from_slice(&pb[scales + 2 * j..scales + 2 * j + 2]);
+    let mut at = 2;
+    if format == QuantFormat::Q4_1 {
+        let mins = format.min_offset();
+        block[2..4].copy_from_slice(&pb[mins + 2 * j..mins + 2 * j + 2]);
+        at = 4;
+    }
     match format {
         QuantFormat::Q8_0 => {
             for i in 0..GROUP {
                 block[2 + i] = pb[(i / 4) * 128 + 4 * j + i % 4];
             }
         }
-        QuantFormat::Q4_0 | QuantFormat::Iq4Nl => {
+        QuantFormat::Q4_0 | QuantFormat::Iq4Nl | QuantFormat::Q4_1 => {
             let mut nibs = [0u8; GROUP];
             for o in 0..GROUP / 8 {
                 for b in 0..4 {
@@ -328,7 +368,7 @@ fn unpack_block(format: QuantFormat, pb: &[u8], j: usize, block: &mut [u8]) {
                 }
             }
             for i in 0..GROUP / 2 {
-                block[2 + i] = nibs[i] | (nibs[i + GROUP / 2] << 4);
+                block[at + i] = nibs[i] | (nibs[i + GROUP / 2] << 4);
             }
         }
     }

@@ -8,6 +8,7 @@ import os
 import random
 import re
 import time
+from typing import Any
 
 from fastllm.config import EngineConfig, ModelConfig, resolve_dtype
 from fastllm.engine.output_processor import OutputProcessor
@@ -19,6 +20,11 @@ from fastllm.sampling_params import SamplingParams
 logger = logging.getLogger("fastllm")
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def is_gguf_file(model: str) -> bool:
+    """Whether ``model`` names a GGUF file (a path ending in ``.gguf``)."""
+    return isinstance(model, str) and model.lower().endswith(".gguf") and not os.path.isdir(model)
 
 
 def resolve_model_folder(
@@ -86,14 +92,33 @@ class LLMEngine:
         device = resolve_device(config.device, config.tensor_parallel_size)
         from fastllm.layers.quantization import resolve_quantization
 
-        self.quantization = resolve_quantization(config.quantization)
+        gguf_path = config.model if is_gguf_file(config.model) else None
+        q = config.quantization
+        if gguf_path is None and isinstance(q, str) and q.strip().lower() == "gguf":
+            raise ValueError(f"quantization='gguf' needs a .gguf model file; got {config.model!r}")
+        self.quantization = resolve_quantization(q)
         if self.quantization is not None and device != "cpu":
             raise ValueError(
                 f"quantization={config.quantization!r} runs on the CPU's integer kernels, "
                 f"not on device {device!r}: pass device='cpu', or quantization=None"
             )
-        folder = resolve_model_folder(config.model, config.revision, config.download_dir)
+        if gguf_path is None:
+            folder = resolve_model_folder(config.model, config.revision, config.download_dir)
+            gguf = None
+        else:
+            from fastllm.gguf.reader import GGUFFile
 
+            folder = gguf_path
+            gguf = GGUFFile(gguf_path)  # every header, key and tensor checked here
+        self.config = config
+        self.folder = folder
+        try:
+            self._init(config, device, folder, gguf)
+        finally:
+            if gguf is not None:
+                gguf.close()  # every tensor was copied or repacked out of the file
+
+    def _init(self, config: EngineConfig, device: str, folder: str, gguf: Any) -> None:
         import torch
 
         from fastllm.engine.cache_size import plan_kv_cache
@@ -104,9 +129,19 @@ class LLMEngine:
         from fastllm.models.loader import load_model
         from fastllm.tokenizer import Tokenizer
 
-        self.config = config
-        self.folder = folder
-        self.model_config = mc = ModelConfig.from_pretrained(folder)
+        #: What the model's weights came from: the GGUF file's tensor types, or None.
+        self.gguf: dict[str, Any] | None = None
+        if gguf is None:
+            self.model_config = mc = ModelConfig.from_pretrained(folder)
+        else:
+            from fastllm.gguf.config import hf_config
+
+            if config.load_format not in ("auto", "gguf"):
+                raise ValueError(
+                    f"load_format={config.load_format!r} does not apply to a GGUF file; "
+                    "use 'auto' or 'gguf'"
+                )
+            self.model_config = mc = ModelConfig.from_dict(hf_config(gguf), path=folder)
         _check_architecture(mc, folder)
         tok_folder = (
             resolve_model_folder(config.tokenizer, config.tokenizer_revision, config.download_dir)
@@ -120,7 +155,15 @@ class LLMEngine:
             config.load_format == "dummy"
             and not os.path.isfile(os.path.join(tok_folder, "tokenizer.json"))
         )
-        self.tokenizer: Tokenizer | None = None if no_tokenizer else Tokenizer(tok_folder)
+        self.tokenizer: Tokenizer | None
+        if no_tokenizer:
+            self.tokenizer = None
+        elif gguf is not None and not config.tokenizer:
+            from fastllm.gguf.tokenizer import tokenizer_from_metadata
+
+            self.tokenizer = tokenizer_from_metadata(gguf.metadata, folder)
+        else:
+            self.tokenizer = Tokenizer(tok_folder)
         self.device = device
         self.dtype = resolve_dtype(config.dtype, device, mc.torch_dtype)
         limit = mc.max_position_embeddings
@@ -145,7 +188,18 @@ class LLMEngine:
         self.eos_token_ids = eos
 
         torch_device = torch.device(device)
-        model = load_model(mc, folder, self.dtype, device, config.load_format)
+        if gguf is None:
+            model = load_model(mc, folder, self.dtype, device, config.load_format)
+        else:
+            from fastllm.gguf.loader import load_gguf_model
+
+            model, report = load_gguf_model(mc, gguf, self.dtype, device)
+            self.gguf = {
+                "file": folder,
+                "tensor_types": report.tensor_types,
+                "converted": {**report.converted, **report.fused_with},
+                "rewritten": report.rewritten,
+            }
         if self.quantization is not None:
             from fastllm.layers.quantization import quantize_model
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from fastllm.layers import Module
 from fastllm.layers.ops import TORCH_OPS
 
 
@@ -35,7 +36,7 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return fn
 
 
-class ActAndMul(torch.nn.Module):
+class ActAndMul(Module):
     """Gated MLP activation: ``act(x[..., :d]) * x[..., d:]`` for a fused gate/up output."""
 
     def __init__(self, name: str = "silu") -> None:

@@ -12,14 +12,13 @@ slot ``s`` is block ``s // block_size``, offset ``s % block_size``.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from fastllm.forward_context import get_context
-from fastllm.layers import attention_torch
+from fastllm.layers import Module, attention_torch
 from fastllm.layers.ops import TORCH_OPS
 
 
-class PagedAttention(nn.Module):
+class PagedAttention(Module):
     """Attention of the step's new tokens over their sequences' paged KV cache."""
 
     def __init__(

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastllm import _core
-from fastllm.layers import CPU_KERNEL_DTYPES
+from fastllm.layers import CPU_KERNEL_DTYPES, Module
 
 logger = logging.getLogger("fastllm")
 
@@ -43,7 +43,7 @@ def _packed_forward(packed, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return out.view(*x.shape[:-1], packed.out_features)
 
 
-class Linear(nn.Module):
+class Linear(Module):
     """``y = x @ weight.T + bias`` with ``weight`` of shape [out_features, in_features]."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -76,7 +76,7 @@ class Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}{packed}"
 
 
-class Embedding(nn.Module):
+class Embedding(Module):
     """Token (or position) embedding table of shape [num_embeddings, dim]."""
 
     def __init__(self, num_embeddings: int, dim: int) -> None:
@@ -150,16 +150,21 @@ def pack_linears(model: nn.Module, make=None) -> int:
     when tied to the embedding, which keeps its own table here); returns the
     bytes of packed weights. ``make(weight, bias)`` builds one packed layer
     (default: ``_core.PackedLinear`` of the same dtype); the head is
-    ``model.packed_head``; the caller of a custom ``make`` says what it did."""
+    ``model.packed_head`` (kept when the loader already made it); the
+    caller of a custom ``make`` says what it did."""
     default = make is None
     if default:
 
         def make(weight, bias):
             return _core.PackedLinear(weight.detach().contiguous(), _detached(bias))
 
-    head_weight, head_bias = model.head_weights()
-    head = make(head_weight, head_bias)
-    total = head.nbytes
+    head = getattr(model, "packed_head", None)  # a GGUF file's quantized head is ready
+    head_weight = None
+    total = 0
+    if head is None:
+        head_weight, head_bias = model.head_weights()
+        head = make(head_weight, head_bias)
+        total = head.nbytes
     for module in model.modules():
         if isinstance(module, Linear) and module.weight is not None:
             if module.weight is head_weight:

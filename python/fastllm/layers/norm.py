@@ -6,10 +6,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastllm.layers import Module
 from fastllm.layers.ops import TORCH_OPS
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Module):
     """Root-mean-square norm computed in float32, scaled by a learned weight."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -23,7 +24,7 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps)
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(Module):
     """Layer norm with a learned weight and bias."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:

@@ -12,7 +12,9 @@ groups of 32 input features with one scale each.
   (``benches/quant_quality.py``: +0.8% against +1.3% for ``"iq4_nl"``, whose
   non-linear levels fit the weights more closely by RMS and by KL divergence
   but lose more perplexity; see docs/quantization.md).
-- ``"q8_0"``, ``"q4_0"`` and ``"iq4_nl"`` name a format directly.
+- ``"q8_0"``, ``"q4_0"``, ``"iq4_nl"`` and ``"q4_1"`` (4-bit with a minimum
+  per group: GGUF's Q4_1, and the form GGUF's Q4_K tensors run in) name a
+  format directly.
 
 A tied embedding reads its rows from the quantized head; an untied one is
 quantized to the same format and looked up row by row.
@@ -36,10 +38,16 @@ QUANTIZATION_FORMATS: dict[str, str] = {
     "q8_0": "q8_0",
     "q4_0": "q4_0",
     "iq4_nl": "iq4_nl",
+    "q4_1": "q4_1",
 }
 
 # Bytes per weight of each format: 32 weights and one f16 scale a group.
-BYTES_PER_WEIGHT: dict[str, float] = {"q8_0": 34 / 32, "q4_0": 18 / 32, "iq4_nl": 18 / 32}
+BYTES_PER_WEIGHT: dict[str, float] = {
+    "q8_0": 34 / 32,
+    "q4_0": 18 / 32,
+    "iq4_nl": 18 / 32,
+    "q4_1": 20 / 32,  # a scale and a minimum per group
+}
 
 
 def resolve_quantization(name: str | None) -> str | None:
@@ -48,12 +56,15 @@ def resolve_quantization(name: str | None) -> str | None:
     if name is None:
         return None
     key = name.strip().lower() if isinstance(name, str) else None
-    if key in ("", "none"):
-        return None
+    if key in ("", "none", "gguf"):
+        return None  # "gguf" (vLLM's name): a GGUF file's own tensor types
     fmt = QUANTIZATION_FORMATS.get(key)
     if fmt is None:
         valid = ", ".join(repr(k) for k in QUANTIZATION_FORMATS)
-        raise ValueError(f"quantization={name!r} is not supported; expected None, {valid}")
+        raise ValueError(
+            f"quantization={name!r} is not supported; expected None, {valid} "
+            "(or 'gguf' for a GGUF file's own types)"
+        )
     return fmt
 
 
@@ -95,7 +106,5 @@ def quantize_model(model: nn.Module, fmt: str, vocab_size: int) -> int:
             elif module.weight.shape[0] == vocab_size:
                 module.quantize(make(module.weight, None))
                 total += module.quantized.nbytes
-    logger.info(
-        "quantized %.1f MB of weights to %s for the %s kernel", total / 1e6, fmt, head.path
-    )
+    logger.info("quantized %.1f MB of weights to %s for the %s kernel", total / 1e6, fmt, head.path)
     return total

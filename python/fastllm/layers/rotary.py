@@ -1,6 +1,7 @@
 """Rotary position embedding (neox style: the two halves of the rotated dims pair up).
 
-Supports the rope types Hugging Face calls "default", "linear" and "llama3", and
+Supports the rope types Hugging Face calls "default", "linear" and "llama3" (and
+"freq_factors": one divisor per frequency, as GGUF files store Llama 3's), and
 partial rotary (only the first ``rotary_dim`` dims of each head rotate, as in Phi).
 """
 
@@ -10,14 +11,14 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
 
+from fastllm.layers import Module
 from fastllm.layers.ops import TORCH_OPS, LayerOps, rotary_torch, split_qkv
 
 # The neox rotary as a torch expression (the reference of the Rust and CUDA kernels).
 apply_rotary = rotary_torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -32,6 +33,16 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any] | None)
         return inv_freq / float(_scaling_field(scaling, "factor"))
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if rope_type == "freq_factors":
+        # One divisor per frequency, as GGUF files store Llama 3's scaling.
+        factors = torch.tensor(
+            _scaling_field(scaling, "factors"), dtype=torch.float32, device="cpu"
+        )
+        if factors.shape != inv_freq.shape:
+            raise ValueError(
+                f"rope frequency factors: {factors.numel()} values for {inv_freq.numel()} frequencies"
+            )
+        return inv_freq / factors
     raise ValueError(
         f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
     )
@@ -59,7 +70,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(Module):
     """Rotates q/k heads by their tokens' positions.
 
     The cos/sin table is computed in float32 on first use on each device (so a

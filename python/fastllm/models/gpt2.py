@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from fastllm.config import ModelConfig
+from fastllm.layers import Module
 from fastllm.layers.activation import get_activation
 from fastllm.layers.attention import PagedAttention
 from fastllm.layers.linear import Embedding, Linear, head_logits
@@ -13,7 +14,7 @@ from fastllm.layers.norm import LayerNorm
 from fastllm.models.weights import WeightSpec
 
 
-class GPT2Attention(nn.Module):
+class GPT2Attention(Module):
     """Fused q/k/v (``c_attn``) and output projection (``c_proj``), both biased."""
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
@@ -34,7 +35,7 @@ class GPT2Attention(nn.Module):
         return self.c_proj(self.attn(q, k, v))
 
 
-class GPT2MLP(nn.Module):
+class GPT2MLP(Module):
     """c_proj(act(c_fc(x)))."""
 
     def __init__(self, config: ModelConfig) -> None:
@@ -48,7 +49,7 @@ class GPT2MLP(nn.Module):
         return self.c_proj(self.act(self.c_fc(x)))
 
 
-class GPT2Block(nn.Module):
+class GPT2Block(Module):
     """Pre-norm attention and MLP with residuals."""
 
     def __init__(self, config: ModelConfig, layer: int, eps: float) -> None:
@@ -64,7 +65,7 @@ class GPT2Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT2Model(nn.Module):
+class GPT2Model(Module):
     """Token and position embeddings, blocks, final LayerNorm."""
 
     def __init__(self, config: ModelConfig) -> None:
@@ -76,7 +77,7 @@ class GPT2Model(nn.Module):
         self.ln_f = LayerNorm(config.hidden_size, eps)
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(Module):
     """GPT-2 with its language-model head (tied to the token embedding by default)."""
 
     # The original GPT-2 checkpoints name tensors without the "transformer." prefix.

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from fastllm.config import ModelConfig
+from fastllm.layers import Module
 from fastllm.layers.activation import ActAndMul
 from fastllm.layers.attention import PagedAttention
 from fastllm.layers.linear import Embedding, Linear, head_logits
@@ -21,7 +22,7 @@ from fastllm.layers.rotary import RotaryEmbedding, qkv_with_rotary
 from fastllm.models.weights import WeightSpec
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(Module):
     """Self-attention with fused q/k/v, rotary positions and a paged KV cache."""
 
     def __init__(
@@ -68,7 +69,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(Module):
     """Gated MLP: down(act(gate(x)) * up(x)) with gate and up fused."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool) -> None:
@@ -82,7 +83,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(Module):
     """Pre-norm attention and MLP blocks with residual connections."""
 
     def __init__(self, config: ModelConfig, layer: int, flags: dict[str, bool]) -> None:
@@ -107,7 +108,7 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(Module):
     """Embedding, decoder layers and the final norm."""
 
     def __init__(self, config: ModelConfig, flags: dict[str, bool]) -> None:
@@ -119,7 +120,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, float(config.hf.get("rms_norm_eps", 1e-6)))
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(Module):
     """Llama 2 / 3 (with rope scaling), TinyLlama, SmolLM."""
 
     def __init__(self, config: ModelConfig) -> None:

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from fastllm.config import ModelConfig
+from fastllm.layers import Module
 from fastllm.layers.activation import get_activation
 from fastllm.layers.attention import PagedAttention
 from fastllm.layers.linear import Embedding, Linear, head_logits
@@ -15,7 +16,7 @@ from fastllm.layers.rotary import RotaryEmbedding, qkv_with_rotary
 from fastllm.models.weights import WeightSpec
 
 
-class PhiAttention(nn.Module):
+class PhiAttention(Module):
     """Biased fused q/k/v, optional per-head LayerNorm on q/k, rotary on a prefix of each head."""
 
     def __init__(self, config: ModelConfig, eps: float) -> None:
@@ -51,7 +52,7 @@ class PhiAttention(nn.Module):
         return self.dense(self.attn(q, k, v))
 
 
-class PhiMLP(nn.Module):
+class PhiMLP(Module):
     """fc2(act(fc1(x))) with biases."""
 
     def __init__(self, config: ModelConfig) -> None:
@@ -65,7 +66,7 @@ class PhiMLP(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
-class PhiDecoderLayer(nn.Module):
+class PhiDecoderLayer(Module):
     """x + attn(ln(x)) + mlp(ln(x)): attention and MLP read the same normalised input."""
 
     def __init__(self, config: ModelConfig, eps: float) -> None:
@@ -80,7 +81,7 @@ class PhiDecoderLayer(nn.Module):
         return self.self_attn(h, cos, sin) + self.mlp(h) + x
 
 
-class PhiModel(nn.Module):
+class PhiModel(Module):
     """Embedding, decoder layers and the final LayerNorm."""
 
     def __init__(self, config: ModelConfig, eps: float) -> None:
@@ -92,7 +93,7 @@ class PhiModel(nn.Module):
         self.final_layernorm = LayerNorm(config.hidden_size, eps)
 
 
-class PhiForCausalLM(nn.Module):
+class PhiForCausalLM(Module):
     """phi-2 and phi-1.5 (Hugging Face's ``PhiForCausalLM`` layout)."""
 
     def __init__(self, config: ModelConfig) -> None:

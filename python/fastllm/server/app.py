@@ -474,7 +474,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                 "owned_by": "fastllm",
                 "root": llm.folder,
                 "max_model_len": state.max_model_len,
-                "quantization": getattr(llm, "quantization", None),
+                "quantization": _quantization_field(llm),
+                **({"gguf": llm.gguf} if getattr(llm, "gguf", None) else {}),
             }
             for name in state.model_names
         ]
@@ -939,6 +940,13 @@ def _escape(s: str) -> str:
     return s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def _quantization_field(llm: Any) -> str | None:
+    """/v1/models' ``quantization``: the format quantized at load, or "gguf"."""
+    if getattr(llm, "gguf", None):
+        return "gguf"
+    return getattr(llm, "quantization", None)
+
+
 # ---- running -----------------------------------------------------------------
 
 
@@ -949,6 +957,10 @@ def startup_summary(app: FastAPI, host: str, port: int) -> str:
     from fastllm.layers.quantization import describe
 
     quant = describe(getattr(llm.config, "quantization", None))
+    if getattr(llm, "gguf", None):
+        from fastllm.gguf import describe_tensor_types
+
+        quant = f"gguf ({describe_tensor_types(llm.gguf)})"
     if state.chat_template is not None:
         chat = "from --chat-template"
     elif llm.tokenizer.chat_template is not None:

@@ -1,0 +1,388 @@
+"""Builds a model from a GGUF file's tensors.
+
+Every tensor is checked first (present, right shape, a type fastllm reads)
+and nothing is assigned until every parameter is ready, as for a safetensors
+folder. Tensors are read from the file's memory map:
+
+- F32, F16, BF16: float weights, converted to the model's dtype;
+- Q8_0, Q4_0, IQ4_NL, Q4_1: repacked bit for bit into the integer kernels'
+  panels (``_core.QuantizedLinear.from_blocks``), never re-quantized;
+- Q4_K: its super-blocks rewritten as q4_1 blocks (``_core.gguf_q4_k_to_q4_1``:
+  the same codes, every 32 weights' scale and minimum rounded to f16);
+- Q5_0, Q5_1, Q5_K, Q6_K: no kernel runs them, so they are dequantized
+  (``_core.dequantize_gguf``) and quantized to ``q8_0``, the nearest kernel
+  format that loses nothing measurable; a warning names the tensors, the
+  extra memory and the error the conversion adds.
+
+llama.cpp's converter permutes the rows of Llama-family q and k weights for
+its rotary layout; the permutation is undone here (a reordering of whole
+block rows, exact for quantized tensors too).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from fastllm import _core
+from fastllm.config import ModelConfig
+from fastllm.gguf.reader import GGUFError, GGUFFile, TensorInfo
+from fastllm.layers.linear import Embedding, Linear
+from fastllm.models import get_model_class
+from fastllm.models.weights import WeightSpec
+
+logger = logging.getLogger("fastllm")
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+# GGUF type -> the kernel format that runs it as it is.
+KERNEL_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "IQ4_NL": "iq4_nl", "Q4_1": "q4_1"}
+# Q4_K super-blocks are rewritten as q4_1 blocks: the same codes, each
+# sub-block's scale and minimum rounded to f16.
+REWRITTEN_TYPES = {"Q4_K": "q4_1"}
+# GGUF types without a kernel: dequantized and quantized to this format.
+CONVERTED_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
+CONVERSION_FORMAT = "q8_0"
+SUPPORTED_TYPES = FLOAT_TYPES + tuple(KERNEL_TYPES) + tuple(REWRITTEN_TYPES) + CONVERTED_TYPES
+_BITS = {"q8_0": 8.5, "q4_0": 4.5, "iq4_nl": 4.5, "q4_1": 5.0}
+
+_LLAMA_LAYER = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_LLAMA_GLOBAL = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+}
+# general.architecture -> (global names, per-layer names, the layers' prefix in fastllm)
+_NAMES: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
+    "llama": (_LLAMA_GLOBAL, _LLAMA_LAYER, "model.layers"),
+    "qwen2": (_LLAMA_GLOBAL, _LLAMA_LAYER, "model.layers"),
+    "qwen3": (_LLAMA_GLOBAL, _LLAMA_LAYER, "model.layers"),
+    "phi2": (
+        {
+            "model.embed_tokens": "token_embd",
+            "model.final_layernorm": "output_norm",
+            "lm_head": "output",
+        },
+        {
+            "self_attn.q_proj": "attn_q",
+            "self_attn.k_proj": "attn_k",
+            "self_attn.v_proj": "attn_v",
+            "self_attn.dense": "attn_output",
+            "input_layernorm": "attn_norm",
+            "mlp.fc1": "ffn_up",
+            "mlp.fc2": "ffn_down",
+        },
+        "model.layers",
+    ),
+    "gpt2": (
+        {
+            "transformer.wte": "token_embd",
+            "transformer.wpe": "position_embd",
+            "transformer.ln_f": "output_norm",
+            "lm_head": "output",
+        },
+        {
+            "ln_1": "attn_norm",
+            "attn.c_attn": "attn_qkv",
+            "attn.c_proj": "attn_output",
+            "ln_2": "ffn_norm",
+            "mlp.c_fc": "ffn_up",
+            "mlp.c_proj": "ffn_down",
+        },
+        "transformer.h",
+    ),
+}
+_PERMUTED_ARCHS = ("llama",)
+
+
+def gguf_name(arch: str, name: str) -> str | None:
+    """The GGUF tensor name of fastllm's / Hugging Face's tensor ``name``."""
+    global_names, layer_names, prefix = _NAMES[arch]
+    module, _, kind = name.rpartition(".")
+    if module in global_names:
+        return f"{global_names[module]}.{kind}"
+    m = re.fullmatch(re.escape(prefix) + r"\.(\d+)\.(.+)", module)
+    if m and m.group(2) in layer_names:
+        return f"blk.{m.group(1)}.{layer_names[m.group(2)]}.{kind}"
+    return None
+
+
+@dataclass
+class _Param:
+    """One parameter of the model and the GGUF tensors it is made of."""
+
+    name: str
+    shape: tuple[int, ...]
+    sources: list[TensorInfo]
+    permute: list[int | None] = field(default_factory=list)  # heads to un-permute, per source
+
+    @property
+    def quantized(self) -> bool:
+        return any(s.type.name not in FLOAT_TYPES for s in self.sources)
+
+
+@dataclass
+class LoadReport:
+    """What the load did, for ``repr``, ``fastllm env`` and ``/v1/models``."""
+
+    tensor_types: dict[str, int]  # GGUF type -> tensors of that type in the file
+    converted: dict[str, int] = field(default_factory=dict)  # GGUF type -> tensors converted
+    # kernel-type tensors converted too, being fused into one matrix with converted ones
+    fused_with: dict[str, int] = field(default_factory=dict)
+    rewritten: dict[str, int] = field(default_factory=dict)  # Q4_K -> q4_1 tensors
+    quantized_bytes: int = 0
+
+
+def _plan(model: nn.Module, gguf: GGUFFile, arch: str, config: ModelConfig) -> list[_Param]:
+    specs: dict[str, WeightSpec] = model.weight_specs()
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    plan = []
+    for pname, param in model.named_parameters():
+        spec = specs.get(pname, WeightSpec((pname,)))
+        names = [gguf_name(arch, s) for s in spec.sources]
+        # GGUF stores every matrix [out, in]: GPT-2's transposed checkpoints included.
+        shapes = WeightSpec(spec.sources, spec.splits).source_shapes(tuple(param.shape))
+        if len(names) == 3 and all(n is not None for n in names) and names[0] not in gguf.tensors:
+            fused = names[0].replace(".attn_q.", ".attn_qkv.")
+            if fused in gguf.tensors:  # q, k and v stored as one tensor
+                names, shapes = [fused], [tuple(param.shape)]
+        labels = spec.sources if len(names) == len(spec.sources) else (pname,)
+        sources, permute = [], []
+        for source, name, shape in zip(labels, names, shapes, strict=True):
+            if name is None:
+                raise GGUFError(f"{gguf.path}: no GGUF tensor is known for {source!r} ({arch})")
+            info = gguf.tensors.get(name)
+            if info is None:
+                raise GGUFError(f"{gguf.path}: tensor {name!r} is missing")
+            if info.shape != tuple(shape):
+                raise GGUFError(
+                    f"{gguf.path}: tensor {name!r} has shape {list(info.shape)}, expected {list(shape)}"
+                )
+            if info.type.name not in SUPPORTED_TYPES:
+                raise GGUFError(
+                    f"{gguf.path}: tensor {name!r} has type {info.type.name}, which fastllm does not "
+                    f"read; supported: {', '.join(SUPPORTED_TYPES)}"
+                )
+            if info.type.name not in FLOAT_TYPES and len(info.shape) != 2:
+                raise GGUFError(
+                    f"{gguf.path}: tensor {name!r} is a {len(info.shape)}-D {info.type.name} tensor; "
+                    "only matrices may be quantized"
+                )
+            kind = name.split(".")[-2]
+            permute.append(heads.get(kind) if arch in _PERMUTED_ARCHS else None)
+            sources.append(info)
+        plan.append(_Param(pname, tuple(param.shape), sources, permute))
+    return plan
+
+
+def _unpermute_rows(rows: int, heads: int) -> np.ndarray:
+    """Row order that turns llama.cpp's interleaved rotary rows back into halves."""
+    head_dim = rows // heads
+    return np.arange(rows).reshape(heads, head_dim // 2, 2).transpose(0, 2, 1).reshape(-1)
+
+
+def _matrix_bytes(gguf: GGUFFile, info: TensorInfo, heads: int | None) -> np.ndarray:
+    """The blocks of a matrix as [rows, bytes per row], rows un-permuted."""
+    data = gguf.data(info.name).reshape(info.rows, -1)
+    if heads is not None:
+        data = data[_unpermute_rows(info.rows, heads)]
+    return data
+
+
+def _float_tensor(gguf: GGUFFile, info: TensorInfo, heads: int | None) -> torch.Tensor:
+    """A float tensor (any GGUF type) as a float32 or bf16 CPU tensor, owning its memory."""
+    kind = info.type.name
+    if kind in FLOAT_TYPES:
+        raw = _matrix_bytes(gguf, info, heads) if len(info.shape) == 2 else gguf.data(info.name)
+        view = {"F32": "<f4", "F16": "<f2", "BF16": "<i2"}[kind]
+        arr = np.ascontiguousarray(raw).view(view).reshape(info.shape)
+        t = torch.from_numpy(
+            arr.copy() if arr.base is not None and not arr.flags.writeable else arr
+        )
+        return t.view(torch.bfloat16) if kind == "BF16" else t
+    out = torch.empty(info.shape, dtype=torch.float32)
+    blocks = _readonly_tensor(np.ascontiguousarray(_matrix_bytes(gguf, info, heads)).reshape(-1))
+    _core.dequantize_gguf(blocks, kind, out)
+    return out
+
+
+def _quantized(
+    gguf: GGUFFile, param: _Param, bias: torch.Tensor | None, report: LoadReport
+) -> object:
+    """A ``_core.QuantizedLinear`` of the parameter's sources."""
+    formats = {
+        KERNEL_TYPES.get(s.type.name) or REWRITTEN_TYPES.get(s.type.name) for s in param.sources
+    }
+    out_features, in_features = param.shape
+    b = None if bias is None else bias.float().contiguous()
+    if len(formats) == 1 and None not in formats:
+        fmt = formats.pop()
+        parts = []
+        for s, h in zip(param.sources, param.permute, strict=True):
+            blocks = _readonly_tensor(np.ascontiguousarray(_matrix_bytes(gguf, s, h)).reshape(-1))
+            if s.type.name in REWRITTEN_TYPES:
+                rewritten = torch.empty(blocks.numel() // 144 * 160, dtype=torch.uint8)
+                _core.gguf_q4_k_to_q4_1(blocks, rewritten)
+                report.rewritten[s.type.name] = report.rewritten.get(s.type.name, 0) + 1
+                blocks = rewritten
+            parts.append(blocks)
+        # The parts of a fused matrix (q, k, v) go in as they are, uncopied.
+        return _core.QuantizedLinear.from_blocks(parts, out_features, in_features, fmt, b)
+    # No kernel for a source's type, or a mix of types in one fused matrix.
+    for s in param.sources:
+        counts = report.converted if s.type.name not in KERNEL_TYPES else report.fused_with
+        counts[s.type.name] = counts.get(s.type.name, 0) + 1
+    if any(s.type.name in FLOAT_TYPES for s in param.sources):
+        weight = torch.cat(
+            [
+                _float_tensor(gguf, s, h).float()
+                for s, h in zip(param.sources, param.permute, strict=True)
+            ]
+        )
+        return _core.QuantizedLinear(weight, b, format=CONVERSION_FORMAT)
+    # Block by block in the core: the same q8_0 blocks as dequantizing the
+    # whole matrix and quantizing it, without the float copy.
+    parts = []
+    for s, h in zip(param.sources, param.permute, strict=True):
+        blocks = _readonly_tensor(np.ascontiguousarray(_matrix_bytes(gguf, s, h)).reshape(-1))
+        if s.type.name != "Q8_0":
+            q8 = torch.empty(s.rows * (s.shape[-1] // 32) * 34, dtype=torch.uint8)
+            _core.gguf_to_q8_0(blocks, s.type.name, q8)
+            blocks = q8
+        parts.append(blocks)
+    return _core.QuantizedLinear.from_blocks(parts, out_features, in_features, CONVERSION_FORMAT, b)
+
+
+def load_gguf_model(
+    config: ModelConfig, gguf: GGUFFile, dtype: torch.dtype, device: str | torch.device
+) -> tuple[nn.Module, LoadReport]:
+    """The model of ``config`` with its weights from ``gguf``; float tensors in ``dtype``."""
+    from fastllm.gguf.config import architecture
+    from fastllm.layers.ops import bind_ops, select_ops
+
+    arch = architecture(gguf)
+    device = torch.device(device)
+    cls = get_model_class(config.architecture)
+    with torch.device("meta"):
+        model = cls(config)
+    plan = _plan(model, gguf, arch, config)
+    report = LoadReport(tensor_types={})
+    for info in gguf.tensors.values():
+        report.tensor_types[info.type.name] = report.tensor_types.get(info.type.name, 0) + 1
+    quantized = [p for p in plan if p.quantized]
+    if quantized and device.type != "cpu":
+        raise ValueError(
+            f"{gguf.path}: quantized GGUF tensors ({quantized[0].sources[0].type.name}, ...) run on "
+            f"the CPU's integer kernels, not on device {str(device)!r}: pass device='cpu'"
+        )
+    modules = dict(model.named_modules())
+    owners: dict[str, nn.Module] = {}
+    for p in quantized:
+        module_name = p.name.rpartition(".")[0]
+        module = modules.get(module_name)
+        if not isinstance(module, (Linear, Embedding)) or not p.name.endswith(".weight"):
+            raise GGUFError(
+                f"{gguf.path}: tensor {p.sources[0].name!r} is quantized "
+                f"({p.sources[0].type.name}), which fastllm supports only for matrices of "
+                "linear layers and embeddings"
+            )
+        owners[p.name] = module
+
+    # Every tensor is read before anything is assigned to the model.
+    state: dict[str, torch.Tensor] = {}
+    for p in plan:
+        if p.quantized:
+            continue
+        parts = [_float_tensor(gguf, s, h) for s, h in zip(p.sources, p.permute, strict=True)]
+        t = parts[0] if len(parts) == 1 else torch.cat(parts)
+        state[p.name] = t.to(device=device, dtype=dtype).contiguous()
+    tables: dict[str, object] = {}
+    for p in quantized:
+        bias_name = p.name[: -len("weight")] + "bias"
+        module = owners[p.name]
+        bias = state.get(bias_name) if isinstance(module, Linear) else None
+        table = _quantized(gguf, p, bias, report)
+        tables[p.name] = table
+        report.quantized_bytes += table.nbytes
+
+    head_name = _head_weight_name(model)
+    head_bias = model.head_weights()[1]
+    if head_name in tables and head_bias is not None and head_name != "lm_head.weight":
+        # A tied head with a bias of its own (phi): the head's table carries it.
+        p = next(p for p in quantized if p.name == head_name)
+        head_table = _quantized(gguf, p, state["lm_head.bias"], report)
+    else:
+        head_table = tables.get(head_name)
+    for module in owners.values():
+        module.weight = None  # replaced by its quantized table below
+    model.load_state_dict(state, strict=True, assign=True)
+    for pname, module in owners.items():
+        table = tables[pname]
+        if isinstance(module, Linear):
+            module.packed = table
+        else:
+            module.quantized = table
+            module.dtype = dtype
+    if head_table is not None:
+        model.packed_head = head_table
+    bind_ops(model, select_ops(device, dtype))
+    if report.rewritten:
+        logger.warning(
+            "%s: %d Q4_K tensor(s) run as q4_1 (the same 4-bit codes; each 32 weights' scale "
+            "and minimum rounded to f16, a relative change of at most 2^-11; 5.0 bits per "
+            "weight in memory instead of 4.5)",
+            gguf.path,
+            report.rewritten["Q4_K"],
+        )
+    if report.converted or report.fused_with:
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(report.converted.items()))
+        fused = ", ".join(f"{n} {k}" for k, n in sorted(report.fused_with.items()))
+        mix = " (a fused matrix mixes types)" if not kinds else ""
+        also = f", and {fused} tensor(s) fused with them into one matrix" if fused else ""
+        logger.warning(
+            "%s: fastllm has no kernel for %s tensor(s)%s; converted them to %s at load%s "
+            "(%.1f bits per weight in memory; the conversion's rounding adds an error of at "
+            "most 1/254 of each group's largest weight)",
+            gguf.path,
+            kinds or "the mixed types of",
+            mix,
+            CONVERSION_FORMAT,
+            also,
+            _BITS[CONVERSION_FORMAT],
+        )
+    return model.eval(), report
+
+
+def _head_weight_name(model: nn.Module) -> str:
+    """The parameter name of the language-model head's weight (the embedding when tied)."""
+    lm_head = getattr(model, "lm_head", None)
+    if isinstance(lm_head, Linear) and lm_head.weight is not None:
+        return "lm_head.weight"
+    for name, module in model.named_modules():
+        if isinstance(module, Embedding) and module.num_embeddings == model.config.vocab_size:
+            return f"{name}.weight"
+    raise GGUFError("the model has no language-model head")
+
+
+def _readonly_tensor(arr: np.ndarray) -> torch.Tensor:
+    """A CPU tensor viewing ``arr`` (read-only memory: only the kernels read it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns about read-only arrays
+        return torch.from_numpy(arr)
