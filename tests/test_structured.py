@@ -526,3 +526,20 @@ def test_stream_joins_to_generate(llm):
         parts = [c.outputs[0].text for c in llm.stream("Person:", p)]
         assert "".join(parts) == whole.text
         jsonschema.validate(json.loads(whole.text), SCHEMAS["person"])
+
+
+def test_a_gguf_file_with_its_own_tokenizer(make_model, tmp_path):
+    # A GGUF file's tokenizer is built in memory (no tokenizer.json on disk):
+    # its grammar vocabulary comes from the same tokenizer, and masks hold.
+    from gguf_models import write_gguf
+
+    path = write_gguf(
+        make_model("llama"), str(tmp_path / "m.gguf"), "llama", "Q8_0", tokenizer=True
+    )
+    llm = LLM(path, dtype="float32", device="cpu")
+    params = [
+        constrained(s, json=SCHEMAS["person"], disable_any_whitespace=True) for s in range(20)
+    ]
+    for out in run(llm, params):
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), SCHEMAS["person"])
