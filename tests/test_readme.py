@@ -1,4 +1,4 @@
-"""README.md's examples, run as written: the Quickstart block, and the
+"""README.md's examples, run as written: the Quickstart and Structured outputs blocks, and the
 "Command line and server" section's `fastllm serve` command with the curl and
 `openai` examples against it (only the port number is changed, to a free one).
 Also what the README says about the notebook extra and the benchmark-model
@@ -186,6 +186,21 @@ def test_readme_quickstart():
     for prompt in re.findall(r"llm\.generate\(\[(.*?)\]", code)[0].split(", "):
         assert prompt.strip('"') in r.stdout
     assert len(r.stdout) > 200
+
+
+def test_readme_structured_outputs():
+    pytest.importorskip("torch")
+    (code,) = [c for lang, c in _readme_blocks("Structured outputs") if lang == "python"]
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300
+    )
+    assert r.returncode == 0, r.stderr
+    obj_line, choice_line = r.stdout.strip().splitlines()[-2:]
+    import ast
+
+    obj = ast.literal_eval(obj_line)  # the printed dict
+    assert set(obj) == {"name", "year", "typed"} and 1990 <= obj["year"] <= 2030
+    assert choice_line in ("list", "dict", "set")
 
 
 def test_readme_quantized_weights():

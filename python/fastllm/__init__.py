@@ -18,6 +18,7 @@ _LAZY = {
     "TokensPrompt": "fastllm.llm",
     "SamplingParams": "fastllm.sampling_params",
     "RequestOutputKind": "fastllm.sampling_params",
+    "StructuredOutputsParams": "fastllm.sampling_params",
     "RequestOutput": "fastllm.outputs",
     "CompletionOutput": "fastllm.outputs",
     "probe": "fastllm.platform",
@@ -33,7 +34,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from fastllm.llm import LLM, TextPrompt, TokensPrompt
     from fastllm.outputs import CompletionOutput, RequestOutput
     from fastllm.platform import DeviceInfo, ProbeReport, cuda_available, device_count, probe
-    from fastllm.sampling_params import RequestOutputKind, SamplingParams
+    from fastllm.sampling_params import (
+        RequestOutputKind,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
 
 
 def _lazy_attribute(package: str, table: dict[str, str], namespace: dict, name: str) -> Any:

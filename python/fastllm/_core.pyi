@@ -192,6 +192,70 @@ def sampling_support(logits: Tensor, batch: SamplingBatch) -> list[list[int]]:
 def sampling_uniform(seed: int, position: int, token: int) -> float:
     """The sampler's counter-based uniform draw in (0, 1) for (seed, position, token)."""
 
+# ---- structured outputs ----
+
+def validate_structured(
+    kind: str, value: str | Sequence[str] | None = None, whitespace_flexible: bool = True
+) -> None:
+    """Checks that a constraint compiles, without a tokenizer. ``kind``: json (a
+    schema's JSON text), json_object, regex, choice (a list of strings) or
+    grammar (Lark). A ValueError names the field, and for a schema the path of
+    an unsupported keyword."""
+
+class GrammarVocabulary:
+    """One tokenizer's token trie and grammar compiler, built once per process per
+    (tokenizer.json, EOS ids, model vocabulary), with its cache of compiled grammars."""
+
+    def __init__(
+        self, tokenizer_json: bytes, eos_token_ids: Sequence[int], vocab_size: int
+    ) -> None: ...
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids (the model's logits per row)."""
+    @property
+    def cached_grammars(self) -> int:
+        """How many compiled grammars are cached."""
+    def token_bytes(self, token: int) -> bytes:
+        """The byte string of a token (special tokens start with 0xFF)."""
+    def start(
+        self, kind: str, value: str | Sequence[str] | None = None, whitespace_flexible: bool = True
+    ) -> GrammarMatcher:
+        """A fresh grammar state for a constraint (compiled on first use, then cached)."""
+
+class GrammarMatcher:
+    """One sequence's position in its grammar."""
+
+    def consume(self, token: int) -> None:
+        """Advances by one token; a ValueError if the grammar does not allow it."""
+    def rollback(self, n: int) -> None:
+        """Steps back over the last ``n`` consumed tokens."""
+    def fork(self) -> GrammarMatcher:
+        """An independent copy at the same position."""
+    def allowed_tokens(self) -> list[int]:
+        """The token ids allowed next, ascending (EOS exactly when the grammar accepts)."""
+    def is_accepting(self) -> bool:
+        """Whether the text so far is a complete match."""
+    @property
+    def is_finished(self) -> bool:
+        """Whether nothing but EOS may follow (complete, or failed)."""
+    @property
+    def num_consumed(self) -> int:
+        """Tokens consumed so far."""
+    @property
+    def error(self) -> str | None:
+        """The grammar engine's error, if it met one."""
+
+def apply_grammar_masks(
+    logits: Tensor, rows: Sequence[int], matchers: Sequence[GrammarMatcher]
+) -> None:
+    """Writes -inf, in place, into the logits of row ``rows[i]`` (float32 CPU
+    ``[R, V]``) that ``matchers[i]`` does not allow; masks computed in parallel."""
+
+def grammar_bitmask(matchers: Sequence[GrammarMatcher], vocab: int) -> bytes:
+    """The allowed tokens of each matcher as ``len(matchers)`` rows of
+    ``ceil(vocab / 32)`` little-endian int32 words (token i at bit i % 32 of
+    word i // 32): the mask handed to the CUDA sampler."""
+
 # ---- cuda kernels ----
 # NVRTC and the CUDA kernels of ``kernels/``. ``nvrtc_*`` never touch the
 # driver; ``cuda_*`` initialise it (after the isolated probe succeeded) and

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+import json as _json
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 
@@ -19,6 +21,101 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output, enforced token by token (vLLM's names).
+
+    Exactly one of ``json`` (a JSON schema, as a dict or its JSON text),
+    ``json_object`` (any JSON object), ``regex`` (matched in full), ``choice``
+    (one of these strings) or ``grammar`` (a Lark-style grammar). With
+    ``disable_any_whitespace`` JSON is written without optional whitespace;
+    ``whitespace_pattern`` (a regex) sets what whitespace JSON may have instead.
+    The constraint is compiled (without a tokenizer) when the params are
+    built, so a bad one is a ValueError naming the field and, for a schema,
+    the path of the offending keyword.
+    """
+
+    json: str | dict[str, Any] | bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        def bad(name: str, allowed: str, value: object) -> ValueError:
+            return ValueError(f"StructuredOutputsParams.{name} must be {allowed}, got {value!r}")
+
+        given = [
+            k
+            for k in ("json", "regex", "choice", "grammar", "json_object")
+            if getattr(self, k) not in (None, False)
+        ]
+        if len(given) != 1:
+            which = ", ".join(given) if given else "none"
+            raise ValueError(
+                "StructuredOutputsParams needs exactly one of json, regex, choice, grammar "
+                f"or json_object; got {which}"
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict, bool)):
+            raise bad("json", "a JSON schema (a dict or its JSON text)", self.json)
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise bad("regex", "a string", self.regex)
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise bad("grammar", "a string", self.grammar)
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise bad("json_object", "True or False", self.json_object)
+        if self.choice is not None:
+            if (
+                not isinstance(self.choice, (list, tuple))
+                or not self.choice
+                or any(not isinstance(c, str) for c in self.choice)
+            ):
+                raise bad("choice", "a non-empty list of strings", self.choice)
+            self.choice = list(self.choice)
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise bad("disable_any_whitespace", "True or False", self.disable_any_whitespace)
+        if self.whitespace_pattern is not None:
+            if not isinstance(self.whitespace_pattern, str):
+                raise bad("whitespace_pattern", "None or a regex", self.whitespace_pattern)
+            if self.regex is not None or self.choice is not None or self.grammar is not None:
+                raise bad("whitespace_pattern", "used only with json or json_object", "set")
+        from fastllm import _core
+
+        kind, value = self.constraint
+        try:
+            _core.validate_structured(kind, value, not self.disable_any_whitespace)
+        except ValueError as e:
+            raise ValueError(f"StructuredOutputsParams.{e}") from None
+
+    @property
+    def constraint(self) -> tuple[str, str | list[str] | None]:
+        """The constraint as (kind, value) for the grammar engine: kind is one of
+        json, json_object, regex, choice, grammar."""
+        if self.whitespace_pattern is not None:
+            schema = self.json if self.json is not None else {"type": "object"}
+            if isinstance(schema, str):
+                try:
+                    schema = _json.loads(schema)
+                except ValueError:
+                    return "json", self.json  # the grammar engine names the error
+            if isinstance(schema, dict):
+                opts = dict(schema.get("x-guidance") or {})
+                opts.setdefault("whitespace_pattern", self.whitespace_pattern)
+                return "json", _json.dumps({**schema, "x-guidance": opts})
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else _json.dumps(self.json)
+            return "json", text
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", self.choice
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        return "json_object", None
 
 
 @dataclass
@@ -55,6 +152,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine: the stop strings as a list, for quick checks.
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -150,6 +248,14 @@ class SamplingParams:
             raise bad("detokenize", "True or False", self.detokenize)
         if not self.detokenize and self._stop_list:
             raise bad("stop", "empty when detokenize=False (stop strings need text)", self.stop)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise bad(
+                "structured_outputs", "None or a StructuredOutputsParams", self.structured_outputs
+            )
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", "a RequestOutputKind", self.output_kind)
         for s in self._stop_list:
@@ -172,6 +278,7 @@ class SamplingParams:
             )
         nullable = {"seed", "stop", "stop_token_ids", "max_tokens", "logprobs", "prompt_logprobs"}
         nullable |= {"logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens"}
+        nullable |= {"structured_outputs"}
         # A None for a field whose default is not None means "use the default".
         return cls(**{k: v for k, v in kwargs.items() if v is not None or k in nullable})
 

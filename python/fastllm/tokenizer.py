@@ -66,6 +66,10 @@ class Tokenizer:
             i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
         }
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what the grammar engine reads)."""
+        return self._tok.to_str()
+
     @property
     def vocab_size(self) -> int:
         """Number of tokens, added tokens included."""

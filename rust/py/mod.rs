@@ -18,6 +18,7 @@ mod layers;
 mod platform;
 mod quant;
 mod sampling;
+mod structured;
 mod tensor;
 
 impl From<CoreError> for PyErr {
@@ -40,6 +41,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     kv::register(m)?;
     attention::register(m)?;
     sampling::register(m)?;
+    structured::register(m)?;
     gemm::register(m)?;
     layers::register(m)?;
     quant::register(m)?;

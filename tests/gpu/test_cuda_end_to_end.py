@@ -66,3 +66,53 @@ def test_seeded_sampling_tokens_equal(llms):
     assert tokens_of(cuda.generate(prompts, params, use_tqdm=False)) == tokens_of(
         cpu.generate(prompts, params, use_tqdm=False)
     )
+
+
+def test_constrained_tokens_equal_and_validate(llms):
+    # The CUDA path gets its grammar masks as a bitmask computed during the
+    # forward pass; the tokens must be the CPU path's, and the outputs valid.
+    import json
+    import re
+
+    from fastllm import SamplingParams, StructuredOutputsParams
+
+    cpu, cuda = llms
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["n", "ok"],
+        "additionalProperties": False,
+    }
+    params = (
+        [
+            SamplingParams(
+                temperature=1.0,
+                seed=s,
+                max_tokens=60,
+                structured_outputs=StructuredOutputsParams(
+                    json=schema, disable_any_whitespace=True
+                ),
+            )
+            for s in range(8)
+        ]
+        + [
+            SamplingParams(
+                temperature=1.0,
+                seed=s,
+                max_tokens=20,
+                structured_outputs=StructuredOutputsParams(regex="[a-c]{2}-[0-9]{3}"),
+            )
+            for s in range(4)
+        ]
+        + [SamplingParams(temperature=1.0, seed=5, max_tokens=10, ignore_eos=True)]
+    )
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    got = cuda.generate(prompts, params, use_tqdm=False)
+    assert tokens_of(got) == tokens_of(cpu.generate(prompts, params, use_tqdm=False))
+    for o in got[:8]:
+        assert set(json.loads(o.outputs[0].text)) == {"n", "ok"}
+    for o in got[8:12]:
+        assert re.fullmatch("[a-c]{2}-[0-9]{3}", o.outputs[0].text)

@@ -232,12 +232,16 @@ class LLMEngine:
             block_size=bs,
             dtype=self.dtype,
             device=torch_device,
+            vocab_size=mc.vocab_size,
         )
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, eos
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        from fastllm.engine.structured import StructuredOutputs
+
+        self.structured = StructuredOutputs(self.tokenizer, eos, mc.vocab_size)
         self._request_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
@@ -286,6 +290,11 @@ class LLMEngine:
                     f"or `--max-logprobs`)",
                     name,
                 )
+        if params.structured_outputs is not None:
+            try:
+                self.structured.check()
+            except ValueError as e:
+                raise RequestError(f"{where}: {e}", "structured_outputs") from None
         n = len(prompt_token_ids)
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise RequestError(
@@ -313,6 +322,8 @@ class LLMEngine:
         )
         if params.bad_words:
             req.seqs[0].bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        if params.structured_outputs is not None:
+            req.seqs[0].grammar = self.structured.start(params.structured_outputs)
         self.output_processor.add_request(req)
         self.scheduler.add(req.seqs[0])
         return req

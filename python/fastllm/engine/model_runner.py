@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -12,6 +13,7 @@ import torch
 from fastllm import _core
 from fastllm.engine.scheduler import SampledToken, SchedulerOutput, StepResult
 from fastllm.engine.sequence import Sequence
+from fastllm.engine.structured import GrammarMasks
 from fastllm.forward_context import AttentionMetadata, set_context
 from fastllm.outputs import Logprob
 
@@ -32,8 +34,15 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        vocab_size: int | None = None,
     ) -> None:
         self.model = model
+        # Grammar masks overlap the forward pass when it runs on the GPU (the CPU is
+        # free then); on the CPU the forward pass already uses every core, and the
+        # masks are computed in the sampler's pass. Needs the logits' width.
+        self.vocab_size = vocab_size
+        self.overlap_masks = device.type == "cuda" and vocab_size is not None
+        self._mask_worker: ThreadPoolExecutor | None = None
         # A packed model runs its heavy CPU work (linears, norms, attention,
         # sampling) on the Rust threads; torch's remaining small ops run on the
         # calling thread during a step, so that torch's OpenMP workers do not
@@ -78,7 +87,6 @@ class ModelRunner:
     def run(self, sched: SchedulerOutput) -> StepResult:
         """Runs one step: the packed forward pass, then the sampler for every
         entry that samples, and the prompt logprobs that were asked for."""
-        logits, prompt_logits = self._forward(sched)
         sampled = sched.sampled
         rows: list[int] = []
         seqs: list[Sequence] = []
@@ -90,12 +98,18 @@ class ModelRunner:
                 seqs.append(entry.seq)
                 seeds.append(entry.seq.seed + j)
                 suppress.append(entry.suppressed)
+        masks = GrammarMasks(seqs)
+        if self.overlap_masks and masks.matchers and self.vocab_size is not None:
+            if self._mask_worker is None:
+                self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="fastllm-masks")
+            masks.start(self._mask_worker, self.vocab_size)
+        logits, prompt_logits = self._forward(sched)
         samples: list[list[SampledToken]] = []
         if sampled:
             if len(rows) != logits.shape[0]:
                 logits = logits[torch.tensor(rows, device=logits.device)]
             _apply_logit_rules(logits, seqs)
-            tokens, lps, ranks, tops = self.sample(logits, seqs, seeds, suppress)
+            tokens, lps, ranks, tops = self.sample(logits, seqs, seeds, suppress, masks)
             drawn = iter(map(SampledToken, tokens, lps, ranks, tops))
             samples = [[next(drawn) for _ in range(e.num_samples)] for e in sampled]
         prompt_lps = {}
@@ -177,18 +191,22 @@ class ModelRunner:
         seqs: list[Sequence],
         seeds: list[int],
         suppress: list[list[int]],
+        masks: GrammarMasks | None = None,
     ) -> tuple[list[int], list[float], list[int], list[list[tuple[int, float]]]]:
         """Samples one token per row of ``logits``: row i for ``seqs[i]`` with ``seeds[i]``.
 
         CUDA logits go to the CUDA sampler (same semantics and random draw as
         the CPU one); CPU logits, or CUDA ones when the kernels are off, go to
         the Rust CPU sampler. ``suppress[i]`` lists tokens row i may not
-        produce (EOS and stop tokens before ``min_tokens``).
+        produce (EOS and stop tokens before ``min_tokens``); a sequence with a
+        grammar may only produce what its grammar allows next (``masks``: the
+        step's grammar masks, perhaps already computing; built here when None).
         """
         for i, toks in enumerate(suppress):
             if toks:
                 logits[i, toks] = float("-inf")
         logits = logits.contiguous()
+        (masks if masks is not None else GrammarMasks(seqs)).apply(logits)
         batch = sampling_batch(seqs, seeds)
         if logits.is_cuda:
             from fastllm.layers import cuda_ops

@@ -96,8 +96,9 @@ class OutputProcessor:
                 self._decode_logprob_tokens([entry])
             state.logprobs.append(entry)
         # The scheduler has applied the token rules: "stop" here means EOS or a
-        # stop token, whose text is shown only with include_stop_str_in_output.
-        stopped_by_token = seq.finish_reason == "stop"
+        # stop token, whose text is shown only with include_stop_str_in_output
+        # (a token that completed the grammar is text like any other).
+        stopped_by_token = seq.finish_reason == "stop" and not seq.grammar_complete
         if state.detokenizer is None or (stopped_by_token and not p.include_stop_str_in_output):
             return None
         delta = state.detokenizer.add(sample.token)

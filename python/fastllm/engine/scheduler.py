@@ -244,6 +244,20 @@ class Scheduler:
         seq.token_ids.append(token)
         p = seq.params
         n_out = seq.num_output_tokens
+        ends = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        if seq.grammar is not None and not (ends and n_out >= p.min_tokens):
+            try:
+                seq.grammar.consume(token)
+            except ValueError:
+                # Only a token the mask let through can arrive here, so this
+                # is a grammar engine failure: the sequence ends, others go on.
+                return self.stop(seq, "stop", "grammar_error")
+            if seq.grammar.is_finished:
+                # The grammar is complete: nothing but EOS may follow, so the
+                # sequence ends here, with this token's text (min_tokens cannot
+                # be honoured past the end of the grammar).
+                seq.grammar_complete = True
+                return self.stop(seq, "stop")
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 return self.stop(seq, "stop")

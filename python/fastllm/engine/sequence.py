@@ -7,6 +7,7 @@ import itertools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
+    from fastllm import _core
     from fastllm.sampling_params import SamplingParams
 
 
@@ -52,6 +53,11 @@ class Sequence:
         self.stop_reason: int | str | None = None
         # SamplingParams.bad_words as token ids (set by the engine, which has the tokenizer).
         self.bad_words_token_ids: list[list[int]] = []
+        # SamplingParams.structured_outputs as a grammar matcher (set by the engine),
+        # advanced by every appended token: its state is a function of the output
+        # tokens, so preemption by recompute keeps it as it is.
+        self.grammar: _core.GrammarMatcher | None = None
+        self.grammar_complete = False  # ended because its grammar allows nothing more
 
     def fork(self, index: int, seed: int) -> Sequence:
         """A sibling completion of the same prompt (no blocks yet: ``KVCacheManager.fork``)."""
@@ -59,6 +65,8 @@ class Sequence:
             self.request_id, self.token_ids[: self.num_prompt_tokens], self.params, seed, index
         )
         child.bad_words_token_ids = self.bad_words_token_ids
+        if self.grammar is not None:
+            child.grammar = self.grammar.fork()
         return child
 
     @property

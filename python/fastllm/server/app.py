@@ -10,7 +10,7 @@ import math
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -36,6 +36,16 @@ from fastllm.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     validation_error,
+)
+from fastllm.server.tools import (
+    Tool,
+    ToolStream,
+    call_format,
+    forced_call_constraint,
+    parse_reply,
+    parse_tools,
+    resolve_tool_choice,
+    tool_calls_json,
 )
 
 logger = logging.getLogger("fastllm.server")
@@ -431,13 +441,19 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             )
         return template
 
-    def render_chat(messages: list[ChatMessage], template: str, add_gen: bool) -> str:
+    def render_chat(
+        messages: list[ChatMessage],
+        template: str,
+        add_gen: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         from jinja2.exceptions import TemplateError
 
         dicts = [m.as_dict() for m in messages]
+        extra = {"tools": tools} if tools else {}
         try:
             return tok.apply_chat_template(
-                dicts, chat_template=template, add_generation_prompt=add_gen
+                dicts, chat_template=template, add_generation_prompt=add_gen, **extra
             )
         except (ValueError, TemplateError) as e:
             raise APIError(f"cannot apply the chat template: {e}", 400, param="messages") from e
@@ -543,11 +559,22 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         req = await _read_model(raw, ChatCompletionRequest, state.max_body_bytes)
         name = model_name(req.model)
         template = chat_template(req.chat_template)
-        text = render_chat(req.messages, template, req.add_generation_prompt)
+        tools = parse_tools(req.tools) if req.tools else []
+        choice = resolve_tool_choice(req.tool_choice, tools)
+        fmt = call_format(template)
+        forced = None
+        if choice == "required":
+            forced = forced_call_constraint(tools, fmt)
+        elif isinstance(choice, Tool):
+            forced = forced_call_constraint([choice], fmt)
+        calls_wanted = choice != "none"
+        text = render_chat(
+            req.messages, template, req.add_generation_prompt, req.tools if calls_wanted else None
+        )
         ids = tok.encode(text, add_special_tokens=False)
         max_tokens, field = req.requested_max_tokens()
         # the reply ends at the template's end of turn, as LLM.chat's does
-        params = chat_stop(req.to_sampling_params(max_tokens), tok, template)
+        params = chat_stop(req.to_sampling_params(max_tokens, forced), tok, template)
         check_request(ids, params, "messages", {"max_tokens": field, "logprobs": "top_logprobs"})
         top_k = req.top_logprobs or 0
         cid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -556,7 +583,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             params = params.clone(output_kind=RequestOutputKind.DELTA)
         gen = engine.generate(text, ids, params, cid)
         if req.stream:
-            body = _stream_chat(gen, cid, created, name, params, req.include_usage, len(ids), top_k)
+
+            def tool_stream() -> ToolStream | None:
+                return ToolStream(fmt, tools, forced is not None) if calls_wanted else None
+
+            body = _stream_chat(
+                gen, cid, created, name, params, req.include_usage, len(ids), top_k, tool_stream
+            )
             return StreamingResponse(body, media_type="text/event-stream")
 
         async def collect() -> RequestOutput | None:
@@ -576,12 +609,23 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             lp = None
             if params.logprobs is not None and c.logprobs is not None:
                 lp = _chat_logprobs(c.token_ids, c.logprobs, top_k)
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish = c.finish_reason
+            if calls_wanted:
+                content, calls = parse_reply(c.text, fmt, tools)
+                if calls:
+                    message = {
+                        "role": "assistant",
+                        "content": content,
+                        "tool_calls": tool_calls_json(calls),
+                    }
+                    finish = "tool_calls" if finish == "stop" else finish
             choices.append(
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": message,
                     "logprobs": lp,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": finish,
                     "stop_reason": c.stop_reason,
                 }
             )
@@ -710,7 +754,13 @@ async def _stream_chat(
     include_usage: bool,
     prompt_tokens: int,
     top_k: int,
+    tool_stream: Callable[[], ToolStream | None] = lambda: None,
 ) -> AsyncIterator[str]:
+    """The SSE chunks of a streamed chat reply; with ``tool_stream``, each
+    choice's text goes through a ToolStream, which sends tool calls as
+    ``tool_calls`` deltas."""
+    streams = [tool_stream() for _ in range(params.n)]
+
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
         body = {
             "id": cid,
@@ -746,6 +796,23 @@ async def _stream_chat(
                 lp = None
                 if want_lp:
                     lp = _chat_logprobs(c.token_ids, c.logprobs, top_k)
+                ts = streams[c.index] if c.index < len(streams) else None
+                if ts is not None:
+                    # Text goes through the tool-call parser: content and tool_calls deltas.
+                    deltas = ts.add(text)
+                    if finish:
+                        last, called = ts.finish()
+                        deltas += last
+                        if called and finish == "stop":
+                            finish = "tool_calls"
+                    for d in deltas:
+                        yield chunk(
+                            [{"index": c.index, "delta": d, "logprobs": lp, "finish_reason": None}]
+                        )
+                        lp = None
+                    if not finish:
+                        continue
+                    text = ""
                 choice = {
                     "index": c.index,
                     "delta": {"content": text} if text or not finish else {},

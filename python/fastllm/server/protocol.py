@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from fastllm.sampling_params import SamplingParams
+from fastllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 128
 
@@ -115,6 +115,74 @@ class _Common(BaseModel):
     skip_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and
+    # its older guided_* fields (one of them per request).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's output constraint (None: free text); a 400 naming the field."""
+        sources: dict[str, dict[str, Any]] = {}
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type") if isinstance(rf, dict) else None
+            if kind == "json_object":
+                sources["response_format"] = {"json_object": True}
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise APIError(
+                        "response_format.json_schema.schema must be a JSON schema object",
+                        400,
+                        param="response_format",
+                    )
+                sources["response_format"] = {"json": schema}
+            elif kind != "text":
+                raise APIError(
+                    "response_format.type must be 'text', 'json_object' or 'json_schema', "
+                    f"got {kind!r}",
+                    400,
+                    param="response_format",
+                )
+        if self.structured_outputs is not None:
+            sources["structured_outputs"] = dict(self.structured_outputs)
+        guided = {
+            "json": self.guided_json,
+            "regex": self.guided_regex,
+            "choice": self.guided_choice,
+            "grammar": self.guided_grammar,
+        }
+        for k, v in guided.items():
+            if v is not None:
+                sources[f"guided_{k}"] = {k: v}
+        if len(sources) > 1:
+            raise APIError(
+                f"only one output constraint per request; got {', '.join(sorted(sources))}",
+                400,
+                param=sorted(sources)[1],
+            )
+        if not sources:
+            return None
+        ((field, kw),) = sources.items()
+        if self.guided_whitespace_pattern is not None and "whitespace_pattern" not in kw:
+            kw["whitespace_pattern"] = self.guided_whitespace_pattern
+        try:
+            return StructuredOutputsParams(**kw)
+        except TypeError as e:
+            raise APIError(f"{field}: {e}", 400, param=field) from None
+        except ValueError as e:
+            msg = str(e)
+            if field != "structured_outputs":
+                msg = re.sub(r"StructuredOutputsParams(\.\w+)?", field, msg)
+            else:
+                msg = msg.replace("StructuredOutputsParams", "structured_outputs")
+            raise APIError(msg, 400, param=field) from None
 
     def _sampling_kwargs(self) -> dict[str, Any]:
         if isinstance(self.n, int) and self.n > MAX_N:
@@ -131,6 +199,7 @@ class _Common(BaseModel):
             "logit_bias": self.logit_bias or None,
             "allowed_token_ids": self.allowed_token_ids,
             "bad_words": self.bad_words,
+            "structured_outputs": self.structured(),
         }
         optional = {
             "temperature": self.temperature,
@@ -229,8 +298,9 @@ class ChatCompletionRequest(_Common):
     echo: bool = False
     add_generation_prompt: bool = True
     chat_template: str | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """The output length limit and the field that set it."""
@@ -238,14 +308,11 @@ class ChatCompletionRequest(_Common):
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        """SamplingParams of this request; a 400 APIError names a bad field."""
-        if self.tools:
-            raise APIError("tools are not supported", 400, param="tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise APIError(
-                "only response_format {'type': 'text'} is supported", 400, param="response_format"
-            )
+    def to_sampling_params(
+        self, max_tokens: int | None, forced_call: StructuredOutputsParams | None = None
+    ) -> SamplingParams:
+        """SamplingParams of this request; a 400 APIError names a bad field.
+        ``forced_call``: the constraint of a tool call the request forces."""
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs requires logprobs=true", 400, param="top_logprobs")
         if self.top_logprobs is not None and self.top_logprobs < 0:
@@ -256,6 +323,15 @@ class ChatCompletionRequest(_Common):
             )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         kw = self._sampling_kwargs()
+        if forced_call is not None:
+            if kw["structured_outputs"] is not None:
+                raise APIError(
+                    "a forced tool call cannot be combined with response_format or "
+                    "structured_outputs",
+                    400,
+                    param="tool_choice",
+                )
+            kw["structured_outputs"] = forced_call
         _, field = self.requested_max_tokens()
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kw)
