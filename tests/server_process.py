@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -58,3 +60,40 @@ def running_server(cmd: list[str], port: int, log: Path, env: dict) -> Iterator[
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def serve_command(model: str, port: int, max_len: int, name: str, key: str) -> list[str]:
+    """`fastllm serve` of ``model`` on 127.0.0.1:``port`` (float32, CPU), as the tests run it."""
+    return [
+        sys.executable,
+        "-m",
+        "fastllm.cli",
+        "serve",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--max-model-len",
+        str(max_len),
+        "--served-model-name",
+        name,
+        "--api-key",
+        key,
+        "--log-level",
+        "warning",
+    ]
+
+
+def package_env() -> dict[str, str]:
+    """The environment for a server process: this fastllm first on the path, no API key set."""
+    import fastllm
+
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(fastllm.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([pkg_root, os.environ.get("PYTHONPATH", "")]))
+    env.pop("FASTLLM_API_KEY", None)
+    return env

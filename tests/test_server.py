@@ -8,14 +8,12 @@ import asyncio
 import contextlib
 import http.client
 import json
-import os
 import socket
-import sys
 import time
 
 import pytest
 
-from server_process import free_port, running_server
+from server_process import free_port, package_env, running_server, serve_command
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -40,13 +38,6 @@ PROMPTS = [
 ]
 
 
-def _python_path() -> str:
-    import fastllm
-
-    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(fastllm.__file__)))
-    return os.pathsep.join([pkg_root, os.environ.get("PYTHONPATH", "")])
-
-
 @pytest.fixture(scope="module")
 def model_dir(make_model) -> str:
     return make_model("llama")
@@ -57,31 +48,8 @@ def server(model_dir, tmp_path_factory):
     """One server process for the whole module: (host, port)."""
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "fastllm.cli",
-        "serve",
-        model_dir,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--max-model-len",
-        str(MAX_LEN),
-        "--served-model-name",
-        NAME,
-        "--api-key",
-        KEY,
-        "--log-level",
-        "warning",
-    ]
-    env = dict(os.environ, PYTHONPATH=_python_path())
-    env.pop("FASTLLM_API_KEY", None)
+    cmd = serve_command(model_dir, port, MAX_LEN, NAME, KEY)
+    env = package_env()
     with running_server(cmd, port, log, env):
         yield "127.0.0.1", port
 

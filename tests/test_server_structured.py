@@ -8,15 +8,13 @@ the problem."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import sys
 
 import jsonschema
 import openai
 import pytest
 
-from server_process import free_port, running_server
+from server_process import free_port, package_env, running_server, serve_command
 
 NAME = "tiny-structured"
 KEY = "sk-structured"
@@ -76,42 +74,12 @@ HERMES_TEMPLATE = (
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def _python_path() -> str:
-    import fastllm
-
-    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(fastllm.__file__)))
-    return os.pathsep.join([pkg_root, os.environ.get("PYTHONPATH", "")])
-
-
 @pytest.fixture(scope="module")
 def client(make_model, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "fastllm.cli",
-        "serve",
-        make_model("llama"),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--max-model-len",
-        str(MAX_LEN),
-        "--served-model-name",
-        NAME,
-        "--api-key",
-        KEY,
-        "--log-level",
-        "warning",
-    ]
-    env = dict(os.environ, PYTHONPATH=_python_path())
-    env.pop("FASTLLM_API_KEY", None)
+    cmd = serve_command(make_model("llama"), port, MAX_LEN, NAME, KEY)
+    env = package_env()
     with running_server(cmd, port, log, env):
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
 

@@ -173,6 +173,21 @@ impl PyQuantizedLinear {
     }
 }
 
+/// The (uint8 blocks, `out` of `out_dtype`) arguments of a block
+/// conversion: both checked (CPU, contiguous) and not overlapping.
+fn block_args(
+    blocks: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    out_dtype: DType,
+) -> PyResult<(TensorArg, TensorArg)> {
+    let blocks = TensorArg::extract("blocks", blocks)?;
+    blocks.check(&[DType::U8], blocks.shape.len().max(1))?;
+    let out = TensorArg::extract("out", out)?;
+    out.check(&[out_dtype], out.shape.len().max(1))?;
+    check_no_overlap(&out, &blocks)?;
+    Ok((blocks, out))
+}
+
 /// Dequantizes GGUF blocks of `block_type` ("Q4_K", "Q6_K", "Q5_0", ...;
 /// see `gguf_block_types`) from `blocks` (uint8) into `out` (float32,
 /// exactly the blocks' values).
@@ -184,11 +199,7 @@ fn dequantize_gguf(
     out: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
     let kind = BlockType::parse(block_type).map_err(PyValueError::new_err)?;
-    let blocks = TensorArg::extract("blocks", blocks)?;
-    blocks.check(&[DType::U8], blocks.shape.len().max(1))?;
-    let out = TensorArg::extract("out", out)?;
-    out.check(&[DType::F32], out.shape.len().max(1))?;
-    check_no_overlap(&out, &blocks)?;
+    let (blocks, out) = block_args(blocks, out, DType::F32)?;
     // SAFETY: both checked (dtype, CPU, contiguous), distinct; alive during the call.
     let (src, dst) = unsafe { (blocks.slice::<u8>(), out.slice_mut::<f32>()) };
     py.detach(move || crate::quant::gguf::dequantize(kind, src, dst))?;
@@ -228,13 +239,7 @@ fn gguf_to_q8_0(
     out: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
     let kind = BlockType::parse(block_type).map_err(PyValueError::new_err)?;
-    let (src, dst) = (
-        TensorArg::extract("blocks", blocks)?,
-        TensorArg::extract("out", out)?,
-    );
-    src.check(&[DType::U8], src.shape.len().max(1))?;
-    dst.check(&[DType::U8], dst.shape.len().max(1))?;
-    check_no_overlap(&dst, &src)?;
+    let (src, dst) = block_args(blocks, out, DType::U8)?;
     // SAFETY: both checked (dtype, CPU, contiguous), distinct; alive during the call.
     let (s, d) = unsafe { (src.slice::<u8>(), dst.slice_mut::<u8>()) };
     py.detach(move || crate::quant::gguf::to_q8_0(kind, s, d))?;
@@ -249,11 +254,7 @@ fn gguf_q4_k_to_q4_1(
     blocks: &Bound<'_, PyAny>,
     out: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
-    let blocks = TensorArg::extract("blocks", blocks)?;
-    blocks.check(&[DType::U8], blocks.shape.len().max(1))?;
-    let out = TensorArg::extract("out", out)?;
-    out.check(&[DType::U8], out.shape.len().max(1))?;
-    check_no_overlap(&out, &blocks)?;
+    let (blocks, out) = block_args(blocks, out, DType::U8)?;
     // SAFETY: both checked (dtype, CPU, contiguous), distinct; alive during the call.
     let (src, dst) = unsafe { (blocks.slice::<u8>(), out.slice_mut::<u8>()) };
     py.detach(move || crate::quant::gguf::q4_k_to_q4_1(src, dst))?;
