@@ -434,8 +434,9 @@ def dequantize_gguf(blocks: torch.Tensor, block_type: str, out: torch.Tensor) ->
 
 def gguf_to_q8_0(blocks: torch.Tensor, block_type: str, out: torch.Tensor) -> None:
     """Converts GGUF blocks of ``block_type`` (``gguf_block_types()``) to q8_0
-    blocks in ``out`` (uint8, 34 bytes per 32 weights): each block dequantized
-    and quantized again, in parallel."""
+    blocks in ``out`` (uint8, 34 bytes per 32 weights), in parallel: exactly
+    for Q8_0, Q4_0, Q5_0 and IQ4_NL, otherwise each block dequantized and
+    quantized again."""
 
 def gguf_q4_k_to_q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
     """Rewrites GGUF Q4_K super-blocks (``blocks``, uint8) as q4_1 blocks in

@@ -230,7 +230,8 @@ fn gguf_strings<'py>(
 
 /// Converts GGUF blocks of `block_type` (`gguf_block_types()`) from
 /// `blocks` (uint8) to q8_0 blocks in `out` (uint8, 34 bytes per 32
-/// weights): each block dequantized and quantized again, in parallel.
+/// weights), in parallel: exactly for Q8_0, Q4_0, Q5_0 and IQ4_NL (a scale
+/// times int8 codes), otherwise each block dequantized and quantized again.
 #[pyfunction]
 fn gguf_to_q8_0(
     py: Python<'_>,
