@@ -154,22 +154,40 @@ impl IntKernel for QuantTile<'_> {
 /// As for [`QuantTile`], inside `S`'s entry point.
 #[inline(always)]
 unsafe fn tile_rows<S: IntSimd, const R: usize>(mut t: QuantTile<'_>) {
-    let vectors = NR / S::LANES;
-    if R == 1 && vectors == 4 {
-        pass::<S, R, 4>(&mut t, 0);
+    // `q4_1`'s minimum term is compiled only into its own passes.
+    if t.format == QuantFormat::Q4_1 {
+        passes::<S, R, true>(&mut t);
     } else {
-        for v0 in (0..vectors).step_by(2) {
-            pass::<S, R, 2>(&mut t, v0);
-        }
+        passes::<S, R, false>(&mut t);
     }
 }
 
-/// Vectors `v0..v0 + V` of the panel's features for `R` rows.
+/// The passes over a panel's features (see [`tile_rows`]).
 ///
 /// # Safety
 /// As for [`tile_rows`].
 #[inline(always)]
-unsafe fn pass<S: IntSimd, const R: usize, const V: usize>(t: &mut QuantTile<'_>, v0: usize) {
+unsafe fn passes<S: IntSimd, const R: usize, const MIN: bool>(t: &mut QuantTile<'_>) {
+    let vectors = NR / S::LANES;
+    if R == 1 && vectors == 4 {
+        pass::<S, R, 4, MIN>(t, 0);
+    } else {
+        for v0 in (0..vectors).step_by(2) {
+            pass::<S, R, 2, MIN>(t, v0);
+        }
+    }
+}
+
+/// Vectors `v0..v0 + V` of the panel's features for `R` rows; `MIN`: the
+/// format has a minimum per group (`q4_1`).
+///
+/// # Safety
+/// As for [`tile_rows`].
+#[inline(always)]
+unsafe fn pass<S: IntSimd, const R: usize, const V: usize, const MIN: bool>(
+    t: &mut QuantTile<'_>,
+    v0: usize,
+) {
     let format = t.format;
     let x = t.x;
     let (groups, kp, lanes) = (x.groups, x.kp, S::LANES);
@@ -265,9 +283,8 @@ unsafe fn pass<S: IntSimd, const R: usize, const V: usize>(t: &mut QuantTile<'_>
         for (v, d) in dw.iter_mut().enumerate() {
             *d = S::load_f16(blk.add(scales + (v0 + v) * lanes * 2));
         }
-        let with_min = format == QuantFormat::Q4_1;
         let mut mw = [S::splat_f32(0.0); V];
-        if with_min {
+        if MIN {
             let mins = format.min_offset();
             for (v, m) in mw.iter_mut().enumerate() {
                 *m = S::load_f16(blk.add(mins + (v0 + v) * lanes * 2));
@@ -276,12 +293,12 @@ unsafe fn pass<S: IntSimd, const R: usize, const V: usize>(t: &mut QuantTile<'_>
         for (r, (a, row)) in acc.iter().zip(tile.iter_mut()).enumerate() {
             let rg = (i + r) * groups + g;
             let dx = S::splat_f32(x.d[rg]);
-            // q4_1: sum_c m * x_c = m * d_x * sum(q_x).
-            let sx = S::splat_f32(x.d[rg] * x.sum[rg] as f32);
             for v in 0..V {
                 let p = row.as_mut_ptr().add((v0 + v) * lanes);
                 let mut scaled = S::fmadd(S::to_f32(a[v]), S::mul(dw[v], dx), S::load_f32(p));
-                if with_min {
+                if MIN {
+                    // sum_c m * x_c = m * d_x * sum(q_x).
+                    let sx = S::splat_f32(x.d[rg] * x.sum[rg] as f32);
                     scaled = S::fmadd(mw[v], sx, scaled);
                 }
                 S::store_f32(p, scaled);
