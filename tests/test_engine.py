@@ -314,3 +314,37 @@ def test_cpu_gemm_mode_is_validated(monkeypatch):
     monkeypatch.setenv("FASTLLM_CPU_GEMM", "fast")
     with pytest.raises(ValueError, match="FASTLLM_CPU_GEMM='fast'"):
         should_pack("cpu", torch.float32)
+
+
+def test_interrupted_generation_returns_blocks_cut_off_from_their_sequence(llama, monkeypatch):
+    """A Ctrl-C between a block's allocation and its sequence's block table
+    (simulated: the allocation raises KeyboardInterrupt after taking blocks)
+    leaves no block held once generate has raised."""
+    _, llama = llama
+    engine = llama.llm_engine
+    total = engine.kv.num_free_blocks
+    pool = engine.kv.pool
+    real = pool.allocate_many
+    calls = {"n": 0}
+
+    class Pool:
+        """The engine's pool, whose third allocation is interrupted after it took its blocks."""
+
+        def __getattr__(self, name):
+            return getattr(pool, name)
+
+        def allocate_many(self, n):
+            calls["n"] += 1
+            got = real(n)
+            if calls["n"] == 3:
+                raise KeyboardInterrupt
+            return got
+
+    monkeypatch.setattr(engine.kv, "pool", Pool())
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    with pytest.raises(KeyboardInterrupt):
+        llama.generate(["def f(x):", "import os", "class A:"], params, use_tqdm=False)
+    assert calls["n"] >= 3
+    assert engine.kv.num_free_blocks == total
+    assert not engine.has_unfinished_requests()
+    assert llama.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs

@@ -353,6 +353,25 @@ class LLMEngine:
         self.output_processor.release(req)
         return out
 
+    def reclaim_blocks(self) -> int:
+        """With no request left, returns to the pool every KV block still held:
+        blocks an interrupt (Ctrl-C) cut off between their allocation and their
+        sequence's block table, which no request can free. Returns how many
+        references were dropped; does nothing while any request is unfinished."""
+        if self.has_unfinished_requests():
+            return 0
+        pool = self.kv.pool
+        dropped = 0
+        if pool.num_free_blocks() == pool.num_blocks:
+            return 0  # the usual case: nothing held
+        for block in range(pool.num_blocks):
+            while pool.ref_count(block) > 0:
+                pool.free(block)
+                dropped += 1
+        if dropped:
+            logger.info("returned %d KV block reference(s) an interrupt had cut off", dropped)
+        return dropped
+
     def has_unfinished_requests(self) -> bool:
         """Whether any request is still waiting or running."""
         return self.scheduler.has_unfinished()
