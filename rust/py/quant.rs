@@ -173,19 +173,26 @@ impl PyQuantizedLinear {
     }
 }
 
-/// The (uint8 blocks, `out` of `out_dtype`) arguments of a block
-/// conversion: both checked (CPU, contiguous) and not overlapping.
-fn block_args(
+/// Runs the block conversion `f(blocks, out)` without the GIL, once
+/// `blocks` (uint8) and `out` (`out_dtype`, whose elements are `T`) are
+/// checked (CPU, contiguous) and known not to share memory.
+fn convert_blocks<T: Send>(
+    py: Python<'_>,
     blocks: &Bound<'_, PyAny>,
     out: &Bound<'_, PyAny>,
     out_dtype: DType,
-) -> PyResult<(TensorArg, TensorArg)> {
+    f: impl FnOnce(&[u8], &mut [T]) -> crate::error::CoreResult<()> + Send,
+) -> PyResult<()> {
     let blocks = TensorArg::extract("blocks", blocks)?;
     blocks.check(&[DType::U8], blocks.shape.len().max(1))?;
     let out = TensorArg::extract("out", out)?;
     out.check(&[out_dtype], out.shape.len().max(1))?;
     check_no_overlap(&out, &blocks)?;
-    Ok((blocks, out))
+    // SAFETY: both checked (dtype, CPU, contiguous), distinct; the caller
+    // keeps them alive during the call, and `T` is `out_dtype`'s element.
+    let (src, dst) = unsafe { (blocks.slice::<u8>(), out.slice_mut::<T>()) };
+    py.detach(move || f(src, dst))?;
+    Ok(())
 }
 
 /// Dequantizes GGUF blocks of `block_type` ("Q4_K", "Q6_K", "Q5_0", ...;
@@ -199,11 +206,9 @@ fn dequantize_gguf(
     out: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
     let kind = BlockType::parse(block_type).map_err(PyValueError::new_err)?;
-    let (blocks, out) = block_args(blocks, out, DType::F32)?;
-    // SAFETY: both checked (dtype, CPU, contiguous), distinct; alive during the call.
-    let (src, dst) = unsafe { (blocks.slice::<u8>(), out.slice_mut::<f32>()) };
-    py.detach(move || crate::quant::gguf::dequantize(kind, src, dst))?;
-    Ok(())
+    convert_blocks(py, blocks, out, DType::F32, move |src, dst: &mut [f32]| {
+        crate::quant::gguf::dequantize(kind, src, dst)
+    })
 }
 
 /// The `count` strings of a GGUF string array at byte `offset` of `data`
@@ -240,11 +245,9 @@ fn gguf_to_q8_0(
     out: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
     let kind = BlockType::parse(block_type).map_err(PyValueError::new_err)?;
-    let (src, dst) = block_args(blocks, out, DType::U8)?;
-    // SAFETY: both checked (dtype, CPU, contiguous), distinct; alive during the call.
-    let (s, d) = unsafe { (src.slice::<u8>(), dst.slice_mut::<u8>()) };
-    py.detach(move || crate::quant::gguf::to_q8_0(kind, s, d))?;
-    Ok(())
+    convert_blocks(py, blocks, out, DType::U8, move |src, dst: &mut [u8]| {
+        crate::quant::gguf::to_q8_0(kind, src, dst)
+    })
 }
 
 /// Rewrites GGUF Q4_K super-blocks (`blocks`, uint8) as q4_1 blocks in
@@ -255,11 +258,7 @@ fn gguf_q4_k_to_q4_1(
     blocks: &Bound<'_, PyAny>,
     out: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
-    let (blocks, out) = block_args(blocks, out, DType::U8)?;
-    // SAFETY: both checked (dtype, CPU, contiguous), distinct; alive during the call.
-    let (src, dst) = unsafe { (blocks.slice::<u8>(), out.slice_mut::<u8>()) };
-    py.detach(move || crate::quant::gguf::q4_k_to_q4_1(src, dst))?;
-    Ok(())
+    convert_blocks(py, blocks, out, DType::U8, crate::quant::gguf::q4_k_to_q4_1)
 }
 
 /// GGUF block types `dequantize_gguf` reads.

@@ -197,23 +197,48 @@ fn dequantize_one(kind: BlockType, b: &[u8], out: &mut [f32]) {
 /// which must hold exactly the blocks' values; runs on the kernels' threads.
 pub fn dequantize(kind: BlockType, blocks: &[u8], out: &mut [f32]) -> CoreResult<()> {
     let (len, bytes) = (kind.block_len(), kind.block_bytes());
-    if !blocks.len().is_multiple_of(bytes) || blocks.len() / bytes * len != out.len() {
+    let what = format!("{kind:?} to f32");
+    per_block_chunks(
+        &what,
+        blocks,
+        bytes,
+        out,
+        len,
+        (1 << 16) / len,
+        |src, out| {
+            for (y, b) in out.chunks_exact_mut(len).zip(src.chunks_exact(bytes)) {
+                dequantize_one(kind, b, y);
+            }
+        },
+    )
+}
+
+/// Runs `f` over matching chunks of `per_task` blocks of `src` (blocks of
+/// `src_block` bytes) and of `out` (`out_block` items per block), in
+/// parallel on the kernels' threads, once `src` is seen to hold whole
+/// blocks and `out` exactly their output; `what` names the conversion in
+/// the error.
+fn per_block_chunks<T: Send>(
+    what: &str,
+    src: &[u8],
+    src_block: usize,
+    out: &mut [T],
+    out_block: usize,
+    per_task: usize,
+    f: impl Fn(&[u8], &mut [T]) + Sync,
+) -> CoreResult<()> {
+    if !src.len().is_multiple_of(src_block) || src.len() / src_block * out_block != out.len() {
         return Err(CoreError::invalid(format!(
-            "{kind:?}: {} bytes of blocks do not hold the {} values of the output",
-            blocks.len(),
+            "{what}: {} bytes of blocks do not match an output of {} items",
+            src.len(),
             out.len()
         )));
     }
-    // Chunks of blocks per task: enough work to be worth a task.
-    let per_task = (1 << 16) / len;
+    let per_task = per_task.max(1);
     crate::cpu::threads::install(|| {
-        out.par_chunks_mut(per_task * len)
-            .zip(blocks.par_chunks(per_task * bytes))
-            .for_each(|(out, src)| {
-                for (y, b) in out.chunks_exact_mut(len).zip(src.chunks_exact(bytes)) {
-                    dequantize_one(kind, b, y);
-                }
-            });
+        out.par_chunks_mut(per_task * out_block)
+            .zip(src.par_chunks(per_task * src_block))
+            .for_each(|(out, src)| f(src, out));
     });
     Ok(())
 }
@@ -224,25 +249,17 @@ pub fn dequantize(kind: BlockType, blocks: &[u8], out: &mut [f32]) -> CoreResult
 /// otherwise each block dequantized and quantized again.
 pub fn to_q8_0(kind: BlockType, blocks: &[u8], out: &mut [u8]) -> CoreResult<()> {
     let (len, bytes) = (kind.block_len(), kind.block_bytes());
-    let q8 = QuantFormat::Q8_0.block_bytes();
-    let out_per_block = len / GROUP * q8;
-    if !blocks.len().is_multiple_of(bytes) || blocks.len() / bytes * out_per_block != out.len() {
-        return Err(CoreError::invalid(format!(
-            "{kind:?}: {} bytes of blocks do not match {} bytes of q8_0 blocks",
-            blocks.len(),
-            out.len()
-        )));
-    }
-    let per_task = (1 << 14) / len;
-    crate::cpu::threads::install(|| {
-        out.par_chunks_mut(per_task * out_per_block)
-            .zip(blocks.par_chunks(per_task * bytes))
-            .for_each(|(out, src)| {
-                let task = ToQ8 { kind, src, out };
-                crate::cpu::simd::dispatch(crate::cpu::best_path(), task)
-            });
-    });
-    Ok(())
+    let out_block = len / GROUP * QuantFormat::Q8_0.block_bytes();
+    let what = format!("{kind:?} to q8_0");
+    per_block_chunks(
+        &what,
+        blocks,
+        bytes,
+        out,
+        out_block,
+        (1 << 14) / len,
+        |src, out| crate::cpu::simd::dispatch(crate::cpu::best_path(), ToQ8 { kind, src, out }),
+    )
 }
 
 /// Whether `kind` converts to `q8_0` exactly: its weights are `d` times
@@ -343,35 +360,22 @@ pub fn q4_k_to_q4_1(src: &[u8], out: &mut [u8]) -> CoreResult<()> {
         BlockType::Q4K.block_bytes(),
         8 * QuantFormat::Q4_1.block_bytes(),
     );
-    if !src.len().is_multiple_of(sb) || src.len() / sb * ob != out.len() {
-        return Err(CoreError::invalid(format!(
-            "Q4_K: {} bytes of blocks do not match {} bytes of q4_1 blocks",
-            src.len(),
-            out.len()
-        )));
-    }
-    let per_task = 256;
-    crate::cpu::threads::install(|| {
-        out.par_chunks_mut(per_task * ob)
-            .zip(src.par_chunks(per_task * sb))
-            .for_each(|(out, src)| {
-                for (o, b) in out.chunks_exact_mut(ob).zip(src.chunks_exact(sb)) {
-                    let (d, dmin) = (half(b, 0), half(b, 2));
-                    let (scales, qs) = (&b[4..16], &b[16..144]);
-                    for (sub, block) in o.chunks_exact_mut(ob / 8).enumerate() {
-                        let (sc, mn) = scale_min(scales, sub);
-                        block[..2].copy_from_slice(&f16::from_f32(d * sc).to_le_bytes());
-                        block[2..4].copy_from_slice(&f16::from_f32(-dmin * mn).to_le_bytes());
-                        let q = &qs[sub / 2 * 32..sub / 2 * 32 + 32];
-                        let code = |l: usize| if sub % 2 == 0 { q[l] & 15 } else { q[l] >> 4 };
-                        for i in 0..GROUP / 2 {
-                            block[4 + i] = code(i) | (code(i + GROUP / 2) << 4);
-                        }
-                    }
+    per_block_chunks("Q4_K to q4_1", src, sb, out, ob, 256, |src, out| {
+        for (o, b) in out.chunks_exact_mut(ob).zip(src.chunks_exact(sb)) {
+            let (d, dmin) = (half(b, 0), half(b, 2));
+            let (scales, qs) = (&b[4..16], &b[16..144]);
+            for (sub, block) in o.chunks_exact_mut(ob / 8).enumerate() {
+                let (sc, mn) = scale_min(scales, sub);
+                block[..2].copy_from_slice(&f16::from_f32(d * sc).to_le_bytes());
+                block[2..4].copy_from_slice(&f16::from_f32(-dmin * mn).to_le_bytes());
+                let q = &qs[sub / 2 * 32..sub / 2 * 32 + 32];
+                let code = |l: usize| if sub % 2 == 0 { q[l] & 15 } else { q[l] >> 4 };
+                for i in 0..GROUP / 2 {
+                    block[4 + i] = code(i) | (code(i + GROUP / 2) << 4);
                 }
-            });
-    });
-    Ok(())
+            }
+        }
+    })
 }
 
 /// The `count` length-prefixed strings (u64 length, then the bytes) of a

@@ -206,28 +206,27 @@ def _unpermute_rows(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, head_dim // 2, 2).transpose(0, 2, 1).reshape(-1)
 
 
-def _matrix_bytes(gguf: GGUFFile, info: TensorInfo, heads: int | None) -> np.ndarray:
-    """The blocks of a matrix as [rows, bytes per row], rows un-permuted."""
-    data = gguf.data(info.name).reshape(info.rows, -1)
+def _blocks(gguf: GGUFFile, info: TensorInfo, heads: int | None) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 CPU tensor, rows un-permuted; it views
+    the file's mapping (read-only) unless its rows were reordered."""
+    data = gguf.data(info.name)
     if heads is not None:
-        data = data[_unpermute_rows(info.rows, heads)]
-    return data
+        rows = data.reshape(info.rows, -1)[_unpermute_rows(info.rows, heads)]
+        data = rows.reshape(-1)
+    return _readonly_tensor(data)
+
+
+_FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def _float_tensor(gguf: GGUFFile, info: TensorInfo, heads: int | None) -> torch.Tensor:
-    """A float tensor (any GGUF type) as a float32 or bf16 CPU tensor, owning its memory."""
-    kind = info.type.name
-    if kind in FLOAT_TYPES:
-        raw = _matrix_bytes(gguf, info, heads) if len(info.shape) == 2 else gguf.data(info.name)
-        view = {"F32": "<f4", "F16": "<f2", "BF16": "<i2"}[kind]
-        arr = np.ascontiguousarray(raw).view(view).reshape(info.shape)
-        t = torch.from_numpy(
-            arr.copy() if arr.base is not None and not arr.flags.writeable else arr
-        )
-        return t.view(torch.bfloat16) if kind == "BF16" else t
+    """A float tensor (any GGUF type) as a CPU tensor owning its memory: its own
+    float type, or float32 dequantized."""
+    raw = _blocks(gguf, info, heads)
+    if info.type.name in FLOAT_TYPES:
+        return raw.view(_FLOAT_DTYPES[info.type.name]).reshape(info.shape).clone()
     out = torch.empty(info.shape, dtype=torch.float32)
-    blocks = _readonly_tensor(np.ascontiguousarray(_matrix_bytes(gguf, info, heads)).reshape(-1))
-    _core.dequantize_gguf(blocks, kind, out)
+    _core.dequantize_gguf(raw, info.type.name, out)
     return out
 
 
@@ -244,7 +243,7 @@ def _quantized(
         fmt = formats.pop()
         parts = []
         for s, h in zip(param.sources, param.permute, strict=True):
-            blocks = _readonly_tensor(np.ascontiguousarray(_matrix_bytes(gguf, s, h)).reshape(-1))
+            blocks = _blocks(gguf, s, h)
             if s.type.name in REWRITTEN_TYPES:
                 rewritten = torch.empty(blocks.numel() // 144 * 160, dtype=torch.uint8)
                 _core.gguf_q4_k_to_q4_1(blocks, rewritten)
@@ -275,7 +274,7 @@ def _quantized(
     # whole matrix and quantizing it, without the float copy.
     parts = []
     for s, h in zip(param.sources, param.permute, strict=True):
-        blocks = _readonly_tensor(np.ascontiguousarray(_matrix_bytes(gguf, s, h)).reshape(-1))
+        blocks = _blocks(gguf, s, h)
         if s.type.name != "Q8_0":
             q8 = torch.empty(s.rows * (s.shape[-1] // 32) * 34, dtype=torch.uint8)
             _core.gguf_to_q8_0(blocks, s.type.name, q8)
