@@ -194,13 +194,7 @@ class LLMEngine:
             from fastllm.gguf.loader import load_gguf_model
 
             model, report = load_gguf_model(mc, gguf, self.dtype, device)
-            self.gguf = {
-                "file": folder,
-                "tensor_types": report.tensor_types,
-                "converted": {**report.converted, **report.fused_with},
-                "rewritten": report.rewritten,
-                "exact": report.exact,
-            }
+            self.gguf = report.summary(folder)
         if self.quantization is not None:
             from fastllm.layers.quantization import quantize_model
 

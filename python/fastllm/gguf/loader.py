@@ -28,6 +28,7 @@ import logging
 import re
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -156,6 +157,17 @@ class LoadReport:
     # tensors converted to q8_0 exactly (the same weights), by type
     exact: dict[str, int] = field(default_factory=dict)
     quantized_bytes: int = 0
+
+    def summary(self, path: str) -> dict[str, Any]:
+        """The engine's ``gguf`` info (JSON-ready): the file, its tensor types and
+        what was converted (``fastllm.gguf.describe_tensor_types`` words it)."""
+        return {
+            "file": path,
+            "tensor_types": self.tensor_types,
+            "converted": {**self.converted, **self.fused_with},
+            "rewritten": self.rewritten,
+            "exact": self.exact,
+        }
 
 
 def _plan(model: nn.Module, gguf: GGUFFile, arch: str, config: ModelConfig) -> list[_Param]:
