@@ -15,21 +15,14 @@ import pytest
 
 ray = pytest.importorskip("ray", reason='needs the ray extra: pip install "fastllm[ray]"')
 
-PYTHON_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
-# Small KV caches: several engines share this machine's memory.
-ENGINE = {"kv_cache_memory_bytes": 16 << 20, "max_model_len": 256}
+from ray_helpers import ENGINE, PYTHON_DIR, start_local_cluster  # noqa: E402
+
 WORDS = "the of and to in is that for it as with was on be by this are or from at".split()
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    os.environ["FASTLLM_NUM_THREADS"] = "1"
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": PYTHON_DIR, "FASTLLM_NUM_THREADS": "1"}},
-    )
+    start_local_cluster()
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield
     ray.shutdown()

@@ -5,7 +5,6 @@ one thread each, measured against each other."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import socket
@@ -24,9 +23,8 @@ from fastllm.ray.routing import (  # noqa: E402
     rendezvous_order,
     routing_token_ids,
 )
+from ray_helpers import ENGINE, start_local_cluster  # noqa: E402
 
-PYTHON_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
-ENGINE = {"kv_cache_memory_bytes": 16 << 20, "max_model_len": 256}
 BS = 16  # the engine's default KV block size
 
 # ---- the routing functions ------------------------------------------------------------
@@ -172,13 +170,7 @@ def test_routing_tokens_equal_the_engines_prompt_tokens(reference):
 
 @pytest.fixture(scope="module")
 def cluster():
-    os.environ["FASTLLM_NUM_THREADS"] = "1"
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": PYTHON_DIR, "FASTLLM_NUM_THREADS": "1"}},
-    )
+    start_local_cluster()
     yield
     from ray import serve
 
