@@ -71,14 +71,7 @@ def main() -> None:
     if args.vs_fp32:
         vs_fp32(args)
         return
-    if args.threads:
-        # Read by the Rust pool when it first runs a kernel: set before any call.
-        os.environ["FASTLLM_NUM_THREADS"] = str(args.threads)
-    ms = [int(v) for v in args.ms.split(",")]
-    threads = _core.num_threads()
-    torch.set_num_threads(threads)
-    paths = [p for p in args.paths.split(",") if p in _core.gemm_paths()]
-    paths = paths or [_core.gemm_default_path()]
+    ms, threads, paths = _setup(args)
     print(
         f"threads={threads}  rust paths={paths}  torch {torch.__version__}  "
         f"default path: {_core.gemm_default_path()}"
@@ -170,16 +163,22 @@ def main() -> None:
     print("spread = largest (max - min) / median over the repeats of any column: the noise.")
 
 
-def vs_fp32(args) -> None:
-    """The ``--vs-fp32`` table: GFLOP/s of each path on bf16 and f32 weights
-    and of torch's float32 ``F.linear``, with torch's time over each."""
+def _setup(args) -> tuple[list[int], int, list[str]]:
+    """(row counts, threads, Rust paths) of a run; sets the kernels' threads."""
     if args.threads:
+        # Read by the Rust pool when it first runs a kernel: set before any call.
         os.environ["FASTLLM_NUM_THREADS"] = str(args.threads)
     ms = [int(v) for v in args.ms.split(",")]
     threads = _core.num_threads()
     torch.set_num_threads(threads)
     paths = [p for p in args.paths.split(",") if p in _core.gemm_paths()]
-    paths = paths or [_core.gemm_default_path()]
+    return ms, threads, paths or [_core.gemm_default_path()]
+
+
+def vs_fp32(args) -> None:
+    """The ``--vs-fp32`` table: GFLOP/s of each path on bf16 and f32 weights
+    and of torch's float32 ``F.linear``, with torch's time over each."""
+    ms, threads, paths = _setup(args)
     isa_env = {v: os.environ.get(v) for v in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")}
     print(
         f"threads={threads}  rust paths={paths}  torch {torch.__version__} "

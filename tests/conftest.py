@@ -24,23 +24,29 @@ def _corpus():
             yield f.read()
 
 
-@pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory) -> str:
-    """A folder with tokenizer.json (byte-level BPE, 512 tokens) and tokenizer_config.json."""
+def train_byte_level_bpe(vocab_size: int):
+    """A byte-level BPE ``tokenizers.Tokenizer`` of ``vocab_size`` tokens (the
+    specials included), trained on the standard library's sources."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    out = tmp_path_factory.mktemp("tokenizer")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=512,
+        vocab_size=vocab_size,
         special_tokens=SPECIALS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
-    tok.save(str(out / "tokenizer.json"))
+    return tok
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> str:
+    """A folder with tokenizer.json (byte-level BPE, 512 tokens) and tokenizer_config.json."""
+    out = tmp_path_factory.mktemp("tokenizer")
+    train_byte_level_bpe(512).save(str(out / "tokenizer.json"))
     cfg = {
         "eos_token": "<|endoftext|>",
         "pad_token": "<|endoftext|>",

@@ -193,22 +193,10 @@ def test_grammar_outputs_parse(llm):
 def big_tokenizer(tmp_path_factory) -> str:
     """A byte-level BPE tokenizer.json of 8,192 tokens (multi-token keys and
     numbers, so forced text has several tokenizations to choose from)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from conftest import train_byte_level_bpe
 
-    from conftest import SPECIALS, _corpus
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=8192,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
     path = tmp_path_factory.mktemp("big-tokenizer") / "tokenizer.json"
-    tok.save(str(path))
+    train_byte_level_bpe(8192).save(str(path))
     return str(path)
 
 
