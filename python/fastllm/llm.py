@@ -193,7 +193,6 @@ class LLM:
         finally:
             if req.request_id in engine.requests:
                 engine.abort_request(req.request_id)
-                engine.reclaim_blocks()
 
     # ---- helpers --------------------------------------------------------
 
@@ -275,7 +274,6 @@ class LLM:
         except BaseException:
             for rid in list(order):
                 engine.abort_request(rid)
-            engine.reclaim_blocks()
             raise
         finally:
             if progress is not None:

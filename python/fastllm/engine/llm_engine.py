@@ -336,7 +336,8 @@ class LLMEngine:
         return out
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stops a request now; its blocks return to the pool."""
+        """Stops a request now; its blocks return to the pool (and, once no
+        request is left, any block an interrupt cut off: ``reclaim_blocks``)."""
         req = self.requests.get(request_id)
         if req is None:
             return None
@@ -345,6 +346,7 @@ class LLMEngine:
                 self.scheduler.stop(seq, "abort")
         out = self.output_processor.output(req, finished=True)
         self.output_processor.release(req)
+        self.reclaim_blocks()
         return out
 
     def reclaim_blocks(self) -> int:
