@@ -2,7 +2,8 @@
 
 It plays the model runner's part in miniature: one cache pair per attention
 layer, blocks handed out from a shuffled free list (so block tables are not
-contiguous), and the ``AttentionMetadata`` of each step built from scratch.
+contiguous), the decoder stack where the engine would build one, and the
+``AttentionMetadata`` of each step built from scratch.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class PagedRunner:
         block_size: int = 4,
         num_blocks: int = 64,
         seed: int = 0,
+        fuse: bool = True,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
@@ -34,6 +36,13 @@ class PagedRunner:
             # NaN-filled so that reading a slot never written is caught by the comparison.
             layer.k_cache = torch.full(shape, float("nan"), dtype=dtype, device=self.device)
             layer.v_cache = torch.full(shape, float("nan"), dtype=dtype, device=self.device)
+        # As the engine's model runner: a packed CPU Llama-family model runs its
+        # decoder layers as one Rust stack (``fuse=False`` keeps them one by one).
+        self.fused = False
+        if fuse and hasattr(model, "fuse_decoder_layers"):
+            self.fused = model.fuse_decoder_layers()
+        elif hasattr(model, "decoder_stack"):
+            model.decoder_stack = None
         self.free = list(range(1, num_blocks))  # block 0 only pads block tables
         random.Random(seed).shuffle(self.free)
         self.blocks: dict[int, list[int]] = {}

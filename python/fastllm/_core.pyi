@@ -418,6 +418,49 @@ class QuantizedLinear:
     def to_blocks(self) -> bytes:
         """The weights as GGUF blocks (rows padded to whole groups)."""
 
+class DecoderStack:
+    """Every decoder layer of a Llama-family model, run in one call per step.
+
+    ``layers``: one dict per layer with ``input_norm``, ``post_norm``
+    ([hidden]), ``q_norm``, ``k_norm`` ([head_dim] or None, both or neither),
+    ``qkv``, ``o``, ``gate_up``, ``down`` (``PackedLinear`` or
+    ``QuantizedLinear``, biases inside; shared, not copied), ``key_cache``,
+    ``value_cache`` ([blocks, kv_heads, block_size, head_dim]) and
+    ``sliding_window`` (0: none). Norms and caches share one dtype (bf16 or
+    f32); the stack keeps every tensor alive and checks them all here.
+    """
+
+    num_layers: int
+
+    def __init__(
+        self,
+        layers: list[dict[str, object]],
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary_dim: int,
+        intermediate_size: int,
+        eps: float,
+        scale: float,
+    ) -> None: ...
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+    ) -> None:
+        """Runs every layer on ``x`` [tokens, hidden] in place: RMSNorm,
+        q/k/v (+ per-head q/k norm), rotary (``cos`` / ``sin`` [tokens,
+        rotary_dim / 2]), the cache write at ``slot_mapping`` (int64), paged
+        attention (int32 ``block_tables`` / ``seq_lens`` / ``query_start_loc``),
+        output projection and residual, RMSNorm, SiLU-gated MLP and residual;
+        the same kernels and roundings as the layer-by-layer ops. Releases the GIL."""
+
 def quant_paths() -> list[str]:
     """Names of the integer kernel paths this CPU runs (subset of scalar, avx2, avxvnni,
     avx512, avx512vnni)."""

@@ -21,7 +21,7 @@ mod kernel;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-use rayon::prelude::*;
+use std::sync::Mutex;
 
 pub use crate::cpu::Element;
 use crate::cpu::{simd, Path};
@@ -231,10 +231,10 @@ unsafe impl<T: Send> Send for OutPtr<T> {}
 unsafe impl<T: Send> Sync for OutPtr<T> {}
 
 /// Multiply-adds (query rows x keys x head size) below which a call runs
-/// single-threaded. Measured on 2 cores (14 heads, head size 64): a batch-1
-/// decode over 1024 keys (~0.9M) is ~15% faster split, one over 128 keys
-/// (~0.1M) is not (the pool wake-up costs ~20-40 µs).
-const SERIAL_WORK: usize = 1 << 18;
+/// single-threaded. The tasks run on the thread team, whose helpers are
+/// still spinning from the linear layer before (a hand-out costs about a
+/// microsecond); below this the work itself takes only a few.
+const SERIAL_WORK: usize = 1 << 14;
 
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn paged_attention_with<T: Element>(
@@ -277,42 +277,68 @@ pub(crate) fn paged_attention_with<T: Element>(
     };
     let out_ptr = OutPtr(out.as_mut_ptr());
     let problem = &problem;
-    let run_item = |item: &Item, parallel: bool| {
-        if item.parts <= 1 {
-            let mut state = PartialState::new(item.rows(group), d);
-            attend(problem, item, item.key_lo, item.key_hi, &mut state);
-            state.finish();
-            // SAFETY: this item owns its rows of `out` (validated shape).
-            unsafe { write_rows(problem, item, &state, out_ptr) };
-        } else {
-            let bounds = partition_bounds(item, shape.block_size);
-            let part = |&(lo, hi): &(usize, usize)| {
-                let mut state = PartialState::new(item.rows(group), d);
-                attend(problem, item, lo, hi, &mut state);
-                state
-            };
-            let states: Vec<PartialState> = if parallel {
-                bounds.par_iter().map(part).collect()
+    // Tasks are (item, key range) pairs: an item whose keys are split into
+    // partitions is one task per partition, merged once all have run.
+    let tasks: Vec<(usize, usize, usize)> = items
+        .iter()
+        .enumerate()
+        .flat_map(|(i, item)| {
+            let bounds = if item.parts <= 1 {
+                vec![(item.key_lo, item.key_hi)]
             } else {
-                bounds.iter().map(part).collect()
+                partition_bounds(item, shape.block_size)
             };
-            let merged = PartialState::merge(states, item.rows(group), d);
-            // SAFETY: as above.
-            unsafe { write_rows(problem, item, &merged, out_ptr) };
+            bounds.into_iter().map(move |(lo, hi)| (i, lo, hi))
+        })
+        .collect();
+    let run_task = |t: usize| -> Option<PartialState> {
+        let (i, lo, hi) = tasks[t];
+        let item = &items[i];
+        let mut state = PartialState::new(item.rows(group), d);
+        attend(problem, item, lo, hi, &mut state);
+        if item.parts > 1 {
+            return Some(state);
         }
+        state.finish();
+        // SAFETY: this item owns its rows of `out` (validated shape), and
+        // it is this item's only task.
+        unsafe { write_rows(problem, item, &state, out_ptr) };
+        None
     };
-    // Small steps (a decode of one short sequence) run on the calling thread:
-    // waking the pool costs more than the work.
+    // Small steps run on the calling thread: handing out the tasks costs
+    // more than the work.
     let work: usize = items
         .iter()
         .map(|it| it.rows(group) * (it.key_hi - it.key_lo) * d)
         .sum();
-    if work < SERIAL_WORK || plan.threads <= 1 {
-        items.iter().for_each(|item| run_item(item, false));
-    } else {
-        crate::cpu::threads::install(|| {
-            items.par_iter().for_each(|item| run_item(item, true));
-        });
+    let partials: Vec<Option<PartialState>> =
+        if work < SERIAL_WORK || plan.threads <= 1 || tasks.len() < 2 {
+            (0..tasks.len()).map(run_task).collect()
+        } else {
+            let slots: Vec<Mutex<Option<PartialState>>> =
+                tasks.iter().map(|_| Mutex::new(None)).collect();
+            crate::cpu::threads::team_run(tasks.len(), &|t| {
+                let state = run_task(t);
+                *slots[t].lock().unwrap_or_else(|p| p.into_inner()) = state;
+            })?;
+            slots
+                .into_iter()
+                .map(|m| m.into_inner().unwrap_or_else(|p| p.into_inner()))
+                .collect()
+        };
+    // Merge the partitions of each split item, in key order.
+    let mut by_item: Vec<Vec<PartialState>> = items.iter().map(|_| Vec::new()).collect();
+    for ((i, _, _), state) in tasks.iter().zip(partials) {
+        if let Some(state) = state {
+            by_item[*i].push(state);
+        }
+    }
+    for (item, states) in items.iter().zip(by_item) {
+        if item.parts > 1 {
+            let merged = PartialState::merge(states, item.rows(group), d);
+            // SAFETY: as above; the item's tasks have all finished.
+            unsafe { write_rows(problem, item, &merged, out_ptr) };
+        }
     }
     Ok(())
 }

@@ -22,6 +22,10 @@ pub trait Element: Copy + Send + Sync + 'static {
     }
     /// The slice itself when the type already is f32 (no copy needed).
     fn as_f32_slice(s: &[Self]) -> Option<&[f32]>;
+    /// The slice as a kernel source.
+    fn src(s: &[Self]) -> Src<'_>;
+    /// The slice as a kernel destination.
+    fn dst(s: &mut [Self]) -> Dst<'_>;
 }
 
 impl Element for f32 {
@@ -36,6 +40,12 @@ impl Element for f32 {
     #[inline(always)]
     fn as_f32_slice(s: &[Self]) -> Option<&[f32]> {
         Some(s)
+    }
+    fn src(s: &[Self]) -> Src<'_> {
+        Src::F32(s)
+    }
+    fn dst(s: &mut [Self]) -> Dst<'_> {
+        Dst::F32(s)
     }
 }
 
@@ -52,6 +62,12 @@ impl Element for bf16 {
     #[inline(always)]
     fn as_f32_slice(_: &[Self]) -> Option<&[f32]> {
         None
+    }
+    fn src(s: &[Self]) -> Src<'_> {
+        Src::Bf16(s)
+    }
+    fn dst(s: &mut [Self]) -> Dst<'_> {
+        Dst::Bf16(s)
     }
 }
 

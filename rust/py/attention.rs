@@ -32,7 +32,7 @@ fn expect_same_dtype(t: &TensorArg, like: &TensorArg) -> PyResult<()> {
 }
 
 /// Checks the two cache tensors and returns their shape.
-fn cache_shape(kc: &TensorArg, vc: &TensorArg) -> PyResult<CacheShape> {
+pub(super) fn cache_shape(kc: &TensorArg, vc: &TensorArg) -> PyResult<CacheShape> {
     kc.check(&[DType::F32, DType::BF16], 4)?;
     vc.check(&[DType::F32, DType::BF16], 4)?;
     expect_same_dtype(vc, kc)?;

@@ -1,15 +1,25 @@
 //! The packed-weight GEMM (`PackedLinear`).
 
+use std::sync::Arc;
+
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::tensor::{check_no_overlap, kernel_dst, kernel_src, DType, TensorArg};
+use crate::layers::decoder::LinearWeight;
 
 /// A linear layer's weight (and bias) packed for the CPU GEMM kernel.
 #[pyclass(name = "PackedLinear", module = "fastllm._core", frozen)]
-struct PyPackedLinear {
-    inner: crate::gemm::PackedWeight,
+pub(super) struct PyPackedLinear {
+    inner: Arc<crate::gemm::PackedWeight>,
     path: crate::cpu::Path,
+}
+
+impl PyPackedLinear {
+    /// The weights and path, shared (the decoder stack runs them too).
+    pub(super) fn weight(&self) -> LinearWeight {
+        LinearWeight::Float(self.inner.clone(), self.path)
+    }
 }
 
 #[pymethods]
@@ -37,7 +47,10 @@ impl PyPackedLinear {
         // and the caller keeps them alive during the call.
         let (ws, bs) = unsafe { (kernel_src(&weight), bias.as_ref().map(|b| kernel_src(b))) };
         let inner = py.detach(move || crate::gemm::PackedWeight::pack(ws, bs, n, k))?;
-        Ok(PyPackedLinear { inner, path })
+        Ok(PyPackedLinear {
+            inner: Arc::new(inner),
+            path,
+        })
     }
 
     /// out [M, out_features] = x [M, in_features] @ weight^T + bias.

@@ -12,6 +12,7 @@ use crate::error::CoreError;
 
 mod attention;
 mod cuda;
+mod decoder;
 mod gemm;
 mod kv;
 mod layers;
@@ -45,5 +46,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     gemm::register(m)?;
     layers::register(m)?;
     quant::register(m)?;
+    decoder::register(m)?;
     Ok(())
 }

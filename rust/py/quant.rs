@@ -1,5 +1,7 @@
 //! The quantized-weight GEMM (`QuantizedLinear`).
 
+use std::sync::Arc;
+
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
@@ -7,14 +9,22 @@ use pyo3::types::{PyBytes, PyList};
 use super::gemm::{bias_arg, linear_args};
 use super::tensor::{check_no_overlap, kernel_dst, kernel_src, DType, TensorArg};
 use crate::cpu::IntPath;
+use crate::layers::decoder::LinearWeight;
 use crate::quant::gguf::BlockType;
 use crate::quant::{QuantFormat, QuantWeight};
 
 /// A linear layer's weight quantized to 8 or 4 bits for the integer kernels.
 #[pyclass(name = "QuantizedLinear", module = "fastllm._core", frozen)]
-struct PyQuantizedLinear {
-    inner: QuantWeight,
+pub(super) struct PyQuantizedLinear {
+    inner: Arc<QuantWeight>,
     path: IntPath,
+}
+
+impl PyQuantizedLinear {
+    /// The weights and path, shared (the decoder stack runs them too).
+    pub(super) fn weight(&self) -> LinearWeight {
+        LinearWeight::Quant(self.inner.clone(), self.path)
+    }
 }
 
 fn parse(format: &str, path: Option<&str>) -> PyResult<(QuantFormat, IntPath)> {
@@ -49,7 +59,10 @@ impl PyQuantizedLinear {
         // and the caller keeps them alive during the call.
         let (ws, bs) = unsafe { (kernel_src(&weight), bias.as_ref().map(|b| kernel_src(b))) };
         let inner = py.detach(move || QuantWeight::quantize(format, ws, bs, n, k))?;
-        Ok(PyQuantizedLinear { inner, path })
+        Ok(PyQuantizedLinear {
+            inner: Arc::new(inner),
+            path,
+        })
     }
 
     /// Adopts weights already quantized in GGUF's block layout: `blocks` is
@@ -86,7 +99,10 @@ impl PyQuantizedLinear {
         let inner = py.detach(move || {
             QuantWeight::from_block_parts(format, &parts, bs, out_features, in_features)
         })?;
-        Ok(PyQuantizedLinear { inner, path })
+        Ok(PyQuantizedLinear {
+            inner: Arc::new(inner),
+            path,
+        })
     }
 
     /// out [M, out_features] = x [M, in_features] @ weight^T + bias.

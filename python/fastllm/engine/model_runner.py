@@ -64,6 +64,10 @@ class ModelRunner:
         for layer, k, v in zip(layers, self.k_caches, self.v_caches):
             layer.k_cache = k
             layer.v_cache = v
+        # A packed CPU model of the Llama family runs its decoder layers in one
+        # Rust call per step (``layers/decoder_stack.py``).
+        fuse = getattr(model, "fuse_decoder_layers", None)
+        self.fused_layers = bool(packed and fuse is not None and fuse())
 
     @staticmethod
     def block_bytes(

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fastllm.config import ModelConfig
-from fastllm.layers import Module
+from fastllm.layers import Module, decoder_stack
 from fastllm.layers.activation import ActAndMul
 from fastllm.layers.attention import PagedAttention
 from fastllm.layers.linear import Embedding, Linear, head_logits
@@ -137,6 +137,8 @@ class LlamaForCausalLM(Module):
             config.rope_theta,
             config.rope_scaling,
         )
+        # All decoder layers in one Rust call per step (CPU; ``fuse_decoder_layers``).
+        self.decoder_stack = None
 
     @staticmethod
     def _flags(config: ModelConfig) -> dict[str, bool]:
@@ -152,9 +154,19 @@ class LlamaForCausalLM(Module):
         """Hidden states [T, hidden] of the step's packed tokens."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin)
+        if self.decoder_stack is not None:
+            decoder_stack.run(self.decoder_stack, x, cos, sin)
+        else:
+            for layer in self.model.layers:
+                x = layer(x, cos, sin)
         return self.model.norm(x)
+
+    def fuse_decoder_layers(self) -> bool:
+        """Runs the decoder layers as one ``_core.DecoderStack`` from now on,
+        when the model is packed on the CPU and has its KV caches
+        (``layers/decoder_stack.py``); returns whether it does."""
+        self.decoder_stack = decoder_stack.build(self)
+        return self.decoder_stack is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [n, vocab] for the given rows of hidden states."""

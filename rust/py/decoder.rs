@@ -1,0 +1,423 @@
+//! The decoder stack (`DecoderStack`): every Llama-family layer of a model,
+//! run in one call per step (`layers::decoder`).
+//!
+//! The stack is built once, after the model is packed and its KV caches are
+//! allocated: it checks every weight, norm and cache tensor then, keeps them
+//! alive, and shares the packed weights with the model's `PackedLinear` /
+//! `QuantizedLinear` objects. A step then only checks its own inputs.
+
+use std::sync::Mutex;
+
+use half::bf16;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::attention::cache_shape;
+use super::gemm::PyPackedLinear;
+use super::quant::PyQuantizedLinear;
+use super::tensor::{DType, TensorArg};
+use crate::attention::{BatchLayout, CacheShape, Element};
+use crate::layers::decoder::{self, DecoderLayer, DecoderShape, LinearWeight, StepInputs};
+
+/// A tensor the stack reads or writes: address and element count.
+#[derive(Clone, Copy)]
+struct Span {
+    ptr: usize,
+    len: usize,
+}
+
+impl Span {
+    fn of(t: &TensorArg) -> Span {
+        Span {
+            ptr: t.ptr,
+            len: t.numel(),
+        }
+    }
+
+    /// # Safety
+    /// The tensor is alive (the stack holds it), holds `T`, and nothing else
+    /// accesses it during the step.
+    unsafe fn slice<'a, T>(self) -> &'a [T] {
+        std::slice::from_raw_parts(self.ptr as *const T, self.len)
+    }
+
+    /// # Safety
+    /// As `slice`, and no other slice aliases it.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice_mut<'a, T>(self) -> &'a mut [T] {
+        std::slice::from_raw_parts_mut(self.ptr as *mut T, self.len)
+    }
+
+    fn overlaps(self, other: &TensorArg, size: usize) -> bool {
+        let (a0, a1) = (self.ptr, self.ptr + self.len * size);
+        let (b0, b1) = (other.ptr, other.ptr + other.numel() * size);
+        self.len > 0 && other.numel() > 0 && a0 < b1 && b0 < a1
+    }
+}
+
+struct Layer {
+    input_norm: Span,
+    post_norm: Span,
+    qk_norm: Option<(Span, Span)>,
+    qkv: LinearWeight,
+    o: LinearWeight,
+    gate_up: LinearWeight,
+    down: LinearWeight,
+    key_cache: Span,
+    value_cache: Span,
+    sliding_window: i64,
+}
+
+/// The decoder layers of a Llama-family model (pre-norm attention with a
+/// fused q/k/v projection and rotary, a SiLU-gated MLP with a fused gate/up
+/// projection), run in one call per step.
+#[pyclass(name = "DecoderStack", module = "fastllm._core", frozen)]
+struct PyDecoderStack {
+    layers: Vec<Layer>,
+    shape: DecoderShape,
+    cache: CacheShape,
+    dtype: DType,
+    /// The tensors the layers point into, kept alive with the stack.
+    _tensors: Vec<Py<PyAny>>,
+    /// One step at a time: a step writes the caches.
+    running: Mutex<()>,
+}
+
+/// Prefixes a `ValueError` with the layer it is about.
+fn in_layer(py: Python<'_>, i: usize, err: PyErr) -> PyErr {
+    if err.is_instance_of::<PyValueError>(py) {
+        PyValueError::new_err(format!("layers[{i}]: {}", err.value(py)))
+    } else {
+        err
+    }
+}
+
+fn linear_weight(obj: &Bound<'_, PyAny>, key: &str) -> PyResult<LinearWeight> {
+    if let Ok(p) = obj.cast::<PyPackedLinear>() {
+        return Ok(p.get().weight());
+    }
+    if let Ok(q) = obj.cast::<PyQuantizedLinear>() {
+        return Ok(q.get().weight());
+    }
+    Err(PyValueError::new_err(format!(
+        "{key}: expected a PackedLinear or QuantizedLinear"
+    )))
+}
+
+fn item<'py>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Bound<'py, PyAny>> {
+    d.get_item(key)?
+        .ok_or_else(|| PyValueError::new_err(format!("missing key '{key}'")))
+}
+
+#[pymethods]
+impl PyDecoderStack {
+    /// `layers`: one dict per layer with the keys `input_norm`, `post_norm`
+    /// (weights [hidden]), `q_norm` and `k_norm` ([head_dim] or None),
+    /// `qkv`, `o`, `gate_up`, `down` (PackedLinear or QuantizedLinear, biases
+    /// inside), `key_cache`, `value_cache` ([blocks, kv_heads, block_size,
+    /// head_dim]) and `sliding_window` (0: none). Norms and caches share the
+    /// model's dtype (bf16 or f32).
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        layers: Vec<Bound<'_, PyDict>>,
+        hidden_size: usize,
+        num_heads: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        rotary_dim: usize,
+        intermediate_size: usize,
+        eps: f32,
+        scale: f32,
+    ) -> PyResult<Self> {
+        let shape = DecoderShape {
+            hidden: hidden_size,
+            heads: num_heads,
+            kv_heads: num_kv_heads,
+            head_dim,
+            rotary_half: rotary_dim / 2,
+            intermediate: intermediate_size,
+            eps,
+            scale,
+        };
+        if layers.is_empty() {
+            return Err(PyValueError::new_err("layers: expected at least one layer"));
+        }
+        if !rotary_dim.is_multiple_of(2) || rotary_dim > head_dim {
+            return Err(PyValueError::new_err(format!(
+                "rotary_dim: must be even and at most head_dim ({head_dim}), got {rotary_dim}"
+            )));
+        }
+        let mut built = Vec::with_capacity(layers.len());
+        let mut tensors = Vec::new();
+        let mut first: Option<(CacheShape, DType)> = None;
+        for (i, d) in layers.iter().enumerate() {
+            let layer =
+                Self::layer(d, &shape, &mut first, &mut tensors).map_err(|e| in_layer(py, i, e))?;
+            built.push(layer);
+        }
+        let (cache, dtype) = first.expect("at least one layer");
+        let caches: Vec<(usize, Span)> = built
+            .iter()
+            .enumerate()
+            .flat_map(|(i, l): (usize, &Layer)| [(i, l.key_cache), (i, l.value_cache)])
+            .collect();
+        for (a, &(i, s)) in caches.iter().enumerate() {
+            for &(j, t) in &caches[a + 1..] {
+                let size = dtype.size();
+                if s.ptr < t.ptr + t.len * size && t.ptr < s.ptr + s.len * size {
+                    return Err(PyValueError::new_err(format!(
+                        "layers[{j}]: its KV cache shares memory with layer {i}'s"
+                    )));
+                }
+            }
+        }
+        if cache.num_kv_heads != num_kv_heads || cache.head_size != head_dim {
+            return Err(PyValueError::new_err(format!(
+                "key_cache: expected {num_kv_heads} kv heads of {head_dim}, got {} of {}",
+                cache.num_kv_heads, cache.head_size
+            )));
+        }
+        let stack = PyDecoderStack {
+            layers: built,
+            shape,
+            cache,
+            dtype,
+            _tensors: tensors,
+            running: Mutex::new(()),
+        };
+        // The full shape check of the pure-Rust side, once.
+        for i in 0..stack.layers.len() {
+            match dtype {
+                DType::BF16 => stack.check::<bf16>(i)?,
+                _ => stack.check::<f32>(i)?,
+            }
+        }
+        Ok(stack)
+    }
+
+    /// Runs every layer on the hidden states `x` [tokens, hidden], in place:
+    /// `cos` / `sin` [tokens, rotary_dim / 2] (the model's dtype), the
+    /// step's `slot_mapping` (int64 [tokens]), `block_tables` (int32
+    /// [seqs, max_blocks]), `seq_lens` (int32 [seqs]) and `query_start_loc`
+    /// (int32 [seqs + 1]), as the paged-attention kernel takes them.
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        py: Python<'_>,
+        x: &Bound<'_, PyAny>,
+        cos: &Bound<'_, PyAny>,
+        sin: &Bound<'_, PyAny>,
+        slot_mapping: &Bound<'_, PyAny>,
+        block_tables: &Bound<'_, PyAny>,
+        seq_lens: &Bound<'_, PyAny>,
+        query_start_loc: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let dt = [self.dtype];
+        let x = TensorArg::extract("x", x)?;
+        x.check(&dt, 2)?;
+        x.expect_dim(1, self.shape.hidden, "hidden_size")?;
+        let tokens = x.shape[0];
+        let half = self.shape.rotary_half;
+        let mut rot = Vec::with_capacity(2);
+        for (name, t) in [("cos", cos), ("sin", sin)] {
+            let t = TensorArg::extract(name, t)?;
+            t.check(&dt, 2)?;
+            t.expect_dim(0, tokens, "tokens of x")?;
+            t.expect_dim(1, half, "rotary_dim / 2")?;
+            rot.push(t);
+        }
+        let slots = TensorArg::extract("slot_mapping", slot_mapping)?;
+        slots.check(&[DType::I64], 1)?;
+        slots.expect_dim(0, tokens, "tokens of x")?;
+        let bt = TensorArg::extract("block_tables", block_tables)?;
+        bt.check(&[DType::I32], 2)?;
+        let sl = TensorArg::extract("seq_lens", seq_lens)?;
+        sl.check(&[DType::I32], 1)?;
+        sl.expect_dim(0, bt.shape[0], "num_seqs of block_tables")?;
+        let qsl = TensorArg::extract("query_start_loc", query_start_loc)?;
+        qsl.check(&[DType::I32], 1)?;
+        qsl.expect_dim(0, bt.shape[0] + 1, "num_seqs + 1")?;
+        let size = self.dtype.size();
+        for layer in &self.layers {
+            for span in [layer.key_cache, layer.value_cache] {
+                for t in [&x, &rot[0], &rot[1]] {
+                    if span.overlaps(t, size) {
+                        return Err(PyValueError::new_err(format!(
+                            "{}: must not share memory with a KV cache",
+                            t.name
+                        )));
+                    }
+                }
+            }
+        }
+        let _one_step = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: every tensor was checked (dtype, CPU, contiguity, shape);
+        // x is disjoint from the caches, the caches were checked disjoint at
+        // construction, and the stack keeps its tensors alive.
+        unsafe {
+            let batch = BatchLayout {
+                block_tables: bt.slice::<i32>(),
+                max_blocks_per_seq: bt.shape[1],
+                seq_lens: sl.slice::<i32>(),
+                query_start_loc: qsl.slice::<i32>(),
+            };
+            let slots = slots.slice::<i64>();
+            match self.dtype {
+                DType::BF16 => self.run::<bf16>(py, &x, &rot, slots, batch),
+                _ => self.run::<f32>(py, &x, &rot, slots, batch),
+            }
+        }
+    }
+
+    #[getter]
+    fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "DecoderStack(num_layers={}, hidden_size={}, dtype={:?})",
+            self.layers.len(),
+            self.shape.hidden,
+            self.dtype
+        )
+    }
+}
+
+impl PyDecoderStack {
+    /// Reads and checks one layer's dict; the first layer's caches fix the
+    /// cache shape and dtype the others must have.
+    fn layer(
+        d: &Bound<'_, PyDict>,
+        shape: &DecoderShape,
+        first: &mut Option<(CacheShape, DType)>,
+        tensors: &mut Vec<Py<PyAny>>,
+    ) -> PyResult<Layer> {
+        let kc_obj = item(d, "key_cache")?;
+        let vc_obj = item(d, "value_cache")?;
+        let kc = TensorArg::extract("key_cache", &kc_obj)?;
+        let vc = TensorArg::extract("value_cache", &vc_obj)?;
+        let cache = cache_shape(&kc, &vc)?;
+        match first {
+            None => *first = Some((cache, kc.dtype)),
+            Some((c, dt)) => {
+                if *c != cache || *dt != kc.dtype {
+                    return Err(PyValueError::new_err(format!(
+                        "key_cache: {cache:?} {:?} differs from layer 0's {c:?} {dt:?}",
+                        kc.dtype
+                    )));
+                }
+            }
+        }
+        let dtype = kc.dtype;
+        let mut norm = |key: &'static str, dim: usize| -> PyResult<Option<Span>> {
+            let obj = item(d, key)?;
+            if obj.is_none() {
+                return Ok(None);
+            }
+            let t = TensorArg::extract(key, &obj)?;
+            t.check(&[dtype], 1)?;
+            t.expect_dim(0, dim, "its layer's width")?;
+            tensors.push(obj.unbind());
+            Ok(Some(Span::of(&t)))
+        };
+        let required = |s: Option<Span>, key: &str| {
+            s.ok_or_else(|| PyValueError::new_err(format!("{key}: must not be None")))
+        };
+        let input_norm = required(norm("input_norm", shape.hidden)?, "input_norm")?;
+        let post_norm = required(norm("post_norm", shape.hidden)?, "post_norm")?;
+        let qk_norm = match (
+            norm("q_norm", shape.head_dim)?,
+            norm("k_norm", shape.head_dim)?,
+        ) {
+            (Some(q), Some(k)) => Some((q, k)),
+            (None, None) => None,
+            _ => {
+                return Err(PyValueError::new_err(
+                    "q_norm, k_norm: give both or neither",
+                ))
+            }
+        };
+        let sliding_window: i64 = item(d, "sliding_window")?.extract()?;
+        let layer = Layer {
+            input_norm,
+            post_norm,
+            qk_norm,
+            qkv: linear_weight(&item(d, "qkv")?, "qkv")?,
+            o: linear_weight(&item(d, "o")?, "o")?,
+            gate_up: linear_weight(&item(d, "gate_up")?, "gate_up")?,
+            down: linear_weight(&item(d, "down")?, "down")?,
+            key_cache: Span::of(&kc),
+            value_cache: Span::of(&vc),
+            sliding_window: sliding_window.max(0),
+        };
+        tensors.push(kc_obj.unbind());
+        tensors.push(vc_obj.unbind());
+        Ok(layer)
+    }
+
+    /// Shape check of layer `i` by the pure-Rust side.
+    fn check<T: Element>(&self, i: usize) -> PyResult<()> {
+        // SAFETY: only lengths are read; nothing runs on these slices.
+        let mut layer = unsafe { self.view::<T>(&self.layers[i]) };
+        layer.key_cache = &mut [];
+        layer.value_cache = &mut [];
+        Ok(decoder::check_layer(
+            &layer,
+            &self.shape,
+            &format!("layers[{i}]"),
+        )?)
+    }
+
+    /// One layer's tensors as slices.
+    ///
+    /// # Safety
+    /// As `Span::slice_mut`: the caller runs one step at a time.
+    unsafe fn view<'s, T: Element>(&'s self, l: &'s Layer) -> DecoderLayer<'s, T> {
+        DecoderLayer {
+            input_norm: l.input_norm.slice(),
+            post_norm: l.post_norm.slice(),
+            qk_norm: l.qk_norm.map(|(q, k)| (q.slice(), k.slice())),
+            qkv: &l.qkv,
+            o: &l.o,
+            gate_up: &l.gate_up,
+            down: &l.down,
+            key_cache: l.key_cache.slice_mut(),
+            value_cache: l.value_cache.slice_mut(),
+            sliding_window: l.sliding_window,
+        }
+    }
+
+    /// # Safety
+    /// As `forward`'s checks: `x` and `rot` hold `T`, and this thread holds `running`.
+    unsafe fn run<T: Element>(
+        &self,
+        py: Python<'_>,
+        x: &TensorArg,
+        rot: &[TensorArg],
+        slot_mapping: &[i64],
+        batch: BatchLayout<'_>,
+    ) -> PyResult<()> {
+        let mut layers: Vec<DecoderLayer<'_, T>> =
+            self.layers.iter().map(|l| self.view::<T>(l)).collect();
+        let xs = x.slice_mut::<T>();
+        let step = StepInputs {
+            cos: rot[0].slice::<T>(),
+            sin: rot[1].slice::<T>(),
+            slot_mapping,
+            batch,
+            cache: self.cache,
+        };
+        let shape = &self.shape;
+        py.detach(move || decoder::decoder_stack(xs, &mut layers, shape, &step))?;
+        Ok(())
+    }
+}
+
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyDecoderStack>()?;
+    Ok(())
+}

@@ -1,0 +1,217 @@
+"""The decoder stack (``_core.DecoderStack``): a Llama-family model's decoder
+layers in one Rust call per step, against the same model run layer by layer.
+
+Both paths run the same kernels with the same roundings, so the contract is
+bit-identity: every logit of every step equal (``torch.equal``), for float32,
+bfloat16 and quantized weights, on Llama, Llama 3 rope, Mistral (sliding
+window), Qwen2 (q/k/v biases) and Qwen3 (q/k norms, tied head), over prefill,
+chunked prefill beside decode, and decode of several sequences with shuffled
+block tables. The layer-by-layer path is itself checked against transformers
+in ``test_models.py`` (which runs the stack too, as the engine does).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from fastllm import LLM, SamplingParams, _core  # noqa: E402
+from fastllm.config import ModelConfig  # noqa: E402
+from fastllm.layers.linear import pack_linears, should_pack  # noqa: E402
+from fastllm.layers.quantization import quantize_model  # noqa: E402
+from fastllm.models.loader import load_model  # noqa: E402
+from paged_helpers import PagedRunner  # noqa: E402
+from test_models import VOCAB, _build  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not should_pack("cpu", torch.float32), reason="the stack runs packed CPU models"
+)
+
+NAMES = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    out = {}
+    for name in NAMES:
+        folder = str(tmp_path_factory.mktemp(f"stack-{name}"))
+        _build(name, folder, seed=5)
+        out[name] = folder
+    return out
+
+
+def _load(folder: str, dtype: torch.dtype, quant: str | None) -> torch.nn.Module:
+    config = ModelConfig.from_pretrained(folder)
+    model = load_model(config, folder, dtype, "cpu")
+    if quant is None:
+        pack_linears(model)
+    else:
+        quantize_model(model, quant, config.vocab_size)
+    return model
+
+
+def _run(model: torch.nn.Module, dtype: torch.dtype, fuse: bool, plan: list[list[int]], seqs):
+    """Feeds ``seqs`` through ``model`` in steps of ``plan`` (tokens per
+    sequence per step); returns every step's logits."""
+    runner = PagedRunner(model, dtype, seed=11, fuse=fuse)
+    assert runner.fused == fuse
+    done = [0] * len(seqs)
+    out = []
+    for sizes in plan:
+        chunks = []
+        for i, size in enumerate(sizes):
+            size = min(size, len(seqs[i]) - done[i])
+            if size > 0:
+                chunks.append((i, seqs[i][done[i] : done[i] + size]))
+                done[i] += size
+        if chunks:
+            out.extend(runner.step(chunks))
+    return out
+
+
+def _sequences(lengths: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+PLAN = [[6, 1, 9], [1, 3, 2], [2, 1, 1]] + [[1, 1, 1]] * 12
+
+
+@pytest.mark.parametrize("quant", [None, "q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", NAMES)
+def test_stack_is_bit_identical_to_the_layers(name, dtype, quant, folders) -> None:
+    seqs = _sequences([18, 12, 16], seed=3)
+    fused = _run(_load(folders[name], dtype, quant), dtype, True, PLAN, seqs)
+    layers = _run(_load(folders[name], dtype, quant), dtype, False, PLAN, seqs)
+    assert len(fused) == len(layers) > 0
+    for i, (a, b) in enumerate(zip(fused, layers, strict=True)):
+        assert torch.isfinite(a).all(), f"{name} {dtype} {quant} output {i}"
+        assert torch.equal(a, b), f"{name} {dtype} {quant} output {i}: {(a - b).abs().max()}"
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 30), min_size=1, max_size=4),
+    chunk=st.integers(1, 8),
+    seed=st.integers(0, 1000),
+)
+def test_stack_matches_the_layers_on_random_schedules(lengths, chunk, seed, folders) -> None:
+    """Random sequence counts, lengths and prefill chunk sizes (then decode)."""
+    seqs = _sequences(lengths, seed)
+    plan = [[chunk] * len(seqs)] * (30 // chunk + 1) + [[1] * len(seqs)] * 4
+    name = NAMES[seed % len(NAMES)]
+    dtype = torch.bfloat16
+    fused = _run(_load(folders[name], dtype, None), dtype, True, plan, seqs)
+    layers = _run(_load(folders[name], dtype, None), dtype, False, plan, seqs)
+    for a, b in zip(fused, layers, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_engine_uses_the_stack_and_the_switch_turns_it_off(folders, monkeypatch) -> None:
+    """``LLM`` runs the stack by default; ``FASTLLM_CPU_FUSED=0`` runs the
+    layers one by one, with the same tokens and logprobs."""
+    folder = folders["qwen2"]
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=3, ignore_eos=True)
+    prompts = [{"prompt_token_ids": s} for s in _sequences([9, 4, 21], seed=8)]
+    results = {}
+    for value in ("1", "0"):
+        monkeypatch.setenv("FASTLLM_CPU_FUSED", value)
+        llm = LLM(folder, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=64)
+        assert llm.llm_engine.runner.fused_layers == (value == "1")
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results[value] = [
+            (
+                o.outputs[0].token_ids,
+                [{k: v.logprob for k, v in lp.items()} for lp in o.outputs[0].logprobs],
+            )
+            for o in outs
+        ]
+    assert results["1"] == results["0"]
+    monkeypatch.setenv("FASTLLM_CPU_FUSED", "maybe")
+    with pytest.raises(ValueError, match="FASTLLM_CPU_FUSED"):
+        LLM(folder, skip_tokenizer_init=True, max_model_len=64)
+
+
+def _layer_dict(model: torch.nn.Module, i: int) -> dict:
+    layer = model.model.layers[i]
+    a, m = layer.self_attn, layer.mlp
+    return {
+        "input_norm": layer.input_layernorm.weight,
+        "post_norm": layer.post_attention_layernorm.weight,
+        "q_norm": None,
+        "k_norm": None,
+        "qkv": a.qkv_proj.packed,
+        "o": a.o_proj.packed,
+        "gate_up": m.gate_up_proj.packed,
+        "down": m.down_proj.packed,
+        "key_cache": a.attn.k_cache,
+        "value_cache": a.attn.v_cache,
+        "sliding_window": 0,
+    }
+
+
+def test_bad_stacks_and_steps_are_clear_errors(folders) -> None:
+    model = _load(folders["llama"], torch.float32, None)
+    PagedRunner(model, torch.float32, fuse=False)
+    c = model.config
+    kw = dict(
+        hidden_size=c.hidden_size,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        rotary_dim=c.head_dim,
+        intermediate_size=c.intermediate_size,
+        eps=1e-6,
+        scale=c.head_dim**-0.5,
+    )
+    good = [_layer_dict(model, 0), _layer_dict(model, 1)]
+    stack = _core.DecoderStack(good, **kw)
+    assert stack.num_layers == 2
+    cases = [
+        ({"qkv": None}, r"layers\[1\]: qkv: expected a PackedLinear or QuantizedLinear"),
+        ({"o": good[0]["qkv"]}, r"layers\[1\]\.o: expected a \[128, 256\] weight"),
+        ({"post_norm": torch.ones(7)}, r"layers\[1\]: post_norm: dimension 0 must be 128"),
+        (
+            {"input_norm": torch.ones(128, dtype=torch.bfloat16)},
+            r"layers\[1\]: input_norm: expected dtype",
+        ),
+        ({"q_norm": torch.ones(c.head_dim)}, r"q_norm, k_norm: give both or neither"),
+        (
+            {"key_cache": good[0]["key_cache"]},
+            r"layers\[1\]: its KV cache shares memory with layer 0",
+        ),
+        ({"value_cache": torch.zeros(3, 2, 4, 64)}, r"value_cache: shape .* must match key_cache"),
+    ]
+    for change, message in cases:
+        bad = [good[0], {**good[1], **change}]
+        with pytest.raises(ValueError, match=message):
+            _core.DecoderStack(bad, **kw)
+    missing = {k: v for k, v in good[1].items() if k != "down"}
+    with pytest.raises(ValueError, match=r"layers\[1\]: missing key 'down'"):
+        _core.DecoderStack([good[0], missing], **kw)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        _core.DecoderStack(good, **{**kw, "rotary_dim": 3})
+    x = torch.zeros(2, 100)
+    cos = torch.zeros(2, c.head_dim // 2)
+    meta = (
+        torch.tensor([4, 5]),
+        torch.tensor([[1, 2]], dtype=torch.int32),
+        torch.tensor([2], dtype=torch.int32),
+        torch.tensor([0, 2], dtype=torch.int32),
+    )
+    with pytest.raises(ValueError, match="x: dimension 1 must be 128"):
+        stack.forward(x, cos, cos, *meta)
+    x = torch.zeros(2, 128)
+    with pytest.raises(ValueError, match="cos: dimension 1 must be 32"):
+        stack.forward(x, torch.zeros(2, 5), cos, *meta)
+    with pytest.raises(ValueError, match="slot_mapping: dimension 0 must be 2"):
+        stack.forward(x, cos, cos, torch.tensor([4]), *meta[1:])
+    with pytest.raises(ValueError, match="slot_mapping: token 1 has slot 9999"):
+        stack.forward(x, cos, cos, torch.tensor([4, 9999]), *meta[1:])
+    stack.forward(x, cos, cos, *meta)  # a good step after the bad ones
+    assert torch.isfinite(x).all()
