@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from operator import itemgetter
 from typing import Any
 
+import numpy as np
+
 from fastllm.tokenizer import Tokenizer
 
 # gguf.TokenType, spelled out so that loading a file needs no gguf package.
@@ -152,8 +154,8 @@ def tokenizer_from_metadata(meta: Mapping[str, Any], source: str) -> Tokenizer:
     if types is None:
         types = [NORMAL] * n
     ids = {name: _token_id(meta, name, n, source) for name in _SPECIAL_KEYS}
-    rare = _not_normal(types)
-    vocab = _model_vocab(tokens, types, rare)
+    kinds = _Kinds(types)
+    vocab = _model_vocab(tokens, kinds)
 
     if model == "gpt2":
         pre = _pre(meta, source)
@@ -178,7 +180,7 @@ def tokenizer_from_metadata(meta: Mapping[str, Any], source: str) -> Tokenizer:
         tokens, ids["bos"] if add_bos else None, ids["eos"] if add_eos else None, model == "gpt2"
     )
     tok = _assemble(pipeline, vocab, merges, options, source)
-    special, plain = _added_tokens(tokens, types, rare)
+    special, plain = _added_tokens(tokens, kinds)
     _add_tokens(tok, special, plain)
 
     def text(name: str) -> str | None:
@@ -402,21 +404,31 @@ def _spm_pipeline(add_space_prefix: bool) -> dict[str, Any]:
     }
 
 
-def _model_vocab(tokens: list[str], types: list[int], rare: list[int]) -> dict[str, int]:
+class _Kinds:
+    """The token ids of each non-normal type, found with one vectorised pass
+    (a padded vocabulary can have over a hundred thousand unused slots)."""
+
+    def __init__(self, types: list[int]) -> None:
+        arr = np.asarray(types)
+        self.unused_mask = arr == UNUSED
+        self.unused = np.flatnonzero(self.unused_mask).tolist()
+        self.special = np.flatnonzero((arr == CONTROL) | (arr == UNKNOWN)).tolist()
+        self.user_defined = np.flatnonzero(arr == USER_DEFINED).tolist()
+
+
+def _model_vocab(tokens: list[str], kinds: _Kinds) -> dict[str, int]:
     """Token text -> id for every token but the unused slots ([PADn] padding of the
     vocabulary); a text spelt twice keeps its first id. Added tokens are in it too:
     ``tokenizers`` keeps an added token at the id its model gives it, and would
     renumber one the model lacks."""
     vocab = dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1)))
-    for i in rare:
-        if types[i] == UNUSED and vocab.get(tokens[i]) == i:
+    if len(kinds.unused) > 64:
+        keep = (~kinds.unused_mask).tolist()
+        return {t: i for t, i in vocab.items() if keep[i]}
+    for i in kinds.unused:
+        if vocab.get(tokens[i]) == i:
             del vocab[tokens[i]]
     return vocab
-
-
-def _not_normal(types: list[int]) -> list[int]:
-    """Ids of the tokens that are not normal: a few among a vocabulary."""
-    return [i for i, t in enumerate(types) if t != NORMAL]
 
 
 def _spm_merges(
@@ -439,13 +451,10 @@ def _spm_merges(
     return [cut for _, _, cuts in per_token for cut in cuts]
 
 
-def _added_tokens(
-    tokens: list[str], types: list[int], rare: list[int]
-) -> tuple[list[str], list[str]]:
+def _added_tokens(tokens: list[str], kinds: _Kinds) -> tuple[list[str], list[str]]:
     """(special, plain) added tokens: control and unknown tokens are special,
     user-defined ones plain."""
-    special = [tokens[i] for i in rare if types[i] in (CONTROL, UNKNOWN)]
-    return special, [tokens[i] for i in rare if types[i] == USER_DEFINED]
+    return [tokens[i] for i in kinds.special], [tokens[i] for i in kinds.user_defined]
 
 
 def _post_processor(
