@@ -276,6 +276,16 @@ fn check_history(
 /// Samples one token per row (in parallel over rows on the private pool).
 pub fn sample_batch(batch: &Batch<'_>) -> CoreResult<Vec<Sample>> {
     batch.validate()?;
+    if batch.rows() == 1 {
+        // Batch-1 decode: waking a pool worker for one row costs more than
+        // it saves.
+        let row = batch.row(0);
+        let s = &mut Scratch::default();
+        return Ok(vec![crate::cpu::simd::dispatch(
+            crate::cpu::best_path(),
+            SampleRow { row: &row, s },
+        )]);
+    }
     Ok(crate::cpu::threads::install(|| {
         (0..batch.rows())
             .into_par_iter()
