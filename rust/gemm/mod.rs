@@ -28,13 +28,11 @@
 //! team (`threads::team_run`: the caller and helpers that stay awake between
 //! the calls of a step); small calls run on the calling thread.
 
-mod arena;
 mod pack;
 mod tile;
 
-pub(crate) use arena::{zeroed_lines, Lines};
-pub(crate) use pack::Line;
 pub use pack::PackedWeight;
+pub(crate) use pack::{zeroed_lines, Line};
 
 use crate::cpu::elem::{expect_matrix, SharedOut};
 use crate::cpu::{simd, Dst, Element, Path, Src};

@@ -2,7 +2,6 @@
 
 use rayon::prelude::*;
 
-use super::arena::{zeroed_lines, Lines};
 use super::NR;
 use crate::cpu::elem::expect_matrix;
 use crate::cpu::Src;
@@ -13,12 +12,56 @@ use crate::error::{CoreError, CoreResult};
 #[repr(C, align(64))]
 pub(crate) struct Line(pub(crate) [u8; 64]);
 
+/// `total` zeroed lines (None: out of memory), written on the kernels'
+/// threads. Large buffers are advised into transparent huge pages first, so
+/// the first touch of a weight takes one page fault per 2 MiB instead of one
+/// per 4 KiB: packing a model at load is bound by its bytes, not its faults.
+pub(crate) fn zeroed_lines(total: usize) -> Option<Vec<Line>> {
+    let mut lines: Vec<Line> = Vec::new();
+    lines.try_reserve_exact(total).ok()?;
+    advise_huge_pages(
+        lines.as_mut_ptr() as *mut u8,
+        total * std::mem::size_of::<Line>(),
+    );
+    crate::cpu::threads::install(|| {
+        lines.spare_capacity_mut()[..total]
+            .par_chunks_mut(1 << 12)
+            .for_each(|chunk| {
+                for line in chunk {
+                    line.write(Line([0; 64]));
+                }
+            });
+    });
+    // SAFETY: the first `total` lines were all written just above.
+    unsafe { lines.set_len(total) };
+    Some(lines)
+}
+
+/// Asks Linux to back `[ptr, ptr + len)` with huge pages (only the whole
+/// 2 MiB pages inside it; smaller buffers are left alone). Advice only: a
+/// kernel that declines changes nothing.
+fn advise_huge_pages(ptr: *mut u8, len: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        const HUGE: usize = 2 << 20;
+        let start = (ptr as usize).div_ceil(HUGE) * HUGE;
+        let end = (ptr as usize + len) / HUGE * HUGE;
+        if end > start {
+            // SAFETY: the range lies inside the caller's own allocation;
+            // madvise only changes how its pages are backed.
+            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (ptr, len);
+}
+
 /// A weight matrix in panel layout, with its bias.
 pub struct PackedWeight {
     pub(super) n: usize,
     pub(super) k: usize,
     pub(super) bf16: bool,
-    pub(super) lines: Lines,
+    pub(super) lines: Vec<Line>,
     pub(super) bias: Option<Vec<f32>>,
 }
 

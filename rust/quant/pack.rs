@@ -7,7 +7,7 @@ use super::{QuantFormat, GROUP, NR};
 use crate::cpu::elem::expect_matrix;
 use crate::cpu::{Dst, Element, Src};
 use crate::error::{CoreError, CoreResult};
-use crate::gemm::{zeroed_lines, Line, Lines};
+use crate::gemm::{zeroed_lines, Line};
 
 /// A quantized weight matrix in panel layout, with its bias.
 pub struct QuantWeight {
@@ -15,7 +15,7 @@ pub struct QuantWeight {
     pub(super) n: usize,
     pub(super) k: usize,
     pub(super) groups: usize,
-    pub(super) lines: Lines,
+    pub(super) lines: Vec<Line>,
     pub(super) bias: Option<Vec<f32>>,
 }
 
