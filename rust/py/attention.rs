@@ -51,6 +51,50 @@ pub(super) fn cache_shape(kc: &TensorArg, vc: &TensorArg) -> PyResult<CacheShape
     })
 }
 
+/// The tensors that say where a batch's sequences live, checked:
+/// `block_tables` (int32 [seqs, max_blocks]), `seq_lens` (int32 [seqs]) and
+/// `query_start_loc` (int32 [seqs + 1]).
+pub(super) struct BatchArgs {
+    block_tables: TensorArg,
+    seq_lens: TensorArg,
+    query_start_loc: TensorArg,
+}
+
+impl BatchArgs {
+    pub(super) fn extract(
+        block_tables: &Bound<'_, PyAny>,
+        seq_lens: &Bound<'_, PyAny>,
+        query_start_loc: &Bound<'_, PyAny>,
+    ) -> PyResult<BatchArgs> {
+        let bt = TensorArg::extract("block_tables", block_tables)?;
+        bt.check(&[DType::I32], 2)?;
+        let sl = TensorArg::extract("seq_lens", seq_lens)?;
+        sl.check(&[DType::I32], 1)?;
+        sl.expect_dim(0, bt.shape[0], "num_seqs of block_tables")?;
+        let qsl = TensorArg::extract("query_start_loc", query_start_loc)?;
+        qsl.check(&[DType::I32], 1)?;
+        qsl.expect_dim(0, bt.shape[0] + 1, "num_seqs + 1")?;
+        Ok(BatchArgs {
+            block_tables: bt,
+            seq_lens: sl,
+            query_start_loc: qsl,
+        })
+    }
+
+    /// The kernel's view of the tensors.
+    ///
+    /// # Safety
+    /// The tensors stay alive and unwritten while the layout is used.
+    pub(super) unsafe fn layout(&self) -> BatchLayout<'_> {
+        BatchLayout {
+            block_tables: self.block_tables.slice::<i32>(),
+            max_blocks_per_seq: self.block_tables.shape[1],
+            seq_lens: self.seq_lens.slice::<i32>(),
+            query_start_loc: self.query_start_loc.slice::<i32>(),
+        }
+    }
+}
+
 /// Stores new K/V rows into their cache slots (a negative slot skips the token).
 #[pyfunction]
 fn reshape_and_cache(
@@ -128,9 +172,7 @@ fn paged_attention(
     let q = TensorArg::extract("query", query)?;
     let kc = TensorArg::extract("key_cache", key_cache)?;
     let vc = TensorArg::extract("value_cache", value_cache)?;
-    let bt = TensorArg::extract("block_tables", block_tables)?;
-    let sl = TensorArg::extract("seq_lens", seq_lens)?;
-    let qsl = TensorArg::extract("query_start_loc", query_start_loc)?;
+    let batch = BatchArgs::extract(block_tables, seq_lens, query_start_loc)?;
     let shape = cache_shape(&kc, &vc)?;
     q.check(&[DType::F32, DType::BF16], 3)?;
     expect_same_dtype(&q, &kc)?;
@@ -153,11 +195,6 @@ fn paged_attention(
     for t in [&q, &kc, &vc] {
         expect_disjoint(&o, t)?;
     }
-    bt.check(&[DType::I32], 2)?;
-    sl.check(&[DType::I32], 1)?;
-    sl.expect_dim(0, bt.shape[0], "num_seqs of block_tables")?;
-    qsl.check(&[DType::I32], 1)?;
-    qsl.expect_dim(0, bt.shape[0] + 1, "num_seqs + 1")?;
     if !scale.is_finite() {
         return Err(PyValueError::new_err(format!(
             "scale: must be finite, got {scale}"
@@ -166,13 +203,13 @@ fn paged_attention(
     // SAFETY: dtypes, shapes and contiguity are checked above; `out` is
     // disjoint from every input; the tensors outlive the call.
     unsafe {
-        let batch = BatchLayout {
-            block_tables: bt.slice::<i32>(),
-            max_blocks_per_seq: bt.shape[1],
-            seq_lens: sl.slice::<i32>(),
-            query_start_loc: qsl.slice::<i32>(),
-        };
-        let args = (shape, num_heads, batch, scale as f32, sliding_window);
+        let args = (
+            shape,
+            num_heads,
+            batch.layout(),
+            scale as f32,
+            sliding_window,
+        );
         match kc.dtype {
             DType::BF16 => attend::<bf16>(py, &o, &q, &kc, &vc, args),
             _ => attend::<f32>(py, &o, &q, &kc, &vc, args),

@@ -13,7 +13,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::attention::cache_shape;
+use super::attention::{cache_shape, BatchArgs};
 use super::gemm::PyPackedLinear;
 use super::quant::PyQuantizedLinear;
 use super::tensor::{DType, TensorArg};
@@ -232,14 +232,7 @@ impl PyDecoderStack {
         let slots = TensorArg::extract("slot_mapping", slot_mapping)?;
         slots.check(&[DType::I64], 1)?;
         slots.expect_dim(0, tokens, "tokens of x")?;
-        let bt = TensorArg::extract("block_tables", block_tables)?;
-        bt.check(&[DType::I32], 2)?;
-        let sl = TensorArg::extract("seq_lens", seq_lens)?;
-        sl.check(&[DType::I32], 1)?;
-        sl.expect_dim(0, bt.shape[0], "num_seqs of block_tables")?;
-        let qsl = TensorArg::extract("query_start_loc", query_start_loc)?;
-        qsl.check(&[DType::I32], 1)?;
-        qsl.expect_dim(0, bt.shape[0] + 1, "num_seqs + 1")?;
+        let batch = BatchArgs::extract(block_tables, seq_lens, query_start_loc)?;
         let size = self.dtype.size();
         for layer in &self.layers {
             for span in [layer.key_cache, layer.value_cache] {
@@ -258,12 +251,7 @@ impl PyDecoderStack {
         // x is disjoint from the caches, the caches were checked disjoint at
         // construction, and the stack keeps its tensors alive.
         unsafe {
-            let batch = BatchLayout {
-                block_tables: bt.slice::<i32>(),
-                max_blocks_per_seq: bt.shape[1],
-                seq_lens: sl.slice::<i32>(),
-                query_start_loc: qsl.slice::<i32>(),
-            };
+            let batch = batch.layout();
             let slots = slots.slice::<i64>();
             match self.dtype {
                 DType::BF16 => self.run::<bf16>(py, &x, &rot, slots, batch),
