@@ -88,7 +88,7 @@ def _gc_paused():
     """Python's cyclic garbage collector off while a model loads. A load makes
     hundreds of thousands of objects that form no cycles (a GGUF vocabulary's
     strings and merges), and every collection they set off walks all of
-    torch's objects too: about a fifth of a GGUF file's load time."""
+    torch's objects too (a 152k-token GGUF header and tokenizer: 104 -> 99 ms)."""
     if not gc.isenabled():
         yield
         return
