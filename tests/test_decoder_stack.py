@@ -194,6 +194,8 @@ def test_bad_stacks_and_steps_are_clear_errors(folders) -> None:
     missing = {k: v for k, v in good[1].items() if k != "down"}
     with pytest.raises(ValueError, match=r"layers\[1\]: missing key 'down'"):
         _core.DecoderStack([good[0], missing], **kw)
+    with pytest.raises(ValueError, match="layers: expected at least one layer"):
+        _core.DecoderStack([], **kw)
     with pytest.raises(ValueError, match="rotary_dim"):
         _core.DecoderStack(good, **{**kw, "rotary_dim": 3})
     x = torch.zeros(2, 100)

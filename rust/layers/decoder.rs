@@ -113,11 +113,12 @@ pub struct StepInputs<'a, T> {
     pub cache: CacheShape,
 }
 
-/// Checks one layer's weights against the model's shape; `what` names the layer.
+/// Checks the weights of layer `index` against the model's shape (no
+/// allocation unless it fails: this runs for every layer of every step).
 pub fn check_layer<T>(
     layer: &DecoderLayer<'_, T>,
     shape: &DecoderShape,
-    what: &str,
+    index: usize,
 ) -> CoreResult<()> {
     let s = shape;
     let linears = [
@@ -129,32 +130,27 @@ pub fn check_layer<T>(
     for (name, w, k, n) in linears {
         if w.in_features() != k || w.out_features() != n {
             return Err(CoreError::invalid(format!(
-                "{what}.{name}: expected a [{n}, {k}] weight, got [{}, {}]",
+                "layers[{index}].{name}: expected a [{n}, {k}] weight, got [{}, {}]",
                 w.out_features(),
                 w.in_features()
             )));
         }
     }
-    let mut norms = vec![
-        ("input_norm", layer.input_norm.len(), s.hidden),
-        ("post_norm", layer.post_norm.len(), s.hidden),
+    let (q, k) = layer
+        .qk_norm
+        .map_or((None, None), |(q, k)| (Some(q.len()), Some(k.len())));
+    let norms = [
+        ("input_norm", Some(layer.input_norm.len()), s.hidden),
+        ("post_norm", Some(layer.post_norm.len()), s.hidden),
+        ("q_norm", q, s.head_dim),
+        ("k_norm", k, s.head_dim),
     ];
-    if let Some((q, k)) = layer.qk_norm {
-        norms.push(("q_norm", q.len(), s.head_dim));
-        norms.push(("k_norm", k.len(), s.head_dim));
-    }
     for (name, got, want) in norms {
-        if got != want {
+        if let Some(got) = got.filter(|&g| g != want) {
             return Err(CoreError::invalid(format!(
-                "{what}.{name}: expected {want} elements, got {got}"
+                "layers[{index}].{name}: expected {want} elements, got {got}"
             )));
         }
-    }
-    if 2 * s.rotary_half > s.head_dim {
-        return Err(CoreError::invalid(format!(
-            "rotary: {} rotated pairs exceed the head size {}",
-            s.rotary_half, s.head_dim
-        )));
     }
     Ok(())
 }
@@ -225,8 +221,14 @@ pub fn decoder_stack<T: Element>(
             step.slot_mapping.len()
         )));
     }
+    if 2 * s.rotary_half > s.head_dim {
+        return Err(CoreError::invalid(format!(
+            "rotary: {} rotated pairs exceed the head size {}",
+            s.rotary_half, s.head_dim
+        )));
+    }
     for (i, layer) in layers.iter().enumerate() {
-        check_layer(layer, &s, &format!("layer {i}"))?;
+        check_layer(layer, &s, i)?;
     }
     if tokens == 0 {
         return Ok(());
@@ -626,7 +628,7 @@ mod tests {
         let err = decoder_stack(&mut x, &mut layers, &s, &step).unwrap_err();
         assert!(
             err.to_string()
-                .contains("layer 0.o: expected a [8, 8] weight"),
+                .contains("layers[0].o: expected a [8, 8] weight"),
             "{err}"
         );
         layers[0].o = &o;

@@ -142,9 +142,6 @@ impl PyDecoderStack {
             eps,
             scale,
         };
-        if layers.is_empty() {
-            return Err(PyValueError::new_err("layers: expected at least one layer"));
-        }
         if !rotary_dim.is_multiple_of(2) || rotary_dim > head_dim {
             return Err(PyValueError::new_err(format!(
                 "rotary_dim: must be even and at most head_dim ({head_dim}), got {rotary_dim}"
@@ -158,15 +155,17 @@ impl PyDecoderStack {
                 Self::layer(d, &shape, &mut first, &mut tensors).map_err(|e| in_layer(py, i, e))?;
             built.push(layer);
         }
-        let (cache, dtype) = first.expect("at least one layer");
+        let Some((cache, dtype)) = first else {
+            return Err(PyValueError::new_err("layers: expected at least one layer"));
+        };
         let caches: Vec<(usize, Span)> = built
             .iter()
             .enumerate()
             .flat_map(|(i, l): (usize, &Layer)| [(i, l.key_cache), (i, l.value_cache)])
             .collect();
+        let size = dtype.size();
         for (a, &(i, s)) in caches.iter().enumerate() {
             for &(j, t) in &caches[a + 1..] {
-                let size = dtype.size();
                 if s.ptr < t.ptr + t.len * size && t.ptr < s.ptr + s.len * size {
                     return Err(PyValueError::new_err(format!(
                         "layers[{j}]: its KV cache shares memory with layer {i}'s"
@@ -353,11 +352,7 @@ impl PyDecoderStack {
         let mut layer = unsafe { self.view::<T>(&self.layers[i]) };
         layer.key_cache = &mut [];
         layer.value_cache = &mut [];
-        Ok(decoder::check_layer(
-            &layer,
-            &self.shape,
-            &format!("layers[{i}]"),
-        )?)
+        Ok(decoder::check_layer(&layer, &self.shape, i)?)
     }
 
     /// One layer's tensors as slices.
