@@ -5,8 +5,8 @@
 //! (the K-quants of llama.cpp's "_K_M" mixes, and the older 4/5-bit types
 //! with an offset). At load such a tensor is dequantized here to f32 and
 //! quantized again to the nearest kernel format by the caller. The types
-//! with a kernel (`q8_0`, `q4_0`, `iq4_nl`) are here too, so the caller can
-//! convert any mix of them to one format.
+//! with a kernel (`q8_0`, `q4_0`, `iq4_nl`, `q4_1`) are here too, so the
+//! caller can convert any mix of them to one format.
 //!
 //! Block layouts (little-endian; `d`, `m`, `dmin` are f16):
 //! - `q4_1` (32 weights, 20 bytes): `d`, `m`, 16 bytes of nibbles (low:
@@ -126,13 +126,7 @@ fn dequantize_one(kind: BlockType, b: &[u8], out: &mut [f32]) {
         BlockType::Q8_0 => dequantize_block(QuantFormat::Q8_0, b, out),
         BlockType::Q4_0 => dequantize_block(QuantFormat::Q4_0, b, out),
         BlockType::Iq4Nl => dequantize_block(QuantFormat::Iq4Nl, b, out),
-        BlockType::Q4_1 => {
-            let (d, m) = (half(b, 0), half(b, 2));
-            for i in 0..16 {
-                out[i] = d * (b[4 + i] & 15) as f32 + m;
-                out[i + 16] = d * (b[4 + i] >> 4) as f32 + m;
-            }
-        }
+        BlockType::Q4_1 => dequantize_block(QuantFormat::Q4_1, b, out),
         BlockType::Q5_0 | BlockType::Q5_1 => {
             let offset = kind == BlockType::Q5_1;
             let d = half(b, 0);

@@ -307,12 +307,12 @@ unsafe fn pass<S: IntSimd, const R: usize, const V: usize, const MIN: bool>(
         for (r, (a, row)) in acc.iter().zip(tile.iter_mut()).enumerate() {
             let rg = (i + r) * groups + g;
             let dx = S::splat_f32(x.d[rg]);
+            // sum_c m * x_c = m * d_x * sum(q_x), once per row and group.
+            let sx = S::splat_f32(if MIN { x.d[rg] * x.sum[rg] as f32 } else { 0.0 });
             for v in 0..V {
                 let p = row.as_mut_ptr().add((v0 + v) * lanes);
                 let mut scaled = S::fmadd(S::to_f32(a[v]), S::mul(dw[v], dx), S::load_f32(p));
                 if MIN {
-                    // sum_c m * x_c = m * d_x * sum(q_x).
-                    let sx = S::splat_f32(x.d[rg] * x.sum[rg] as f32);
                     scaled = S::fmadd(mw[v], sx, scaled);
                 }
                 S::store_f32(p, scaled);
