@@ -37,12 +37,19 @@ def architecture(gguf: GGUFFile) -> str:
     return arch
 
 
-def _int(gguf: GGUFFile, key: str, default: int | None = None) -> int:
+def _value(gguf: GGUFFile, key: str, default: Any) -> Any:
+    """Metadata ``key``, or ``default`` when the file lacks it (an error when
+    ``default`` is None: the key is required)."""
     value = gguf.get(key)
-    if value is None:
-        if default is None:
-            raise GGUFError(f"{gguf.path}: metadata key {key!r} is missing")
-        return default
+    if value is not None:
+        return value
+    if default is None:
+        raise GGUFError(f"{gguf.path}: metadata key {key!r} is missing")
+    return default
+
+
+def _int(gguf: GGUFFile, key: str, default: int | None = None) -> int:
+    value = _value(gguf, key, default)
     if isinstance(value, np.ndarray):
         # Per-layer values (some files store head counts per layer): all equal here.
         if value.size == 0 or not (value == value.flat[0]).all():
@@ -59,11 +66,7 @@ def _int(gguf: GGUFFile, key: str, default: int | None = None) -> int:
 
 
 def _float(gguf: GGUFFile, key: str, default: float | None = None) -> float:
-    value = gguf.get(key)
-    if value is None:
-        if default is None:
-            raise GGUFError(f"{gguf.path}: metadata key {key!r} is missing")
-        return default
+    value = _value(gguf, key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise GGUFError(f"{gguf.path}: metadata key {key!r} must be a number, got {value!r}")
     return float(value)
