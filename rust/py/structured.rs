@@ -183,9 +183,10 @@ fn apply_grammar_masks(
     Ok(py.detach(|| structured::apply_masks(values, vocab, &rows, &mut states))?)
 }
 
-/// The allowed tokens of each grammar state (EOS alone for a failed one) as a bitmask: `len(matchers)`
-/// rows of `ceil(vocab / 32)` little-endian int32 words (token i at bit
-/// i % 32 of word i / 32), the layout the CUDA sampler's mask uses.
+/// The allowed tokens of each grammar state (EOS alone for a failed one) as
+/// a bitmask: `len(matchers)` rows of `ceil(vocab / 32)` little-endian int32
+/// words (token i at bit i % 32 of word i / 32), the layout the CUDA
+/// sampler's mask uses.
 #[pyfunction]
 fn grammar_bitmask<'py>(
     py: Python<'py>,
