@@ -32,7 +32,7 @@ mod pack;
 mod tile;
 
 pub use pack::PackedWeight;
-pub(crate) use pack::{zeroed_lines, Line};
+pub(crate) use pack::{lines_filled, Line};
 
 use crate::cpu::elem::{expect_matrix, SharedOut};
 use crate::cpu::{simd, Dst, Element, Path, Src};

@@ -12,26 +12,41 @@ use crate::error::{CoreError, CoreResult};
 #[repr(C, align(64))]
 pub(crate) struct Line(pub(crate) [u8; 64]);
 
-/// `total` zeroed lines (None: out of memory), written on the kernels'
-/// threads. Large buffers are advised into transparent huge pages first, so
-/// the first touch of a weight takes one page fault per 2 MiB instead of one
-/// per 4 KiB: packing a model at load is bound by its bytes, not its faults.
-pub(crate) fn zeroed_lines(total: usize) -> Option<Vec<Line>> {
+/// `total` lines (None: out of memory), filled on the kernels' threads in
+/// chunks of `chunk` lines: each chunk is zeroed and handed to
+/// `fill(chunk index, lines)` by the same thread, so the first touch of a
+/// large weight and its packing are one pass over memory (the chunk stays
+/// in cache between the two). Large buffers are advised into transparent
+/// huge pages first, so that first touch takes one page fault per 2 MiB
+/// instead of one per 4 KiB.
+pub(crate) fn lines_filled(
+    total: usize,
+    chunk: usize,
+    fill: impl Fn(usize, &mut [Line]) + Sync,
+) -> Option<Vec<Line>> {
     let mut lines: Vec<Line> = Vec::new();
     lines.try_reserve_exact(total).ok()?;
     advise_huge_pages(
         lines.as_mut_ptr() as *mut u8,
         total * std::mem::size_of::<Line>(),
     );
-    crate::cpu::threads::install(|| {
-        lines.spare_capacity_mut()[..total]
-            .par_chunks_mut(1 << 12)
-            .for_each(|chunk| {
-                for line in chunk {
-                    line.write(Line([0; 64]));
-                }
-            });
-    });
+    if total > 0 {
+        crate::cpu::threads::install(|| {
+            lines.spare_capacity_mut()[..total]
+                .par_chunks_mut(chunk.max(1))
+                .enumerate()
+                .for_each(|(c, part)| {
+                    for line in part.iter_mut() {
+                        line.write(Line([0; 64]));
+                    }
+                    // SAFETY: every line of `part` was written just above.
+                    let part = unsafe {
+                        std::slice::from_raw_parts_mut(part.as_mut_ptr() as *mut Line, part.len())
+                    };
+                    fill(c, part);
+                });
+        });
+    }
     // SAFETY: the first `total` lines were all written just above.
     unsafe { lines.set_len(total) };
     Some(lines)
@@ -96,16 +111,10 @@ impl PackedWeight {
         let total = panels
             .checked_mul(panel_lines)
             .ok_or_else(|| CoreError::invalid("weight: packed size overflows"))?;
-        let mut lines = zeroed_lines(total)
-            .ok_or_else(|| CoreError::Exhausted(format!("weight: cannot allocate {n} x {k}")))?;
-        if panel_lines > 0 {
-            crate::cpu::threads::install(|| {
-                lines
-                    .par_chunks_mut(panel_lines)
-                    .enumerate()
-                    .for_each(|(p, panel)| pack_panel(weight, p * NR, n, k, bf16, panel));
-            });
-        }
+        let lines = lines_filled(total, panel_lines, |p, panel| {
+            pack_panel(weight, p * NR, n, k, bf16, panel)
+        })
+        .ok_or_else(|| CoreError::Exhausted(format!("weight: cannot allocate {n} x {k}")))?;
         let bias = bias.map(|b| (0..n).map(|j| b.get(j)).collect());
         Ok(PackedWeight {
             n,

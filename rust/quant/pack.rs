@@ -1,13 +1,11 @@
 //! The panel layout of quantized weights (see the module docs of `quant`).
 
-use rayon::prelude::*;
-
 use super::blocks::{dequantize_block, quantize_rows, IQ4_NL_LEVELS};
 use super::{QuantFormat, GROUP, NR};
 use crate::cpu::elem::expect_matrix;
 use crate::cpu::{Dst, Element, Src};
 use crate::error::{CoreError, CoreResult};
-use crate::gemm::{zeroed_lines, Line};
+use crate::gemm::{lines_filled, Line};
 
 /// A quantized weight matrix in panel layout, with its bias.
 pub struct QuantWeight {
@@ -45,38 +43,33 @@ impl QuantWeight {
         k: usize,
     ) -> CoreResult<Self> {
         expect_matrix("weight", weight.len(), n, k)?;
-        let mut out = Self::empty(format, n, k, bias)?;
-        let groups = out.groups;
+        let groups = k.div_ceil(GROUP);
         let kp = groups * GROUP;
         let bb = format.block_bytes();
-        let pieces: Vec<usize> = (0..n.div_ceil(ROWS_PER_PIECE)).collect();
         let panels_per_piece = ROWS_PER_PIECE / NR;
-        let panel_lines = out.panel_lines();
-        if panel_lines == 0 {
-            return Ok(out);
-        }
-        crate::cpu::threads::install(|| {
-            out.lines
-                .par_chunks_mut(panel_lines * panels_per_piece)
-                .zip(pieces)
-                .for_each(|(lines, piece)| {
-                    let r0 = piece * ROWS_PER_PIECE;
-                    let rows = ROWS_PER_PIECE.min(n - r0);
-                    // The rows, zero-padded to whole groups, as f32.
-                    let mut padded = vec![0f32; rows * kp];
-                    for r in 0..rows {
-                        for c in 0..k {
-                            padded[r * kp + c] = weight.get((r0 + r) * k + c);
-                        }
+        Self::filled(
+            format,
+            n,
+            k,
+            bias,
+            panels_per_piece,
+            |piece, lines, panel_lines| {
+                let r0 = piece * ROWS_PER_PIECE;
+                let rows = ROWS_PER_PIECE.min(n - r0);
+                // The rows, zero-padded to whole groups, as f32.
+                let mut padded = vec![0f32; rows * kp];
+                for r in 0..rows {
+                    for c in 0..k {
+                        padded[r * kp + c] = weight.get((r0 + r) * k + c);
                     }
-                    let mut blocks = vec![0u8; rows * groups * bb];
-                    quantize_rows(format, &padded, rows, kp, &mut blocks);
-                    let rb = groups * bb;
-                    let row = |r: usize| &blocks[r * rb..(r + 1) * rb];
-                    fill_panels(format, &row, rows, groups, lines, panel_lines);
-                });
-        });
-        Ok(out)
+                }
+                let mut blocks = vec![0u8; rows * groups * bb];
+                quantize_rows(format, &padded, rows, kp, &mut blocks);
+                let rb = groups * bb;
+                let row = |r: usize| &blocks[r * rb..(r + 1) * rb];
+                fill_panels(format, &row, rows, groups, lines, panel_lines);
+            },
+        )
     }
 
     /// Adopts rows already quantized in the block layout of `blocks`
@@ -127,30 +120,30 @@ impl QuantWeight {
             starts.push(rows_before);
             rows_before += p.len() / row_bytes.max(1);
         }
-        let mut out = Self::empty(format, n, k, bias)?;
-        let (groups, panel_lines) = (out.groups, out.panel_lines());
-        if panel_lines == 0 {
-            return Ok(out);
-        }
+        let groups = k / GROUP;
         let row = |r: usize| -> &[u8] {
             let part = starts.partition_point(|&s| s <= r) - 1;
             let local = r - starts[part];
             &parts[part][local * row_bytes..(local + 1) * row_bytes]
         };
-        crate::cpu::threads::install(|| {
-            out.lines
-                .par_chunks_mut(panel_lines)
-                .enumerate()
-                .for_each(|(p, lines)| {
-                    let r0 = p * NR;
-                    let rows = NR.min(n - r0);
-                    fill_panels(format, &|r| row(r0 + r), rows, groups, lines, panel_lines);
-                });
-        });
-        Ok(out)
+        Self::filled(format, n, k, bias, 1, |p, lines, panel_lines| {
+            let r0 = p * NR;
+            let rows = NR.min(n - r0);
+            fill_panels(format, &|r| row(r0 + r), rows, groups, lines, panel_lines);
+        })
     }
 
-    fn empty(format: QuantFormat, n: usize, k: usize, bias: Option<Src<'_>>) -> CoreResult<Self> {
+    /// A weight of `n x k` in `format` whose panels are written, in pieces of
+    /// `panels` panels, by `fill(piece, lines, lines per panel)` on the
+    /// kernels' threads (each piece's lines arrive zeroed).
+    fn filled(
+        format: QuantFormat,
+        n: usize,
+        k: usize,
+        bias: Option<Src<'_>>,
+        panels: usize,
+        fill: impl Fn(usize, &mut [Line], usize) + Sync,
+    ) -> CoreResult<Self> {
         if let Some(b) = &bias {
             if b.len() != n {
                 return Err(CoreError::invalid(format!(
@@ -160,12 +153,15 @@ impl QuantWeight {
             }
         }
         let groups = k.div_ceil(GROUP);
+        let panel_lines = groups * format.panel_block_bytes() / 64;
         let total = n
             .div_ceil(NR)
-            .checked_mul(groups * format.panel_block_bytes() / 64)
+            .checked_mul(panel_lines)
             .ok_or_else(|| CoreError::invalid("weight: packed size overflows"))?;
-        let lines = zeroed_lines(total)
-            .ok_or_else(|| CoreError::Exhausted(format!("weight: cannot allocate {n} x {k}")))?;
+        let lines = lines_filled(total, panel_lines * panels, |piece, lines| {
+            fill(piece, lines, panel_lines)
+        })
+        .ok_or_else(|| CoreError::Exhausted(format!("weight: cannot allocate {n} x {k}")))?;
         Ok(QuantWeight {
             format,
             n,
@@ -278,7 +274,8 @@ impl QuantWeight {
 
 /// Writes the blocks of `rows` consecutive rows (`groups` blocks each;
 /// `row(r)` is row `r`'s) into their panels (`panel_lines` lines each,
-/// starting at `lines`).
+/// starting at `lines`). Row by row: one stream of reads, while the panel
+/// being written stays in cache.
 fn fill_panels<'a>(
     format: QuantFormat,
     row: &dyn Fn(usize) -> &'a [u8],
@@ -288,19 +285,28 @@ fn fill_panels<'a>(
     panel_lines: usize,
 ) {
     let (bb, pb) = (format.block_bytes(), format.panel_block_bytes());
-    for r in 0..rows {
-        let (p, j) = (r / NR, r % NR);
-        let panel = &mut lines[p * panel_lines..(p + 1) * panel_lines];
+    for (p, panel) in lines.chunks_exact_mut(panel_lines).enumerate() {
+        let r0 = p * NR;
+        if r0 >= rows {
+            break;
+        }
         // SAFETY: a Line is 64 plain bytes.
         let bytes: &mut [u8] = unsafe {
             std::slice::from_raw_parts_mut(panel.as_mut_ptr() as *mut u8, panel.len() * 64)
         };
-        let blocks = row(r);
-        for g in 0..groups {
-            let block = &blocks[g * bb..][..bb];
-            pack_block(format, block, j, &mut bytes[g * pb..(g + 1) * pb]);
+        for j in 0..NR.min(rows - r0) {
+            let blocks = row(r0 + j);
+            for (g, out) in bytes.chunks_exact_mut(pb).take(groups).enumerate() {
+                pack_block(format, &blocks[g * bb..][..bb], j, out);
+            }
         }
     }
+}
+
+/// The four bytes at `at` as one little-endian word.
+#[inline(always)]
+fn word(bytes: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(bytes[at..at + 4].try_into().expect("four bytes"))
 }
 
 /// Places one row's block as feature `j` of a panel block.
@@ -309,6 +315,7 @@ fn fill_panels<'a>(
 /// weight `4q + b`. `q4_0`/`iq4_nl`: in oct `o` (bytes `o * 128 + 4j + b`),
 /// the low nibble is weight `8o + b`, the high nibble `8o + 4 + b`. The f16
 /// scales of the 32 features follow the weights.
+#[inline(always)]
 fn pack_block(format: QuantFormat, block: &[u8], j: usize, out: &mut [u8]) {
     let scales = format.scale_offset();
     out[scales + 2 * j..scales + 2 * j + 2].copy_from_slice(&block[..2]);
@@ -318,25 +325,23 @@ fn pack_block(format: QuantFormat, block: &[u8], j: usize, out: &mut [u8]) {
         out[mins + 2 * j..mins + 2 * j + 2].copy_from_slice(&block[2..4]);
         q = &block[4..];
     }
+    let mut put = |lane: usize, v: u32| {
+        out[lane * 128 + 4 * j..][..4].copy_from_slice(&v.to_le_bytes());
+    };
     match format {
         QuantFormat::Q8_0 => {
-            for (quad, v) in q[..GROUP].chunks_exact(4).enumerate() {
-                out[quad * 128 + 4 * j..][..4].copy_from_slice(v);
+            for quad in 0..GROUP / 4 {
+                put(quad, word(q, 4 * quad));
             }
         }
         QuantFormat::Q4_0 | QuantFormat::Iq4Nl | QuantFormat::Q4_1 => {
-            let nib = |i: usize| -> u8 {
-                let byte = q[i % (GROUP / 2)];
-                if i < GROUP / 2 {
-                    byte & 15
-                } else {
-                    byte >> 4
-                }
-            };
-            for o in 0..GROUP / 8 {
-                for b in 0..4 {
-                    out[o * 128 + 4 * j + b] = nib(8 * o + b) | (nib(8 * o + 4 + b) << 4);
-                }
+            // Weight i < 16 is the low nibble of byte i, weight 16 + i its
+            // high nibble: oct o's bytes pair weights 8o + b and 8o + 4 + b.
+            const LOW: u32 = 0x0f0f_0f0f;
+            for o in 0..GROUP / 16 {
+                let (a, b) = (word(q, 8 * o), word(q, 8 * o + 4));
+                put(o, (a & LOW) | ((b & LOW) << 4));
+                put(o + GROUP / 16, ((a >> 4) & LOW) | (b & !LOW));
             }
         }
     }
