@@ -246,6 +246,9 @@ def test_finish_reason_length_at_max_model_len(make_model):
     (o,) = llm.generate([prompt], unlimited, use_tqdm=False)
     assert o.outputs[0].finish_reason == "length"
     assert len(o.outputs[0].token_ids) == 5
+    # The rotary table covers the positions a sequence can reach, no more
+    # (the last token above ran at position 19).
+    assert llm.llm_engine.runner.model.rotary.table_positions == 20
     # Asking for more than the context holds is an error naming max_tokens, as
     # the server's 400 (one rule in both places).
     with pytest.raises(ValueError, match=r"prompt 0: .*max_tokens=50 asks for 65 in all"):

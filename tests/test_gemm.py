@@ -211,3 +211,24 @@ def test_conversions_propagate_a_pending_interrupt():
         _core.rms_norm(Interrupting(), x, torch.ones(4), 1e-6)
     with pytest.raises(ValueError, match="out: expected a torch.Tensor"):
         _core.rms_norm(object(), x, torch.ones(4), 1e-6)
+
+
+def test_rotary_table_limited_to_the_engine_positions():
+    """``limit_positions`` builds the cos/sin table for the positions below the
+    limit only, with the same values (against cos/sin of ``p * inv_freq`` in
+    float64); a position past it is an error, not a silent wrap."""
+    from fastllm.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(16, 16, 32768, 10000.0)
+    rope.limit_positions(100)
+    assert rope.table_positions == 100
+    positions = torch.tensor([0, 1, 57, 99])
+    cos, sin = rope.cos_sin(positions, torch.float32)
+    assert rope._table.shape[0] == 100
+    angles = positions.double()[:, None] * rope.inv_freq.double()[None, :]
+    torch.testing.assert_close(cos.view(4, 8), angles.cos().float(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(sin.view(4, 8), angles.sin().float(), atol=1e-5, rtol=0)
+    with pytest.raises(IndexError):
+        rope.cos_sin(torch.tensor([100]), torch.float32)
+    rope.limit_positions(10**9)  # never past the model's own maximum
+    assert rope.table_positions == 32768

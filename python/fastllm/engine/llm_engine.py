@@ -145,6 +145,7 @@ class LLMEngine:
         from fastllm.engine.model_runner import ModelRunner
         from fastllm.engine.scheduler import Scheduler
         from fastllm.layers.linear import pack_linears, should_pack
+        from fastllm.layers.rotary import RotaryEmbedding
         from fastllm.models.loader import load_model
         from fastllm.tokenizer import Tokenizer
 
@@ -234,6 +235,9 @@ class LLMEngine:
             gpu_memory_utilization=config.gpu_memory_utilization,
         )
         self.max_model_len = self.cache.max_model_len
+        for module in model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.limit_positions(self.max_model_len)
         num_blocks = self.cache.num_blocks
         logger.info("KV cache: %s", self.cache.describe())
         self.runner = ModelRunner(
