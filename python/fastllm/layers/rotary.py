@@ -97,7 +97,7 @@ class RotaryEmbedding(Module):
         # Positions the cos/sin table covers (``limit_positions``).
         self.table_positions = max_position
         self.inv_freq = rope_inv_freq(rotary_dim, theta, scaling)  # plain attribute: stays on CPU
-        self._table: torch.Tensor | None = None  # [max_position, rotary_dim]: cos half | sin half
+        self._table: torch.Tensor | None = None  # [table_positions, rotary_dim]: cos | sin
         self.ops = TORCH_OPS  # the model's op table (``layers/ops.py``), bound at load
 
     def limit_positions(self, n: int) -> None:
