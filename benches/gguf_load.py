@@ -7,11 +7,16 @@ For each file, alternating rounds of
              weights mapped and, for the formats it repacks, repacked);
   fastllm    ``LLM(FILE, max_model_len=L)`` timed in a fresh process after its imports,
              the modules it loads lazily included (header check, config, tokenizer,
-             every tensor repacked or copied into the kernels' layout, KV cache
-             allocated);
+             every tensor repacked or copied into the kernels' layout, or mapped
+             from its packed-weight cache, KV cache allocated);
 
 each in its own process, the file already in the page cache (one untimed run of each
 first). Prints the medians and fastllm / llama.cpp (below 1: fastllm loads faster).
+
+fastllm caches a GGUF file's packed weights after its first load
+(``fastllm/gguf/cache.py``), so the untimed run writes the cache and the timed ones
+map it: the time of every load after the first. ``--no-cache`` times the first
+load instead (``FASTLLM_GGUF_CACHE=0``: every tensor repacked).
 
 llama.cpp maps the file and reads most weights only when the first token needs them,
 so its "load time" leaves that reading out; fastllm's includes it. ``--first-token``
@@ -67,6 +72,8 @@ def run_llama(args: argparse.Namespace, path: str) -> float:
 
 def run_fastllm(args: argparse.Namespace, path: str) -> float:
     env = dict(os.environ, FASTLLM_NUM_THREADS=str(args.threads))
+    if args.no_cache:
+        env["FASTLLM_GGUF_CACHE"] = "0"
     cmd = [
         args.python,
         "-c",
@@ -93,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--first-token", action="store_true", help="include one prompt token's run")
+    p.add_argument(
+        "--no-cache", action="store_true", help="time fastllm's first load (no packed-weight cache)"
+    )
     args = p.parse_args(argv)
     print(f"{'file':40s} {'llama.cpp s':>12s} {'fastllm s':>10s} {'ratio':>6s}")
     for path in args.files:

@@ -17,6 +17,15 @@ CHAT_TEMPLATE = (
 )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _gguf_cache_dir(tmp_path_factory):
+    """GGUF loads cache their packed weights in the session's temporary
+    directory, not the user's cache (``fastllm/gguf/cache.py``)."""
+    if "FASTLLM_CACHE_DIR" not in os.environ:
+        os.environ["FASTLLM_CACHE_DIR"] = str(tmp_path_factory.mktemp("fastllm-cache"))
+    yield
+
+
 def _corpus():
     libdir = sysconfig.get_paths()["stdlib"]
     for path in sorted(glob.glob(os.path.join(libdir, "*.py")))[:60]:

@@ -105,6 +105,68 @@ impl PyQuantizedLinear {
         })
     }
 
+    /// Adopts panels packed earlier (`write_panels`' bytes for a layer of
+    /// the same format and shape): `panels` is a 64-byte aligned uint8
+    /// tensor, typically a view of a mapped file, read where it lies. The
+    /// layer keeps the tensor, whose memory must not change.
+    #[staticmethod]
+    #[pyo3(signature = (panels, out_features, in_features, format, bias=None, path=None))]
+    fn from_panels(
+        panels: &Bound<'_, PyAny>,
+        out_features: usize,
+        in_features: usize,
+        format: &str,
+        bias: Option<&Bound<'_, PyAny>>,
+        path: Option<&str>,
+    ) -> PyResult<Self> {
+        let (format, path) = parse(format, path)?;
+        let arg = TensorArg::extract("panels", panels)?;
+        arg.check(&[DType::U8], arg.shape.len().max(1))?;
+        let bias = bias_arg(bias, out_features)?;
+        let owner: Arc<dyn Send + Sync> = Arc::new(panels.clone().unbind());
+        // SAFETY: the tensor and the bias were checked (dtype, CPU,
+        // contiguous); the layer keeps the tensor alive through `owner` and
+        // the caller promises its memory does not change.
+        let inner = unsafe {
+            let bs = bias.as_ref().map(|b| kernel_src(b));
+            QuantWeight::from_panels(
+                format,
+                arg.slice::<u8>(),
+                owner,
+                bs,
+                out_features,
+                in_features,
+            )
+        }?;
+        Ok(PyQuantizedLinear {
+            inner: Arc::new(inner),
+            path,
+        })
+    }
+
+    /// Writes the layer's panels (`nbytes` bytes) at `offset` of the open
+    /// file `fd`, without the GIL: what `from_panels` adopts.
+    fn write_panels(&self, py: Python<'_>, fd: i32, offset: u64) -> PyResult<()> {
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::FileExt;
+            use std::os::unix::io::FromRawFd;
+            // SAFETY: the file is the caller's and stays open; ManuallyDrop
+            // keeps it from being closed here.
+            let file = std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(fd) });
+            let bytes = self.inner.panel_bytes();
+            py.detach(|| file.write_all_at(bytes, offset))
+                .map_err(|e| pyo3::exceptions::PyOSError::new_err(format!("write_panels: {e}")))
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = (py, fd, offset);
+            Err(pyo3::exceptions::PyOSError::new_err(
+                "write_panels: needs a Unix system",
+            ))
+        }
+    }
+
     /// out [M, out_features] = x [M, in_features] @ weight^T + bias.
     fn forward(
         &self,

@@ -407,6 +407,54 @@ mod tests {
         assert!(err.to_string().contains("multiple of 32"), "{err}");
     }
 
+    /// Panels adopted from bytes packed earlier give the same products bit
+    /// for bit; a wrong size or alignment is an error.
+    #[test]
+    fn panels_adopted_from_their_bytes() {
+        let (m, n, k) = (3, 45, 96);
+        let mut rng = Rng(11);
+        let x: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
+        let wf: Vec<f32> = (0..n * k).map(|_| rng.f32()).collect();
+        let b: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
+        for format in QuantFormat::ALL {
+            let w = QuantWeight::quantize(format, Src::F32(&wf), Some(Src::F32(&b)), n, k).unwrap();
+            // 64-byte aligned copies of the bytes, as a file mapping gives.
+            let bytes = w.panel_bytes();
+            let mut lines = vec![crate::gemm::Line([0; 64]); bytes.len() / 64];
+            for (l, c) in lines.iter_mut().zip(bytes.chunks_exact(64)) {
+                l.0.copy_from_slice(c);
+            }
+            let owner = std::sync::Arc::new(lines);
+            // SAFETY: a Line is 64 plain bytes; `owner` keeps them, unchanged.
+            let view = unsafe {
+                std::slice::from_raw_parts(owner.as_ptr() as *const u8, owner.len() * 64)
+            };
+            // SAFETY: as above.
+            let adopted = unsafe {
+                QuantWeight::from_panels(format, view, owner.clone(), Some(Src::F32(&b)), n, k)
+            }
+            .unwrap();
+            assert_eq!(adopted.to_blocks(), w.to_blocks());
+            let (mut a, mut c) = (vec![0f32; m * n], vec![0f32; m * n]);
+            gemm(Dst::F32(&mut a), Src::F32(&x), &w, m).unwrap();
+            gemm(Dst::F32(&mut c), Src::F32(&x), &adopted, m).unwrap();
+            assert_eq!(a, c, "{format:?}");
+            // SAFETY: as above (the calls fail before adopting anything).
+            let short =
+                unsafe { QuantWeight::from_panels(format, &view[..64], owner.clone(), None, n, k) };
+            assert!(short.unwrap_err().to_string().contains("panels: expected"));
+            let wide = std::sync::Arc::new(vec![crate::gemm::Line([0; 64]); owner.len() + 1]);
+            // SAFETY: one line more than the panels' bytes; offset by one byte.
+            let skewed = unsafe {
+                std::slice::from_raw_parts((wide.as_ptr() as *const u8).add(1), view.len())
+            };
+            // SAFETY: as above.
+            let skew =
+                unsafe { QuantWeight::from_panels(format, skewed, wide.clone(), None, n, k) };
+            assert!(skew.unwrap_err().to_string().contains("aligned"));
+        }
+    }
+
     #[test]
     fn bf16_inputs_and_outputs_and_thread_split() {
         let (m, n, k) = (70, 300, 256);

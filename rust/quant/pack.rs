@@ -1,5 +1,7 @@
 //! The panel layout of quantized weights (see the module docs of `quant`).
 
+use std::sync::Arc;
+
 use super::blocks::{dequantize_block, quantize_rows, IQ4_NL_LEVELS};
 use super::{QuantFormat, GROUP, NR};
 use crate::cpu::elem::expect_matrix;
@@ -13,8 +15,35 @@ pub struct QuantWeight {
     pub(super) n: usize,
     pub(super) k: usize,
     pub(super) groups: usize,
-    pub(super) lines: Vec<Line>,
+    pub(super) lines: Lines,
     pub(super) bias: Option<Vec<f32>>,
+}
+
+/// A weight's panels: packed by this process, or mapped from a file of
+/// panels packed earlier ([`QuantWeight::from_panels`]).
+pub(super) enum Lines {
+    Owned(Vec<Line>),
+    Mapped {
+        ptr: *const Line,
+        len: usize,
+        _owner: Arc<dyn Send + Sync>,
+    },
+}
+
+// SAFETY: mapped lines are only read, and `_owner` keeps them valid and
+// unchanged while they exist (the contract of `from_panels`).
+unsafe impl Send for Lines {}
+unsafe impl Sync for Lines {}
+
+impl std::ops::Deref for Lines {
+    type Target = [Line];
+    fn deref(&self) -> &[Line] {
+        match self {
+            Lines::Owned(v) => v,
+            // SAFETY: `len` lines at `ptr`, alive with `_owner`.
+            Lines::Mapped { ptr, len, .. } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
+        }
+    }
 }
 
 impl std::fmt::Debug for QuantWeight {
@@ -133,6 +162,59 @@ impl QuantWeight {
         })
     }
 
+    /// Adopts panels packed earlier (the bytes of [`panel_bytes`](Self::panel_bytes)
+    /// of a weight of the same format and shape, e.g. mapped from a file)
+    /// where they lie, without a copy. `panels` must be 64-byte aligned.
+    ///
+    /// # Safety
+    /// The memory of `panels` must stay valid and unchanged while `owner` is
+    /// alive (the weight keeps `owner`).
+    pub unsafe fn from_panels(
+        format: QuantFormat,
+        panels: &[u8],
+        owner: Arc<dyn Send + Sync>,
+        bias: Option<Src<'_>>,
+        n: usize,
+        k: usize,
+    ) -> CoreResult<Self> {
+        let bias = f32_bias(bias, n)?;
+        let groups = k.div_ceil(GROUP);
+        let want = n
+            .div_ceil(NR)
+            .checked_mul(groups * format.panel_block_bytes())
+            .ok_or_else(|| CoreError::invalid("weight: packed size overflows"))?;
+        if panels.len() != want {
+            return Err(CoreError::invalid(format!(
+                "panels: expected {want} bytes for {n} x {k} {} weights, got {}",
+                format.name(),
+                panels.len()
+            )));
+        }
+        if !(panels.as_ptr() as usize).is_multiple_of(std::mem::align_of::<Line>()) {
+            return Err(CoreError::invalid("panels: not aligned to 64 bytes"));
+        }
+        Ok(QuantWeight {
+            format,
+            n,
+            k,
+            groups,
+            lines: Lines::Mapped {
+                ptr: panels.as_ptr() as *const Line,
+                len: want / 64,
+                _owner: owner,
+            },
+            bias,
+        })
+    }
+
+    /// The panels as bytes (what [`from_panels`](Self::from_panels) adopts).
+    pub fn panel_bytes(&self) -> &[u8] {
+        // SAFETY: a Line is 64 plain bytes.
+        unsafe {
+            std::slice::from_raw_parts(self.lines.as_ptr() as *const u8, self.lines.len() * 64)
+        }
+    }
+
     /// A weight of `n x k` in `format` whose panels are written, in pieces of
     /// `panels` panels, by `fill(piece, lines, lines per panel)` on the
     /// kernels' threads (each piece's lines arrive zeroed).
@@ -144,14 +226,7 @@ impl QuantWeight {
         panels: usize,
         fill: impl Fn(usize, &mut [Line], usize) + Sync,
     ) -> CoreResult<Self> {
-        if let Some(b) = &bias {
-            if b.len() != n {
-                return Err(CoreError::invalid(format!(
-                    "bias: expected {n} elements, got {}",
-                    b.len()
-                )));
-            }
-        }
+        let bias = f32_bias(bias, n)?;
         let groups = k.div_ceil(GROUP);
         let panel_lines = groups * format.panel_block_bytes() / 64;
         let total = n
@@ -167,8 +242,8 @@ impl QuantWeight {
             n,
             k,
             groups,
-            lines,
-            bias: bias.map(|b| (0..n).map(|j| b.get(j)).collect()),
+            lines: Lines::Owned(lines),
+            bias,
         })
     }
 
@@ -269,6 +344,18 @@ impl QuantWeight {
             out[c0..c1].copy_from_slice(&vals[..c1 - c0]);
         }
         Ok(())
+    }
+}
+
+/// A bias of `n` elements, as f32.
+fn f32_bias(bias: Option<Src<'_>>, n: usize) -> CoreResult<Option<Vec<f32>>> {
+    match bias {
+        Some(b) if b.len() != n => Err(CoreError::invalid(format!(
+            "bias: expected {n} elements, got {}",
+            b.len()
+        ))),
+        Some(b) => Ok(Some((0..n).map(|j| b.get(j)).collect())),
+        None => Ok(None),
     }
 }
 

@@ -20,6 +20,9 @@ folder. Tensors are read from the file's memory map:
 llama.cpp's converter permutes the rows of Llama-family q and k weights for
 its rotary layout; the permutation is undone here (a reordering of whole
 block rows, exact for quantized tensors too).
+
+After the first load of a file its quantized matrices are cached on disk in
+the kernels' layout, and later loads map them instead (``gguf/cache.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from torch import nn
 
 from fastllm import _core
 from fastllm.config import ModelConfig
+from fastllm.gguf.cache import PanelCache, cache_dir
 from fastllm.gguf.reader import GGUFError, GGUFFile, TensorInfo
 from fastllm.layers.linear import Embedding, Linear
 from fastllm.models import get_model_class
@@ -157,6 +161,10 @@ class LoadReport:
     # tensors converted to q8_0 exactly (the same weights), by type
     exact: dict[str, int] = field(default_factory=dict)
     quantized_bytes: int = 0
+    # the packed-weight cache file (``gguf/cache.py``), and whether every
+    # quantized matrix was mapped from it
+    cache: str | None = None
+    from_cache: bool = False
 
     def summary(self, path: str) -> dict[str, Any]:
         """The engine's ``gguf`` info (JSON-ready): the file, its tensor types and
@@ -167,6 +175,8 @@ class LoadReport:
             "converted": {**self.converted, **self.fused_with},
             "rewritten": self.rewritten,
             "exact": self.exact,
+            "cache": self.cache,
+            "from_cache": self.from_cache,
         }
 
 
@@ -242,28 +252,17 @@ def _float_tensor(gguf: GGUFFile, info: TensorInfo, heads: int | None) -> torch.
     return out
 
 
-def _quantized(
-    gguf: GGUFFile, param: _Param, bias: torch.Tensor | None, report: LoadReport
-) -> object:
-    """A ``_core.QuantizedLinear`` of the parameter's sources."""
+def _kernel_format(param: _Param, report: LoadReport) -> tuple[str, bool]:
+    """The kernel format the parameter runs in, and whether its sources go in as
+    stored (else they are converted); counts what its sources become."""
     formats = {
         KERNEL_TYPES.get(s.type.name) or REWRITTEN_TYPES.get(s.type.name) for s in param.sources
     }
-    out_features, in_features = param.shape
-    b = None if bias is None else bias.float().contiguous()
     if len(formats) == 1 and None not in formats:
-        fmt = formats.pop()
-        parts = []
-        for s, h in zip(param.sources, param.permute, strict=True):
-            blocks = _blocks(gguf, s, h)
+        for s in param.sources:
             if s.type.name in REWRITTEN_TYPES:
-                rewritten = torch.empty(blocks.numel() // 144 * 160, dtype=torch.uint8)
-                _core.gguf_q4_k_to_q4_1(blocks, rewritten)
                 report.rewritten[s.type.name] = report.rewritten.get(s.type.name, 0) + 1
-                blocks = rewritten
-            parts.append(blocks)
-        # The parts of a fused matrix (q, k, v) go in as they are, uncopied.
-        return _core.QuantizedLinear.from_blocks(parts, out_features, in_features, fmt, b)
+        return formats.pop(), True
     # No kernel for a source's type, or a mix of types in one fused matrix.
     exact = all(s.type.name in EXACT_TYPES for s in param.sources)
     for s in param.sources:
@@ -274,6 +273,36 @@ def _quantized(
         else:
             counts = report.converted
         counts[s.type.name] = counts.get(s.type.name, 0) + 1
+    return CONVERSION_FORMAT, False
+
+
+def _quantized(
+    gguf: GGUFFile,
+    param: _Param,
+    bias: torch.Tensor | None,
+    report: LoadReport,
+    cache: PanelCache | None = None,
+) -> object:
+    """A ``_core.QuantizedLinear`` of the parameter's sources (its panels from
+    ``cache`` when the cache file has them)."""
+    fmt, as_stored = _kernel_format(param, report)
+    out_features, in_features = param.shape
+    b = None if bias is None else bias.float().contiguous()
+    if cache is not None:
+        table = cache.table(param.name, fmt, out_features, in_features, b)
+        if table is not None:
+            return table
+    if as_stored:
+        parts = []
+        for s, h in zip(param.sources, param.permute, strict=True):
+            blocks = _blocks(gguf, s, h)
+            if s.type.name in REWRITTEN_TYPES:
+                rewritten = torch.empty(blocks.numel() // 144 * 160, dtype=torch.uint8)
+                _core.gguf_q4_k_to_q4_1(blocks, rewritten)
+                blocks = rewritten
+            parts.append(blocks)
+        # The parts of a fused matrix (q, k, v) go in as they are, uncopied.
+        return _core.QuantizedLinear.from_blocks(parts, out_features, in_features, fmt, b)
     if any(s.type.name in FLOAT_TYPES for s in param.sources):
         weight = torch.cat(
             [
@@ -338,21 +367,26 @@ def load_gguf_model(
         parts = [_float_tensor(gguf, s, h) for s, h in zip(p.sources, p.permute, strict=True)]
         t = parts[0] if len(parts) == 1 else torch.cat(parts)
         state[p.name] = t.to(device=device, dtype=dtype).contiguous()
+    directory = cache_dir() if quantized else None
+    cache = PanelCache(gguf.path, directory) if directory is not None else None
     tables: dict[str, object] = {}
     for p in quantized:
         bias_name = p.name[: -len("weight")] + "bias"
         module = owners[p.name]
         bias = state.get(bias_name) if isinstance(module, Linear) else None
-        table = _quantized(gguf, p, bias, report)
+        table = _quantized(gguf, p, bias, report, cache)
         tables[p.name] = table
         report.quantized_bytes += table.nbytes
+    if cache is not None:
+        report.cache = cache.path
+        report.from_cache = cache.misses == 0
 
     head_name = _head_weight_name(model)
     head_bias = model.head_weights()[1]
     if head_name in tables and head_bias is not None and head_name != "lm_head.weight":
         # A tied head with a bias of its own (phi): the head's table carries it.
         p = next(p for p in quantized if p.name == head_name)
-        head_table = _quantized(gguf, p, state["lm_head.bias"], report)
+        head_table = _quantized(gguf, p, state["lm_head.bias"], report, cache)
     else:
         head_table = tables.get(head_name)
     for module in owners.values():
@@ -368,6 +402,10 @@ def load_gguf_model(
     if head_table is not None:
         model.packed_head = head_table
     bind_ops(model, select_ops(device, dtype))
+    if cache is not None and cache.misses:
+        cache.write_in_background(tables)
+    elif cache is not None:
+        logger.info("%s: packed weights mapped from the cache %s", gguf.path, cache.path)
     if report.exact:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(report.exact.items()))
         logger.info(
