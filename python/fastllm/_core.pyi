@@ -409,6 +409,22 @@ class QuantizedLinear:
         """Adopts GGUF blocks bit for bit: ``blocks`` uint8, out_features rows of
         in_features / 32 blocks, or a list of such tensors of whole rows (the
         parts of a fused matrix, in order)."""
+    @staticmethod
+    def from_panels(
+        panels: torch.Tensor,
+        out_features: int,
+        in_features: int,
+        format: str,
+        bias: torch.Tensor | None = None,
+        path: str | None = None,
+    ) -> QuantizedLinear:
+        """Adopts panels packed earlier (what ``write_panels`` wrote for a layer of
+        the same format and shape): a 64-byte aligned uint8 tensor, read where
+        it lies (e.g. a view of a mapped file); the layer keeps it, and its
+        memory must not change."""
+    def write_panels(self, fd: int, offset: int) -> None:
+        """Writes the layer's ``nbytes`` bytes of panels at ``offset`` of the open
+        file descriptor ``fd``. Releases the GIL."""
     def forward(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """Writes ``x @ weight.T + bias`` into ``out`` [M, out_features] (bf16 or f32);
         x [M, in_features] is quantized to int8 per group of 32. Releases the GIL."""
