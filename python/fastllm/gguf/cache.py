@@ -226,6 +226,10 @@ class PanelCache:
 
     def _write(self, header: dict[str, Any], tables: dict[str, Any], total: int) -> None:
         tmp = f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        # The lowest priority for this thread alone (Linux): the model's first
+        # steps, which run meanwhile, keep the cores.
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
