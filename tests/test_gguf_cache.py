@@ -197,3 +197,26 @@ def test_llm_loads_from_the_cache_with_the_same_tokens(folder, cache_root, tmp_p
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
         for p, q in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, strict=True):
             assert {k: v.logprob for k, v in p.items()} == {k: v.logprob for k, v in q.items()}
+
+
+def test_no_room_or_no_directory_skips_the_cache_not_the_load(
+    folder, cache_root, tmp_path, monkeypatch
+):
+    import shutil
+    from collections import namedtuple
+
+    path = write_gguf(folder, str(tmp_path / "m.gguf"), "qwen2", "Q8_0")
+    ref = _reference(path, monkeypatch)
+    usage = namedtuple("usage", "total used free")
+    with monkeypatch.context() as m:
+        m.setattr(shutil, "disk_usage", lambda _: usage(100 << 30, 99 << 30, 1 << 30))
+        model, report = _load(path)
+    assert not report.from_cache and not os.listdir(cache_root)
+    _assert_equal(_logits(model), ref)
+    # A cache folder that cannot be made (a file in its way).
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    monkeypatch.setenv("FASTLLM_CACHE_DIR", str(blocker))
+    model, report = _load(path)
+    assert not report.from_cache
+    _assert_equal(_logits(model), ref)
