@@ -126,7 +126,7 @@ def test_a_changed_file_never_meets_the_old_cache(folder, cache_root, tmp_path, 
     _assert_equal(_logits(model), ref)
 
 
-@pytest.mark.parametrize("damage", ["truncated", "magic", "header", "shapes"])
+@pytest.mark.parametrize("damage", ["truncated", "magic", "header", "shapes", "fields"])
 def test_a_damaged_cache_file_is_ignored_and_written_again(
     damage, folder, cache_root, tmp_path, monkeypatch
 ):
@@ -142,9 +142,13 @@ def test_a_damaged_cache_file_is_ignored_and_written_again(
         raw[:8] = b"NOTPANEL"
     elif damage == "header":
         raw[16:24] = b"{garbage"
-    else:  # an entry of another shape, the header's length kept
+    else:  # an entry of another shape, or one without its fields
         name = next(iter(header["tensors"]))
-        header["tensors"][name]["n"] += 1
+        if damage == "shapes":
+            header["tensors"][name]["n"] += 1
+        else:
+            del header["tensors"][name]["format"]
+            header["tensors"][name]["offset"] = -4096
         text = json.dumps(header).encode()
         assert len(text) <= n + 8
         raw[8:16] = struct.pack("<Q", len(text))

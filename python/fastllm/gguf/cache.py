@@ -119,9 +119,8 @@ class PanelCache:
                 entries = header.get("tensors")
                 if not isinstance(entries, dict):
                     return
-                for e in entries.values():
-                    if e["offset"] % _ALIGN or e["offset"] + e["nbytes"] > size:
-                        return
+                if not all(_entry_ok(e, size) for e in entries.values()):
+                    return
                 self._map = mmap.mmap(f.fileno(), 0, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
                 self._entries = entries
         except FileNotFoundError:
@@ -140,16 +139,8 @@ class PanelCache:
         """Parameter ``name``'s ``QuantizedLinear`` adopted from the cache file, or
         None when the file has no such panels (the caller builds them)."""
         e = self._entries.get(name)
-        if (
-            self._map is None
-            or e is None
-            or (e["format"], e["n"], e["k"])
-            != (
-                fmt,
-                out_features,
-                in_features,
-            )
-        ):
+        want = (fmt, out_features, in_features)
+        if self._map is None or e is None or (e["format"], e["n"], e["k"]) != want:
             self.misses += 1
             return None
         from fastllm.gguf.loader import _readonly_tensor
@@ -170,7 +161,6 @@ class PanelCache:
         cache on a thread of its own, which the interpreter waits for at exit;
         None when nothing is written."""
         layout: dict[str, dict[str, Any]] = {}
-        offset = 0
         for name, t in tables.items():
             layout[name] = {"format": t.format, "n": t.out_features, "k": t.in_features}
             layout[name]["nbytes"] = t.nbytes
@@ -249,6 +239,16 @@ class PanelCache:
             logger.info("could not write the packed-weight cache %s: %s", self.path, e)
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+def _entry_ok(e: Any, size: int) -> bool:
+    """A header entry with its fields, whose bytes lie inside the file."""
+    if not isinstance(e, dict) or not isinstance(e.get("format"), str):
+        return False
+    fields = [e.get(k) for k in ("n", "k", "offset", "nbytes")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in fields):
+        return False
+    return e["offset"] % _ALIGN == 0 and e["offset"] + e["nbytes"] <= size
 
 
 def _alive(pid: int) -> bool:
