@@ -20,7 +20,7 @@ pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
 from fastllm.config import ModelConfig  # noqa: E402
-from fastllm.gguf.cache import MAGIC, PanelCache, cache_dir  # noqa: E402
+from fastllm.gguf.cache import MAGIC, PanelCache, cache_dir, cache_file_exists  # noqa: E402
 from fastllm.gguf.config import hf_config  # noqa: E402
 from fastllm.gguf.loader import load_gguf_model  # noqa: E402
 from fastllm.gguf.reader import GGUFFile  # noqa: E402
@@ -183,18 +183,30 @@ def test_switch_and_directory(folder, cache_root, tmp_path, monkeypatch):
     assert MAGIC.startswith(b"FLLM")
 
 
-def test_llm_loads_from_the_cache_with_the_same_tokens(folder, cache_root, tmp_path):
+def test_llm_loads_from_the_cache_with_the_same_tokens(folder, cache_root, tmp_path, monkeypatch):
     from fastllm import LLM, SamplingParams
 
     path = write_gguf(folder, str(tmp_path / "m.gguf"), "qwen2", "Q4_0")
     sp = SamplingParams(max_tokens=6, temperature=0, logprobs=2)
     prompts = [{"prompt_token_ids": [1, 2, 3, 4]}, {"prompt_token_ids": [9, 8, 7]}]
     kw = dict(skip_tokenizer_init=True, max_model_len=64, dtype="float32")
+    assert not cache_file_exists(path)
     a = LLM(path, **kw)
     assert a.llm_engine.gguf["from_cache"] is False
     first = a.generate(prompts, sp, use_tqdm=False)
     _wait_for_writers()
+    assert cache_file_exists(path)
+    # With a cache file, the engine maps the GGUF file without reading it all.
+    opened = []
+    real_init = GGUFFile.__init__
+
+    def spy(self, p, populate=True):
+        opened.append(populate)
+        real_init(self, p, populate)
+
+    monkeypatch.setattr(GGUFFile, "__init__", spy)
     b = LLM(path, **kw)
+    assert opened == [False]
     assert b.llm_engine.gguf["from_cache"] is True
     second = b.generate(prompts, sp, use_tqdm=False)
     for x, y in zip(first, second, strict=True):

@@ -123,6 +123,7 @@ class LLMEngine:
         if gguf_path is None:
             folder = resolve_model_folder(config.model, config.revision, config.download_dir)
         else:
+            from fastllm.gguf.cache import cache_file_exists
             from fastllm.gguf.reader import GGUFFile
 
             folder = gguf_path
@@ -130,7 +131,13 @@ class LLMEngine:
         self.folder = folder
         with _gc_paused():
             # A GGUF file's every header, key and tensor is checked here.
-            gguf = None if gguf_path is None else GGUFFile(gguf_path)
+            # With the packed-weight cache, the file's quantized tensors are
+            # not read: its pages are mapped as the header and floats need them.
+            gguf = (
+                None
+                if gguf_path is None
+                else GGUFFile(gguf_path, populate=not cache_file_exists(gguf_path))
+            )
             try:
                 self._init(config, device, folder, gguf)
             finally:

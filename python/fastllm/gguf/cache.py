@@ -89,15 +89,30 @@ def _identity(path: str) -> dict[str, Any]:
     }
 
 
+def _cache_path(gguf_path: str, directory: str, identity: dict[str, Any]) -> str:
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    stem = os.path.splitext(os.path.basename(gguf_path))[0]
+    return os.path.join(directory, f"{stem}-{digest[:16]}.panels")
+
+
+def cache_file_exists(gguf_path: str) -> bool:
+    """Whether ``gguf_path`` has a cache file (not yet checked against its header)."""
+    directory = cache_dir()
+    try:
+        return directory is not None and os.path.isfile(
+            _cache_path(gguf_path, directory, _identity(gguf_path))
+        )
+    except OSError:
+        return False
+
+
 class PanelCache:
     """The cache file of one GGUF file: its panels to adopt, or to write."""
 
     def __init__(self, gguf_path: str, directory: str) -> None:
         self.identity = _identity(gguf_path)
-        digest = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()
-        stem = os.path.splitext(os.path.basename(gguf_path))[0]
         self.directory = directory
-        self.path = os.path.join(directory, f"{stem}-{digest[:16]}.panels")
+        self.path = _cache_path(gguf_path, directory, self.identity)
         self._entries: dict[str, dict[str, Any]] = {}
         self._map: mmap.mmap | None = None
         #: Tables adopted from the cache file, and tables that had to be built.

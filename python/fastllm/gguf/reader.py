@@ -133,11 +133,12 @@ class GGUFFile:
     """An open GGUF file: ``metadata`` (key -> value), ``tensors`` (name -> TensorInfo).
 
     Arrays of numbers in the metadata are 1-D numpy arrays, arrays of strings
-    are lists of ``str``. Use as a context manager, or call ``close()``; the
+    are lists of ``str``. ``populate=False`` maps the file's pages only as they
+    are read (for a load that reads few of its tensors). Use as a context manager, or call ``close()``; the
     views ``data()`` returns are valid while the file is open.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, populate: bool = True) -> None:
         self.path = path
         if not os.path.isfile(path):
             raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -146,7 +147,8 @@ class GGUFFile:
             size = os.fstat(self._file.fileno()).st_size
             if size < 24:
                 raise GGUFError(f"{path}: not a GGUF file (only {size} bytes)")
-            self._map = mmap.mmap(self._file.fileno(), 0, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
+            flags = _MAP_FLAGS if populate else mmap.MAP_SHARED
+            self._map = mmap.mmap(self._file.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
             self.size = size
             self.metadata: dict[str, Any] = {}
             self.tensors: dict[str, TensorInfo] = {}
