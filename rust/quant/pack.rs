@@ -178,11 +178,8 @@ impl QuantWeight {
         k: usize,
     ) -> CoreResult<Self> {
         let bias = f32_bias(bias, n)?;
-        let groups = k.div_ceil(GROUP);
-        let want = n
-            .div_ceil(NR)
-            .checked_mul(groups * format.panel_block_bytes())
-            .ok_or_else(|| CoreError::invalid("weight: packed size overflows"))?;
+        let (groups, _, total) = panel_shape(format, n, k)?;
+        let want = total * 64;
         if panels.len() != want {
             return Err(CoreError::invalid(format!(
                 "panels: expected {want} bytes for {n} x {k} {} weights, got {}",
@@ -200,7 +197,7 @@ impl QuantWeight {
             groups,
             lines: Lines::Mapped {
                 ptr: panels.as_ptr() as *const Line,
-                len: want / 64,
+                len: total,
                 _owner: owner,
             },
             bias,
@@ -227,12 +224,7 @@ impl QuantWeight {
         fill: impl Fn(usize, &mut [Line], usize) + Sync,
     ) -> CoreResult<Self> {
         let bias = f32_bias(bias, n)?;
-        let groups = k.div_ceil(GROUP);
-        let panel_lines = groups * format.panel_block_bytes() / 64;
-        let total = n
-            .div_ceil(NR)
-            .checked_mul(panel_lines)
-            .ok_or_else(|| CoreError::invalid("weight: packed size overflows"))?;
+        let (groups, panel_lines, total) = panel_shape(format, n, k)?;
         let lines = lines_filled(total, panel_lines * panels, |piece, lines| {
             fill(piece, lines, panel_lines)
         })
@@ -347,6 +339,18 @@ impl QuantWeight {
     }
 }
 
+/// Groups per row, lines per panel and lines in all of an `n x k` weight in
+/// `format`.
+fn panel_shape(format: QuantFormat, n: usize, k: usize) -> CoreResult<(usize, usize, usize)> {
+    let groups = k.div_ceil(GROUP);
+    let panel_lines = groups * format.panel_block_bytes() / 64;
+    let total = n
+        .div_ceil(NR)
+        .checked_mul(panel_lines)
+        .ok_or_else(|| CoreError::invalid("weight: packed size overflows"))?;
+    Ok((groups, panel_lines, total))
+}
+
 /// A bias of `n` elements, as f32.
 fn f32_bias(bias: Option<Src<'_>>, n: usize) -> CoreResult<Option<Vec<f32>>> {
     match bias {
@@ -393,7 +397,7 @@ fn fill_panels<'a>(
 /// The four bytes at `at` as one little-endian word.
 #[inline(always)]
 fn word(bytes: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes(bytes[at..at + 4].try_into().expect("four bytes"))
+    u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
 }
 
 /// Places one row's block as feature `j` of a panel block.
