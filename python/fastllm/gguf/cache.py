@@ -23,7 +23,8 @@ file's own weights would be mapped.
   fails a load.
 
 File layout: ``MAGIC``, the JSON header's length (8 bytes, little-endian), the
-header, then each tensor's panels at a 4096-byte aligned offset.
+header, then the data from the next multiple of 4096 bytes: each tensor's
+panels at its offset into the data (a multiple of 4096).
 """
 
 from __future__ import annotations
@@ -42,14 +43,14 @@ from typing import Any
 import numpy as np
 
 from fastllm import _core
+from fastllm.gguf.reader import _MAP_FLAGS
 
 logger = logging.getLogger("fastllm")
 
-MAGIC = b"FLLMPNL\x00"
+MAGIC = b"FLLMPNL\x01"
 # Bump when the panel layout of any format changes (``rust/quant/pack.rs``).
 LAYOUT_VERSION = 1
 _ALIGN = 4096
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 def cache_dir() -> str | None:
@@ -115,6 +116,7 @@ class PanelCache:
         self.path = _cache_path(gguf_path, directory, self.identity)
         self._entries: dict[str, dict[str, Any]] = {}
         self._map: mmap.mmap | None = None
+        self._data = 0  # where the data starts
         #: Tables adopted from the cache file, and tables that had to be built.
         self.hits = 0
         self.misses = 0
@@ -128,16 +130,17 @@ class PanelCache:
                 if len(head) < 16 or head[:8] != MAGIC:
                     return
                 (n,) = struct.unpack("<Q", head[8:])
-                header = json.loads(f.read(n)) if 16 + n <= size else None
+                data = _aligned(16 + n)
+                header = json.loads(f.read(n)) if data <= size else None
                 if not isinstance(header, dict) or header.get("source") != self.identity:
                     return
                 entries = header.get("tensors")
                 if not isinstance(entries, dict):
                     return
-                if not all(_entry_ok(e, size) for e in entries.values()):
+                if not all(_entry_ok(e, size - data) for e in entries.values()):
                     return
                 self._map = mmap.mmap(f.fileno(), 0, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
-                self._entries = entries
+                self._entries, self._data = entries, data
         except FileNotFoundError:
             return
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -160,7 +163,8 @@ class PanelCache:
             return None
         from fastllm.gguf.loader import _readonly_tensor
 
-        view = np.frombuffer(self._map, dtype=np.uint8, count=e["nbytes"], offset=e["offset"])
+        at = self._data + e["offset"]
+        view = np.frombuffer(self._map, dtype=np.uint8, count=e["nbytes"], offset=at)
         data = _readonly_tensor(view)
         try:
             table = _core.QuantizedLinear.from_panels(data, out_features, in_features, fmt, bias)
@@ -176,17 +180,19 @@ class PanelCache:
         cache on a thread of its own, which the interpreter waits for at exit;
         None when nothing is written."""
         layout: dict[str, dict[str, Any]] = {}
+        offset = 0
         for name, t in tables.items():
-            layout[name] = {"format": t.format, "n": t.out_features, "k": t.in_features}
-            layout[name]["nbytes"] = t.nbytes
-        header = {"source": self.identity, "tensors": layout}
-        # The header's size depends on the offsets: size it with room to spare.
-        room = len(json.dumps(header)) + 32 * (len(layout) + 1)
-        offset = -(-(16 + room) // _ALIGN) * _ALIGN
-        for e in layout.values():
-            e["offset"] = offset
-            offset += -(-e["nbytes"] // _ALIGN) * _ALIGN
-        total = offset
+            layout[name] = {
+                "format": t.format,
+                "n": t.out_features,
+                "k": t.in_features,
+                "offset": offset,
+                "nbytes": t.nbytes,
+            }
+            offset += _aligned(t.nbytes)
+        text = json.dumps({"source": self.identity, "tensors": layout}).encode()
+        head = MAGIC + struct.pack("<Q", len(text)) + text
+        total = _aligned(len(head)) + offset
         try:
             os.makedirs(self.directory, exist_ok=True)
             usage = shutil.disk_usage(self.directory)
@@ -203,7 +209,7 @@ class PanelCache:
         self._remove_stale_temporaries()
         thread = threading.Thread(
             target=self._write,
-            args=(header, tables, total),
+            args=(head, layout, tables, total),
             name="fastllm-gguf-cache",
             # Not a daemon: a short-lived process finishes the file on exit.
             daemon=False,
@@ -229,7 +235,9 @@ class PanelCache:
                     with contextlib.suppress(OSError):
                         os.unlink(entry.path)
 
-    def _write(self, header: dict[str, Any], tables: dict[str, Any], total: int) -> None:
+    def _write(
+        self, head: bytes, layout: dict[str, dict[str, Any]], tables: dict[str, Any], total: int
+    ) -> None:
         tmp = f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp"
         # The lowest priority for this thread alone (Linux): the model's first
         # steps, which run meanwhile, keep the cores.
@@ -239,13 +247,10 @@ class PanelCache:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 os.ftruncate(fd, total)
-                text = json.dumps(header).encode()
-                first = header["tensors"][next(iter(tables))]["offset"] if tables else total
-                if 16 + len(text) > first:
-                    raise ValueError("header larger than its room")
-                os.pwrite(fd, MAGIC + struct.pack("<Q", len(text)) + text, 0)
+                os.pwrite(fd, head, 0)
+                data = _aligned(len(head))
                 for name, t in tables.items():
-                    t.write_panels(fd, header["tensors"][name]["offset"])
+                    t.write_panels(fd, data + layout[name]["offset"])
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -266,11 +271,16 @@ def _entry_ok(e: Any, size: int) -> bool:
     return e["offset"] % _ALIGN == 0 and e["offset"] + e["nbytes"] <= size
 
 
+def _aligned(n: int) -> int:
+    """``n`` rounded up to a multiple of 4096."""
+    return -(-n // _ALIGN) * _ALIGN
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except OSError:
+        return True  # someone else's process
     return True

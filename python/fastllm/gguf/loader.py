@@ -377,9 +377,6 @@ def load_gguf_model(
         table = _quantized(gguf, p, bias, report, cache)
         tables[p.name] = table
         report.quantized_bytes += table.nbytes
-    if cache is not None:
-        report.cache = cache.path
-        report.from_cache = cache.misses == 0
 
     head_name = _head_weight_name(model)
     head_bias = model.head_weights()[1]
@@ -402,10 +399,12 @@ def load_gguf_model(
     if head_table is not None:
         model.packed_head = head_table
     bind_ops(model, select_ops(device, dtype))
-    if cache is not None and cache.misses:
-        cache.write_in_background(tables)
-    elif cache is not None:
-        logger.info("%s: packed weights mapped from the cache %s", gguf.path, cache.path)
+    if cache is not None:
+        report.cache, report.from_cache = cache.path, cache.misses == 0
+        if cache.misses:
+            cache.write_in_background(tables)
+        else:
+            logger.info("%s: packed weights mapped from the cache %s", gguf.path, cache.path)
     if report.exact:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(report.exact.items()))
         logger.info(
