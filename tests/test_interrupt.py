@@ -1,6 +1,8 @@
-"""Ctrl-C always works: SIGINT at random moments of a generation ends in
-KeyboardInterrupt (never another exception replacing it), and the engine is
-usable afterwards, with every KV block back in the pool."""
+"""Ctrl-C always works: SIGINT at random moments of a generation (generate,
+stream, chat, n > 1, and batches of hundreds of text prompts, whose
+tokenizing and adding is a wide window) ends in KeyboardInterrupt (never
+another exception replacing it), and the engine is usable afterwards: idle,
+the reference tokens, every KV block back in the pool."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ pytest.importorskip("torch")
 TRIALS = 200
 
 CHILD = r"""
-import json, sys
+import json, sys, time
 from fastllm import LLM, SamplingParams
 
 llm = LLM(sys.argv[1], device="cpu", dtype=sys.argv[2], max_model_len=256)
@@ -32,6 +34,13 @@ prompts = ["def f(x):", "import os", "class A:", "for i in"]
 ref = [o.outputs[0].token_ids for o in llm.generate(prompts, check, use_tqdm=False)]
 total = engine.kv.num_free_blocks
 long = SamplingParams(temperature=0.8, max_tokens=200, ignore_eos=True)
+# Hundreds of text prompts with short replies: most of a call is spent
+# tokenizing, validating and adding requests, the window an interrupt must
+# not leave requests behind in.
+many = [f"{prompts[i % 4]} # variant {i} " + "x" * (i % 17) for i in range(400)]
+short = SamplingParams(temperature=0.8, max_tokens=2, ignore_eos=True)
+chats = [[{"role": "user", "content": p}] for p in many[:150]]
+forks = SamplingParams(n=3, temperature=0.8, max_tokens=40, ignore_eos=True)
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     mode = line.strip()
@@ -42,20 +51,35 @@ for line in sys.stdin:
             if mode == "stream":
                 for _ in llm.stream(prompts[0], long):
                     pass
+            elif mode == "many":
+                llm.generate(many, short, use_tqdm=False)
+            elif mode == "chat":
+                llm.chat(chats, short, use_tqdm=False)
+            elif mode == "fork":
+                llm.generate(prompts * 4, forks, use_tqdm=False)
             else:
                 llm.generate(prompts, long, use_tqdm=False)
     except KeyboardInterrupt:
         outcome = "KeyboardInterrupt"
     except BaseException as e:
         outcome = f"{type(e).__name__}: {e}"
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, check, use_tqdm=False)]
+    if outcome != "KeyboardInterrupt":
+        try:  # the call ended without the interrupt, which is still on its way
+            time.sleep(1.0)
+        except KeyboardInterrupt:
+            pass
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, check, use_tqdm=False)]
+    except BaseException as e:
+        got = f"{type(e).__name__}: {e}"
     print(json.dumps({
         "outcome": outcome,
-        "usable": got == ref,
+        "usable": got == ref or got,
         "idle": not engine.has_unfinished_requests(),
         "blocks_back": engine.kv.num_free_blocks == total,
     }), flush=True)
 """
+MODES = ("generate", "stream", "many", "chat", "fork")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -88,11 +112,11 @@ def test_sigint_at_random_moments_is_always_keyboard_interrupt(make_model, dtype
     try:
         assert reply(300) == {"ready": True}
         for trial in range(TRIALS):
-            mode = "stream" if trial % 3 == 0 else "generate"
+            mode = MODES[trial % len(MODES)]
             child.stdin.write(mode + "\n")
             child.stdin.flush()
             assert reply() == {"started": True}
-            time.sleep(rng.uniform(0.0, 0.03))
+            time.sleep(rng.uniform(0.0, 0.06 if mode in ("many", "chat") else 0.03))
             child.send_signal(signal.SIGINT)
             result = reply()
             expected = {"outcome": "KeyboardInterrupt", "usable": True, "idle": True}
@@ -106,3 +130,78 @@ def test_sigint_at_random_moments_is_always_keyboard_interrupt(make_model, dtype
         except subprocess.TimeoutExpired:
             child.kill()
     assert not bad, f"{len(bad)} of {TRIALS} trials went wrong, e.g. {bad[:5]}\n{log.read_text()}"
+
+
+# ---- the narrow windows, hit on purpose --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_llm(make_model):
+    from fastllm import LLM
+
+    return LLM(make_model("llama"), device="cpu", dtype="float32", max_model_len=256)
+
+
+def _interrupt_on_call(monkeypatch, obj, name: str, at: int) -> None:
+    """``obj.name`` raises KeyboardInterrupt on its ``at``-th call (a SIGINT
+    landing exactly there), then behaves as before."""
+    real = getattr(obj, name)
+    calls = {"n": 0}
+
+    def wrapped(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == at:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, wrapped)
+
+
+def _assert_idle_and_usable(llm) -> None:
+    from fastllm import SamplingParams
+
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests() and not engine.requests
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+    check = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    (out,) = llm.generate(["def f(x):"], check, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("at", [1, 3, 7])
+def test_interrupt_while_requests_are_added(small_llm, monkeypatch, at):
+    """Ctrl-C between a request entering the output processor and the
+    scheduler, with earlier requests of the call already queued."""
+    from fastllm import SamplingParams
+
+    sched = small_llm.llm_engine.scheduler
+    _interrupt_on_call(monkeypatch, sched, "add", at)
+    with pytest.raises(KeyboardInterrupt):
+        small_llm.generate(["a = 1"] * 8, SamplingParams(max_tokens=4), use_tqdm=False)
+    monkeypatch.undo()
+    _assert_idle_and_usable(small_llm)
+
+
+def test_interrupt_between_a_fork_and_its_request(small_llm, monkeypatch):
+    """Ctrl-C after the scheduler forked an ``n > 1`` request's sequences and
+    before the output processor recorded them: the forks stop too."""
+    from fastllm import SamplingParams
+
+    proc = small_llm.llm_engine.output_processor
+    _interrupt_on_call(monkeypatch, proc, "process", 1)
+    params = SamplingParams(n=3, temperature=0.8, max_tokens=8, ignore_eos=True)
+    with pytest.raises(KeyboardInterrupt):
+        small_llm.generate(["x = [", "import os"], params, use_tqdm=False)
+    monkeypatch.undo()
+    _assert_idle_and_usable(small_llm)
+
+
+def test_interrupt_while_a_stream_adds_its_request(small_llm, monkeypatch):
+    from fastllm import SamplingParams
+
+    _interrupt_on_call(monkeypatch, small_llm.llm_engine.scheduler, "add", 1)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in small_llm.stream("def g():", SamplingParams(max_tokens=4)):
+            pass
+    monkeypatch.undo()
+    _assert_idle_and_usable(small_llm)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, TypedDict
 
 from fastllm.config import EngineConfig
@@ -182,23 +183,43 @@ class LLM:
         self._check_idle()
         item = (item[0], _truncated(item[1], params))
         engine.validate_request(item[1], params, "prompt 0")
-        req = engine.add_request(
-            item[0], item[1], params.clone(output_kind=RequestOutputKind.DELTA)
-        )
-        try:
+        with self._owned_requests() as ids:
+            rid = self._add(ids, item, params.clone(output_kind=RequestOutputKind.DELTA))
             while engine.has_unfinished_requests():
                 for out in engine.step():
-                    if out.request_id == req.request_id:
+                    if out.request_id == rid:
                         yield out
-        finally:
-            if req.request_id in engine.requests:
-                engine.abort_request(req.request_id)
 
     # ---- helpers --------------------------------------------------------
 
     def _check_idle(self) -> None:
         if self.llm_engine.has_unfinished_requests():
             raise RuntimeError("another generation is still running on this LLM")
+
+    @contextmanager
+    def _owned_requests(self) -> Iterator[list[str]]:
+        """The ids of the requests one call adds. However the call ends (an
+        error, Ctrl-C at any moment, a stream closed early), every one of them
+        still in the engine is aborted, so the LLM is idle again and its KV
+        blocks are back in the pool. An id is listed before its request is
+        added, so an interrupt inside ``add_request`` is covered too."""
+        ids: list[str] = []
+        try:
+            yield ids
+        finally:
+            engine = self.llm_engine
+            for rid in ids:
+                engine.abort_request(rid)
+
+    def _add(
+        self, ids: list[str], item: tuple[str | None, list[int]], params: SamplingParams
+    ) -> str:
+        """Adds one request under a fresh id, listed in ``ids`` first."""
+        engine = self.llm_engine
+        rid = engine.next_request_id()
+        ids.append(rid)
+        engine.add_request(item[0], item[1], params, request_id=rid)
+        return rid
 
     def _normalize_prompts(self, prompts: Any) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompts, (str, dict)):
@@ -256,25 +277,21 @@ class LLM:
         items = [(text, _truncated(ids, p)) for (text, ids), p in zip(items, params)]
         for i, ((_, ids), p) in enumerate(zip(items, params)):
             engine.validate_request(ids, p, f"prompt {i}")
-        order: dict[str, int] = {}
-        for i, ((text, ids), p) in enumerate(zip(items, params)):
-            req = engine.add_request(text, ids, p.clone(output_kind=RequestOutputKind.FINAL_ONLY))
-            order[req.request_id] = i
         results: list[RequestOutput | None] = [None] * len(items)
         progress = _Progress(engine, len(items)) if use_tqdm and items else None
         try:
-            while engine.has_unfinished_requests():
-                finished = 0
-                for out in engine.step():
-                    if out.finished:
-                        results[order[out.request_id]] = out
-                        finished += 1
-                if progress is not None:
-                    progress.update(finished)
-        except BaseException:
-            for rid in list(order):
-                engine.abort_request(rid)
-            raise
+            with self._owned_requests() as ids:
+                for item, p in zip(items, params):
+                    self._add(ids, item, p.clone(output_kind=RequestOutputKind.FINAL_ONLY))
+                order = {rid: i for i, rid in enumerate(ids)}
+                while engine.has_unfinished_requests():
+                    finished = 0
+                    for out in engine.step():
+                        if out.finished:
+                            results[order[out.request_id]] = out
+                            finished += 1
+                    if progress is not None:
+                        progress.update(finished)
         finally:
             if progress is not None:
                 progress.close()

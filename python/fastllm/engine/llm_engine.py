@@ -367,15 +367,21 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stops a request now; its blocks return to the pool (and, once no
-        request is left, any block an interrupt cut off: ``reclaim_blocks``)."""
+        request is left, any block an interrupt cut off: ``reclaim_blocks``).
+        Every sequence the scheduler holds for it stops too, even one an
+        interrupt left outside the request (an ``n > 1`` fork cut off between
+        the scheduler and the output processor)."""
         req = self.requests.get(request_id)
-        if req is None:
-            return None
-        for seq in req.seqs:
+        seqs = self.scheduler.sequences_of(request_id)
+        if req is not None:
+            seqs += [s for s in req.seqs if s not in seqs]
+        for seq in seqs:
             if not seq.is_finished:
                 self.scheduler.stop(seq, "abort")
-        out = self.output_processor.output(req, finished=True)
-        self.output_processor.release(req)
+        out = None
+        if req is not None:
+            out = self.output_processor.output(req, finished=True)
+            self.output_processor.release(req)
         self.reclaim_blocks()
         return out
 

@@ -117,6 +117,10 @@ class Scheduler:
         """Whether any sequence waits or runs."""
         return bool(self.waiting or self.running)
 
+    def sequences_of(self, request_id: str) -> list[Sequence]:
+        """The running and waiting sequences of one request."""
+        return [s for s in (*self.running, *self.waiting) if s.request_id == request_id]
+
     def num_requests(self) -> tuple[int, int]:
         """Requests with a running sequence, and requests only waiting."""
         running = {s.request_id for s in self.running}
