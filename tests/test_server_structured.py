@@ -289,3 +289,66 @@ def test_tool_call_then_tool_result_round_trip(client):
     ]
     r = chat(client, messages=messages, tools=TOOLS, max_tokens=8, seed=1)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+# ---- bounded schemas always close ---------------------------------------------
+
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["x", "yy", "zzz"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "ok"],
+    "additionalProperties": False,
+}
+ROUNDS = 40
+
+
+def test_bounded_json_schema_always_closes_plain_and_streamed(client):
+    """At temperature 1 with max_tokens=200, every reply of a random model under
+    a bounded schema finishes and validates, whole and streamed (free
+    whitespace let such replies run to max_tokens inside the JSON)."""
+    bad = []
+    for seed in range(ROUNDS):
+        kw = dict(response_format=json_schema_format(BOUNDED), seed=seed, max_tokens=200)
+        c = chat(client, **kw).choices[0]
+        content, _, finish = joined_stream(chat(client, stream=True, **kw))
+        for text, reason in ((c.message.content, c.finish_reason), (content, finish)):
+            try:
+                assert reason == "stop", reason
+                jsonschema.validate(json.loads(text), BOUNDED)
+            except (AssertionError, ValueError, jsonschema.ValidationError) as e:
+                bad.append((seed, text[:60], str(e)[:60]))
+    assert not bad, f"{len(bad)} of {2 * ROUNDS} replies did not close: {bad[:4]}"
+
+
+@pytest.mark.parametrize("fmt", sorted(TEMPLATES))
+def test_forced_tool_call_always_returns_valid_calls(client, fmt):
+    extra = {"chat_template": TEMPLATES[fmt]} if TEMPLATES[fmt] else {}
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    for seed in range(ROUNDS // 2):
+        r = chat(
+            client, tools=TOOLS, tool_choice=choice, seed=seed, max_tokens=120, extra_body=extra
+        )
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls, (seed, c)
+        check_calls(
+            [(t.function.name, t.function.arguments) for t in c.message.tool_calls], {"get_weather"}
+        )
+
+
+@pytest.mark.parametrize("fmt", sorted(TEMPLATES))
+def test_forced_tool_call_cut_by_max_tokens_is_a_clear_error(client, fmt):
+    """Never a silent ``tool_calls=None``: a 400 naming max_tokens, and in a
+    stream an error event before [DONE]."""
+    extra = {"chat_template": TEMPLATES[fmt]} if TEMPLATES[fmt] else {}
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    kw = dict(tools=TOOLS, tool_choice=choice, seed=0, max_tokens=3, extra_body=extra)
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, **kw)
+    assert e.value.body["param"] == "max_tokens" and "forced tool call" in e.value.body["message"]
+    with pytest.raises(openai.APIError, match="forced tool call"):
+        joined_stream(chat(client, stream=True, **kw))

@@ -31,7 +31,10 @@ class StructuredOutputsParams:
     ``json_object`` (any JSON object), ``regex`` (matched in full), ``choice``
     (one of these strings) or ``grammar`` (a Lark-style grammar). With
     ``disable_any_whitespace`` JSON is written without optional whitespace;
-    ``whitespace_pattern`` (a regex) sets what whitespace JSON may have instead.
+    by default it may have one space after ``,`` and ``:`` and nowhere else
+    (as ``json.dumps`` writes it); ``any_whitespace=True`` allows any amount
+    anywhere (vLLM's default, xgrammar's name); ``whitespace_pattern`` (a
+    regex) sets what whitespace JSON may have instead.
     The constraint is compiled (without a tokenizer) when the params are
     built, so a bad one is a ValueError naming the field and, for a schema,
     the path of the offending keyword.
@@ -44,6 +47,7 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
+    any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str, value: object) -> ValueError:
@@ -76,8 +80,14 @@ class StructuredOutputsParams:
             ):
                 raise bad("choice", "a non-empty list of strings", self.choice)
             self.choice = list(self.choice)
-        if not isinstance(self.disable_any_whitespace, bool):
-            raise bad("disable_any_whitespace", "True or False", self.disable_any_whitespace)
+        for name in ("disable_any_whitespace", "any_whitespace"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "True or False", getattr(self, name))
+        if self.any_whitespace and (self.disable_any_whitespace or self.whitespace_pattern):
+            other = (
+                "disable_any_whitespace" if self.disable_any_whitespace else "whitespace_pattern"
+            )
+            raise bad("any_whitespace", f"False when {other} is set", True)
         if self.whitespace_pattern is not None:
             if not isinstance(self.whitespace_pattern, str):
                 raise bad("whitespace_pattern", "None or a regex", self.whitespace_pattern)
@@ -87,24 +97,25 @@ class StructuredOutputsParams:
 
         kind, value = self.constraint
         try:
-            _core.validate_structured(kind, value, not self.disable_any_whitespace)
+            _core.validate_structured(kind, value, self.any_whitespace)
         except ValueError as e:
             raise ValueError(f"StructuredOutputsParams.{e}") from None
 
     @property
     def constraint(self) -> tuple[str, str | list[str] | None]:
         """The constraint as (kind, value) for the grammar engine: kind is one of
-        json, json_object, regex, choice, grammar."""
-        if self.whitespace_pattern is not None:
-            schema = self.json if self.json is not None else {"type": "object"}
+        json, json_object, regex, choice, grammar. A JSON schema carries its
+        whitespace rule in its ``x-guidance`` options (the schema's own win)."""
+        if self.json_object or isinstance(self.json, (dict, str)):
+            schema: Any = self.json if self.json is not None else {"type": "object"}
             if isinstance(schema, str):
                 try:
                     schema = _json.loads(schema)
                 except ValueError:
                     return "json", self.json  # the grammar engine names the error
-            if isinstance(schema, dict):
-                opts = dict(schema.get("x-guidance") or {})
-                opts.setdefault("whitespace_pattern", self.whitespace_pattern)
+            own = schema.get("x-guidance") if isinstance(schema, dict) else None
+            if isinstance(schema, dict) and (own is None or isinstance(own, dict)):
+                opts = {**self._whitespace_options(), **(own or {})}
                 return "json", _json.dumps({**schema, "x-guidance": opts})
         if self.json is not None:
             text = self.json if isinstance(self.json, str) else _json.dumps(self.json)
@@ -116,6 +127,20 @@ class StructuredOutputsParams:
         if self.grammar is not None:
             return "grammar", self.grammar
         return "json_object", None
+
+    def _whitespace_options(self) -> dict[str, Any]:
+        """The grammar engine's JSON whitespace options. By default JSON is
+        written as Python's ``json.dumps`` writes it: at most one space after
+        ``,`` and ``:``, nothing else, so a schema whose instances are bounded
+        always closes within a bounded number of tokens (free whitespace lets
+        a sampled model write newlines until ``max_tokens``)."""
+        if self.whitespace_pattern is not None:
+            return {"whitespace_pattern": self.whitespace_pattern}
+        if self.any_whitespace:
+            return {"whitespace_flexible": True}
+        if self.disable_any_whitespace:
+            return {"whitespace_flexible": False}
+        return {"whitespace_flexible": False, "item_separator": ", ?", "key_separator": ": ?"}
 
 
 @dataclass

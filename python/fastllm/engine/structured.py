@@ -52,7 +52,7 @@ class StructuredOutputs:
         """A fresh matcher for ``params`` (its grammar compiled once, then cached)."""
         kind, value = params.constraint
         try:
-            return self.vocabulary.start(kind, value, not params.disable_any_whitespace)
+            return self.vocabulary.start(kind, value, params.any_whitespace)
         except ValueError as e:
             raise ValueError(f"structured_outputs.{e}") from None
 

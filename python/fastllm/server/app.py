@@ -46,6 +46,7 @@ from fastllm.server.tools import (
     parse_tools,
     resolve_tool_choice,
     tool_calls_json,
+    unfinished_forced_call,
 )
 
 logger = logging.getLogger("fastllm.server")
@@ -613,6 +614,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             finish = c.finish_reason
             if calls_wanted:
                 content, calls = parse_reply(c.text, fmt, tools)
+                if forced is not None and not calls:
+                    raise unfinished_forced_call(params.max_tokens, c.index)
                 if calls:
                     message = {
                         "role": "assistant",
@@ -740,6 +743,8 @@ async def _stream_completion(
                     "usage": _usage(prompt_tokens, completion_tokens),
                 }
             )
+    except APIError as e:
+        yield _sse(e.body())
     except Exception as e:
         yield _sse(_engine_error(e).body())
     yield "data: [DONE]\n\n"
@@ -803,6 +808,8 @@ async def _stream_chat(
                     if finish:
                         last, called = ts.finish()
                         deltas += last
+                        if ts.forced and not called:
+                            raise unfinished_forced_call(params.max_tokens, c.index)
                         if called and finish == "stop":
                             finish = "tool_calls"
                     for d in deltas:
@@ -824,6 +831,8 @@ async def _stream_chat(
                 yield chunk([choice])
         if include_usage:
             yield chunk([], usage=_usage(prompt_tokens, completion_tokens))
+    except APIError as e:
+        yield _sse(e.body())
     except Exception as e:
         yield _sse(_engine_error(e).body())
     yield "data: [DONE]\n\n"

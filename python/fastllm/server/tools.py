@@ -124,6 +124,17 @@ def forced_call_constraint(tools: list[Tool], fmt: str) -> StructuredOutputsPara
     return StructuredOutputsParams(grammar=grammar)
 
 
+def unfinished_forced_call(max_tokens: int | None, index: int) -> APIError:
+    """The error for a forced call that ended before it was complete: only
+    ``max_tokens`` can cut a constrained call short, so that is the field named."""
+    return APIError(
+        f"choice {index}: the forced tool call was not complete when max_tokens={max_tokens} "
+        "tokens were generated; raise max_tokens so the call's arguments can be closed",
+        400,
+        param="max_tokens",
+    )
+
+
 @dataclass
 class ParsedCall:
     name: str
