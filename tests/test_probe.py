@@ -439,7 +439,10 @@ def test_cpu_features_match_proc_cpuinfo():
     assert set(f) == {
         "avx2",
         "fma",
+        "f16c",
         "avx512f",
+        "avx512bw",
+        "avx512vl",
         "avx512vnni",
         "avxvnni",
         "avx512bf16",
@@ -457,7 +460,10 @@ def test_cpu_features_match_proc_cpuinfo():
     for key, flag in [
         ("avx2", "avx2"),
         ("fma", "fma"),
+        ("f16c", "f16c"),
         ("avx512f", "avx512f"),
+        ("avx512bw", "avx512bw"),
+        ("avx512vl", "avx512vl"),
         ("avx512vnni", "avx512_vnni"),
         ("avxvnni", "avx_vnni"),
         ("avx512bf16", "avx512_bf16"),
@@ -508,3 +514,71 @@ def test_stream_triad_reports_bandwidth():
     assert _core.stream_triad_gbs(4_000_000, 1) > 0.0
     with pytest.raises(ValueError, match="bytes"):
         _core.stream_triad_gbs(0, 1)
+
+
+def _env_info(features: dict, gemm: str, quant: str, cpu: str) -> dict:
+    keys = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vnni", "avxvnni"]
+    keys += ["avx512bf16", "amx_tile", "amx_bf16", "amx_permitted", "amx"]
+    return {
+        "fastllm_version": "0",
+        "python_version": "3",
+        "platform": "Linux x86_64",
+        "cuda": {"available": False, "reason": "no driver", "library": None},
+        "advice": "Running on the CPU.",
+        "device": "cpu",
+        "cpu": cpu,
+        "cpu_features": {k: bool(features.get(k)) for k in keys},
+        "num_threads": 2,
+        "gemm_path": gemm,
+        "quant_path": quant,
+        "quant_formats": ["q8_0", "q4_0"],
+        "env": {},
+    }
+
+
+def test_env_report_on_an_avx2_only_cpu_says_plainly_what_it_has():
+    """A Zen 3: AVX2, FMA and F16C, no AVX-512 and no AMX; every kernel family
+    on its AVX2 path. Nothing in what it lacks reads as usable."""
+    from fastllm.cli import format_env
+
+    zen3 = dict(avx2=1, fma=1, f16c=1)
+    text = format_env(_env_info(zen3, "avx2", "avx2", "AMD EPYC 7B13 64-Core Processor"))
+    lines = text.splitlines()
+    assert "CPU: AMD EPYC 7B13 64-Core Processor" in lines
+    (has,) = [ln for ln in lines if ln.startswith("  has: ")]
+    assert has.startswith("  has: AVX2, FMA, F16C (")
+    (lacks,) = [ln for ln in lines if ln.startswith("  does not have: ")]
+    assert lacks == (
+        "  does not have: AVX-512 (F, BW, VL), AVX-VNNI, AVX512-VNNI, AVX512-BF16, AMX-BF16"
+    )
+    assert "usable" not in text and "AMX:" not in text
+    assert "  float matrix products (f32/bf16 linear layers): avx2" in lines
+    assert any(
+        ln.startswith("  integer matrix products")
+        and ln.endswith(": avx2 (vpmaddubsw + vpmaddwd, 256-bit)")
+        for ln in lines
+    )
+    assert "  paged attention, sampling, norms and activations: avx2" in lines
+
+
+def test_env_report_says_when_the_os_refuses_amx():
+    from fastllm.cli import format_env
+
+    sapphire = dict(
+        avx2=1,
+        fma=1,
+        f16c=1,
+        avx512f=1,
+        avx512bw=1,
+        avx512vl=1,
+        avx512vnni=1,
+        avx512bf16=1,
+        amx_tile=1,
+        amx_bf16=1,
+    )
+    text = format_env(_env_info(sapphire, "avx512", "avx512vnni", "Intel Xeon"))
+    assert "AMX: the OS did not grant the tile state" in text and "not used" in text
+    sapphire["amx_permitted"] = 1
+    text = format_env(_env_info(sapphire, "avx512", "avx512vnni", "Intel Xeon"))
+    assert "AMX: the OS granted this process the tile state" in text
+    assert "does not have: AVX-VNNI" in text

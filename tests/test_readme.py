@@ -279,12 +279,10 @@ def test_readme_overview_commands_run_as_written():
         )
         assert r.returncode == 0, (line, r.stderr)
         assert r.stdout.strip(), line
-    assert (
-        "CPU features"
-        in subprocess.run(
-            _fastllm_command() + ["env"], capture_output=True, text=True, env=_env(), timeout=120
-        ).stdout
-    )
+    report = subprocess.run(
+        _fastllm_command() + ["env"], capture_output=True, text=True, env=_env(), timeout=120
+    ).stdout
+    assert "CPU: " in report and "CPU kernel paths" in report
 
 
 # ---- what the README says about files --------------------------------------------

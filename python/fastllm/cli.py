@@ -14,15 +14,25 @@ import platform as _os_platform
 import sys
 from typing import Any
 
+# The instruction sets the CPU kernels use: (label, the cpu_features keys it needs).
 _CPU_FEATURE_LABELS = (
-    ("avx2", "AVX2"),
-    ("fma", "FMA"),
-    ("avx512f", "AVX-512F"),
-    ("avxvnni", "AVX-VNNI"),
-    ("avx512vnni", "AVX512-VNNI"),
-    ("avx512bf16", "AVX512-BF16"),
-    ("amx", "AMX-BF16 (usable)"),
+    ("AVX2", ("avx2",)),
+    ("FMA", ("fma",)),
+    ("F16C", ("f16c",)),
+    ("AVX-512 (F, BW, VL)", ("avx512f", "avx512bw", "avx512vl")),
+    ("AVX-VNNI", ("avxvnni",)),
+    ("AVX512-VNNI", ("avx512vnni",)),
+    ("AVX512-BF16", ("avx512bf16",)),
+    ("AMX-BF16", ("amx_tile", "amx_bf16")),
 )
+# How each integer kernel path computes its int8 dot products.
+_INT_PATH_INSTRUCTIONS = {
+    "scalar": "portable Rust",
+    "avx2": "vpmaddubsw + vpmaddwd, 256-bit",
+    "avxvnni": "vpdpbusd, 256-bit",
+    "avx512": "vpmaddubsw + vpmaddwd, 512-bit",
+    "avx512vnni": "vpdpbusd, 512-bit",
+}
 
 
 def collect_env() -> dict[str, Any]:
@@ -67,6 +77,7 @@ def collect_env() -> dict[str, Any]:
     try:
         from fastllm import _core
 
+        info["cpu"] = _cpu_model_name()
         info["cpu_features"] = dict(_core.cpu_features())
         info["num_threads"] = int(_core.num_threads())
         info["gemm_path"] = _core.gemm_default_path()
@@ -125,30 +136,58 @@ def format_env(info: dict[str, Any]) -> str:
     lines.append(f"  what to do: {info['advice']}")
     lines.append(f"Device for device='auto': {info['device']}")
     lines.append("")
-    features = info["cpu_features"]
-    if features:
-        present = [label for key, label in _CPU_FEATURE_LABELS if features.get(key)]
-        absent = [label for key, label in _CPU_FEATURE_LABELS if not features.get(key)]
-        lines.append(f"CPU features: {', '.join(present) or 'none of the SIMD paths'}")
-        if absent:
-            lines.append(f"  not available: {', '.join(absent)}")
-        if features.get("amx_tile") and not features.get("amx_permitted"):
-            lines.append(
-                "  the CPU has AMX but the OS did not grant the tile state (Linux >= 5.16)"
-            )
-    else:
-        lines.append(f"CPU features: unknown ({info.get('core_error')})")
-    if info.get("quant_path"):
-        lines.append(
-            f"CPU kernels: float GEMM on {info['gemm_path']}, quantized weights "
-            f"({', '.join(info['quant_formats'])}; quantization='int8' or 'int4') "
-            f"on {info['quant_path']}"
-        )
+    lines += _format_cpu(info)
     lines.append(f"Threads for CPU kernels: {info['num_threads']} (FASTLLM_NUM_THREADS to change)")
     set_vars = {k: v for k, v in info["env"].items() if v is not None}
     if set_vars:
         lines.append("Environment: " + ", ".join(f"{k}={v!r}" for k, v in set_vars.items()))
     return "\n".join(lines)
+
+
+def _format_cpu(info: dict[str, Any]) -> list[str]:
+    """The CPU part of the report: what the CPU has, what the OS lets a
+    process use, and which kernel path each family of CPU kernels runs."""
+    features = info["cpu_features"]
+    if not features:
+        return [f"CPU: unknown ({info.get('core_error')})"]
+    lines = [f"CPU: {info.get('cpu') or 'unknown model'}"]
+    has = [label for label, keys in _CPU_FEATURE_LABELS if all(features.get(k) for k in keys)]
+    lacks = [label for label, keys in _CPU_FEATURE_LABELS if label not in has]
+    lines.append(
+        f"  has: {', '.join(has) or 'none of the SIMD instruction sets fastllm uses'}"
+        " (AVX and AVX-512 counted only where the OS saves their registers)"
+    )
+    if lacks:
+        lines.append(f"  does not have: {', '.join(lacks)}")
+    if features.get("amx_tile"):
+        lines.append(
+            "  AMX: the OS granted this process the tile state"
+            if features.get("amx_permitted")
+            else "  AMX: the OS did not grant the tile state (Linux >= 5.16 does), so it is not used"
+        )
+    if info.get("quant_path"):
+        gemm = info["gemm_path"]
+        quant = info["quant_path"]
+        lines.append("CPU kernel paths (chosen at run time from the above):")
+        lines.append(f"  float matrix products (f32/bf16 linear layers): {gemm}")
+        lines.append(
+            f"  integer matrix products ({', '.join(info['quant_formats'])}; quantization="
+            f"'int8'/'int4', GGUF files): {quant} ({_INT_PATH_INSTRUCTIONS.get(quant, quant)})"
+        )
+        lines.append(f"  paged attention, sampling, norms and activations: {gemm}")
+    return lines
+
+
+def _cpu_model_name() -> str | None:
+    """The CPU's model name as the OS reports it (None where it does not)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return _os_platform.processor() or None
 
 
 def _cuda_version(version: int | None) -> str:

@@ -55,11 +55,14 @@ impl CpuFeatures {
     }
 
     /// The flags as `(name, value)` pairs, in a fixed order.
-    pub fn as_pairs(&self) -> [(&'static str, bool); 10] {
+    pub fn as_pairs(&self) -> [(&'static str, bool); 13] {
         [
             ("avx2", self.avx2),
             ("fma", self.fma),
+            ("f16c", self.f16c),
             ("avx512f", self.avx512f),
+            ("avx512bw", self.avx512bw),
+            ("avx512vl", self.avx512vl),
             ("avx512vnni", self.avx512vnni),
             ("avxvnni", self.avxvnni),
             ("avx512bf16", self.avx512bf16),
@@ -160,7 +163,7 @@ mod tests {
         assert_eq!(f.amx_usable(), f.amx_tile && f.amx_bf16 && f.amx_permitted);
         assert!(!f.amx_permitted || f.amx_tile);
         let names: Vec<_> = f.as_pairs().iter().map(|(n, _)| *n).collect();
-        assert_eq!(names.len(), 10);
+        assert_eq!(names.len(), 13);
         assert!(names.contains(&"avx512bf16"));
     }
 
