@@ -64,6 +64,7 @@ def main() -> None:
         block_size=bs,
         dtype=engine.dtype,
         device=torch.device("cpu"),
+        fuse_decoder=engine.loaded.fuse_decoder,
     )
     for cache in runner.k_caches + runner.v_caches:
         cache.zero_()  # "prefilled" contexts: zeros, whatever the allocator gave

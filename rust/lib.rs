@@ -14,6 +14,8 @@ pub mod error;
 pub mod gemm;
 pub mod kv;
 pub mod layers;
+pub mod linear;
+pub mod models;
 pub mod quant;
 pub mod sampling;
 pub mod structured;

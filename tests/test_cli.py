@@ -180,7 +180,8 @@ def test_chat_ends_on_eof(model_dir):
 
 @pytest.mark.parametrize("command", [["serve"], ["generate", "--prompt", "x"], ["chat"]])
 def test_engine_settings_reach_the_config(command):
-    from fastllm.cli import _engine_config, build_parser
+    from fastllm.cli import build_parser
+    from fastllm.engine_args import engine_config
 
     args = build_parser().parse_args(
         [
@@ -204,7 +205,7 @@ def test_engine_settings_reach_the_config(command):
             "--enforce-eager",
         ]
     )
-    config = _engine_config(args)
+    config = engine_config(args)
     assert config.model == "some/model"
     assert config.gpu_memory_utilization == 0.5
     assert config.kv_cache_memory_bytes == 64 << 20
@@ -213,7 +214,7 @@ def test_engine_settings_reach_the_config(command):
     assert config.download_dir == "/hub"
     assert config.tokenizer_mode == "slow"
     assert config.trust_remote_code is True and config.enforce_eager is True
-    default = _engine_config(build_parser().parse_args(command))
+    default = engine_config(build_parser().parse_args(command))
     assert default.gpu_memory_utilization == 0.9 and default.max_logprobs == 20
 
 
@@ -254,7 +255,7 @@ def test_default_model_name():
 
 
 def test_read_chat_template(tmp_path):
-    from fastllm.cli import read_chat_template
+    from fastllm.engine_args import read_chat_template
 
     f = tmp_path / "chat.jinja"
     f.write_text("{{ messages }}")

@@ -217,3 +217,24 @@ def test_bad_stacks_and_steps_are_clear_errors(folders) -> None:
         stack.forward(x, cos, cos, torch.tensor([4, 9999]), *meta[1:])
     stack.forward(x, cos, cos, *meta)  # a good step after the bad ones
     assert torch.isfinite(x).all()
+
+
+def test_every_fused_architecture_is_checked_here(folders) -> None:
+    """Every architecture the stack fuses is among this file's configs, and
+    every Llama-family architecture is either fused (and so checked here) or
+    refused by the stack, never fused unchecked."""
+    from fastllm.models import ARCHITECTURES
+    from fastllm.models.llama_stack import FUSED_ARCHITECTURES
+
+    checked = {ModelConfig.from_pretrained(folders[n]).architecture for n in NAMES}
+    assert checked >= FUSED_ARCHITECTURES
+    family = {a for a, (module, _) in ARCHITECTURES.items() if module == "fastllm.models.llama"}
+    assert family >= FUSED_ARCHITECTURES
+
+
+def test_the_stack_refuses_an_architecture_it_does_not_implement(folders) -> None:
+    from fastllm.models.llama_stack import why_not
+
+    model = _load(folders["llama"], torch.float32, None)
+    model.config.architecture = "SomeNewLlamaFamilyForCausalLM"
+    assert "does not implement" in why_not(model)

@@ -192,7 +192,7 @@ def test_llm_loads_from_the_cache_with_the_same_tokens(folder, cache_root, tmp_p
     kw = dict(skip_tokenizer_init=True, max_model_len=64, dtype="float32")
     assert not cache_file_exists(path)
     a = LLM(path, **kw)
-    assert a.llm_engine.gguf["from_cache"] is False
+    assert a.llm_engine.loaded.gguf["from_cache"] is False
     first = a.generate(prompts, sp, use_tqdm=False)
     _wait_for_writers()
     assert cache_file_exists(path)
@@ -207,7 +207,7 @@ def test_llm_loads_from_the_cache_with_the_same_tokens(folder, cache_root, tmp_p
     monkeypatch.setattr(GGUFFile, "__init__", spy)
     b = LLM(path, **kw)
     assert opened == [False]
-    assert b.llm_engine.gguf["from_cache"] is True
+    assert b.llm_engine.loaded.gguf["from_cache"] is True
     second = b.generate(prompts, sp, use_tqdm=False)
     for x, y in zip(first, second, strict=True):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids

@@ -205,3 +205,31 @@ def test_interrupt_while_a_stream_adds_its_request(small_llm, monkeypatch):
             pass
     monkeypatch.undo()
     _assert_idle_and_usable(small_llm)
+
+
+def test_interrupt_inside_a_block_free(small_llm, monkeypatch):
+    """Ctrl-C between two blocks of a finishing sequence's free: no block is
+    freed twice later (which raised ValueError in place of the interrupt)."""
+    from fastllm import SamplingParams
+
+    kv = small_llm.llm_engine.kv
+    real = kv.pool
+
+    class Pool:
+        frees = 0
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def free(self, block):
+            Pool.frees += 1
+            if Pool.frees == 2:
+                raise KeyboardInterrupt
+            return real.free(block)
+
+    monkeypatch.setattr(kv, "pool", Pool())
+    prompt = "def f(x):\n    return x + 1\n" * 4  # several blocks
+    with pytest.raises(KeyboardInterrupt):
+        small_llm.generate([prompt] * 3, SamplingParams(max_tokens=4), use_tqdm=False)
+    monkeypatch.undo()
+    _assert_idle_and_usable(small_llm)

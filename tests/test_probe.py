@@ -539,7 +539,7 @@ def _env_info(features: dict, gemm: str, quant: str, cpu: str) -> dict:
 def test_env_report_on_an_avx2_only_cpu_says_plainly_what_it_has():
     """A Zen 3: AVX2, FMA and F16C, no AVX-512 and no AMX; every kernel family
     on its AVX2 path. Nothing in what it lacks reads as usable."""
-    from fastllm.cli import format_env
+    from fastllm.env_report import format_env
 
     zen3 = dict(avx2=1, fma=1, f16c=1)
     text = format_env(_env_info(zen3, "avx2", "avx2", "AMD EPYC 7B13 64-Core Processor"))
@@ -562,7 +562,7 @@ def test_env_report_on_an_avx2_only_cpu_says_plainly_what_it_has():
 
 
 def test_env_report_says_when_the_os_refuses_amx():
-    from fastllm.cli import format_env
+    from fastllm.env_report import format_env
 
     sapphire = dict(
         avx2=1,

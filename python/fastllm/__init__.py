@@ -6,16 +6,17 @@ nor any GPU driver. Every public name is resolved lazily on first use.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from fastllm.lazy import lazy_attribute
 
 __version__ = "0.1.0"
 
 # public name -> module that defines it
 _LAZY = {
     "LLM": "fastllm.llm",
-    "TextPrompt": "fastllm.llm",
-    "TokensPrompt": "fastllm.llm",
+    "TextPrompt": "fastllm.inputs",
+    "TokensPrompt": "fastllm.inputs",
     "SamplingParams": "fastllm.sampling_params",
     "RequestOutputKind": "fastllm.sampling_params",
     "StructuredOutputsParams": "fastllm.sampling_params",
@@ -31,7 +32,8 @@ _LAZY = {
 __all__ = sorted([*_LAZY, "__version__"])
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fastllm.llm import LLM, TextPrompt, TokensPrompt
+    from fastllm.inputs import TextPrompt, TokensPrompt
+    from fastllm.llm import LLM
     from fastllm.outputs import CompletionOutput, RequestOutput
     from fastllm.platform import DeviceInfo, ProbeReport, cuda_available, device_count, probe
     from fastllm.sampling_params import (
@@ -41,20 +43,8 @@ if TYPE_CHECKING:  # pragma: no cover
     )
 
 
-def _lazy_attribute(package: str, table: dict[str, str], namespace: dict, name: str) -> Any:
-    """Attribute ``name`` of ``package``: imported from the module ``table``
-    names for it on first use and kept in ``namespace`` (the package's
-    globals); an AttributeError for a name the table lacks."""
-    module = table.get(name)
-    if module is None:
-        raise AttributeError(f"module {package!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    namespace[name] = value
-    return value
-
-
 def __getattr__(name: str) -> Any:
-    return _lazy_attribute("fastllm", _LAZY, globals(), name)
+    return lazy_attribute("fastllm", _LAZY, globals(), name)
 
 
 def __dir__() -> list[str]:

@@ -11,6 +11,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from fastllm import envs
+
 
 @dataclass
 class ThroughputResult:
@@ -59,7 +61,7 @@ def random_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[lis
 
 def _llm(args: Any):
     from fastllm import LLM
-    from fastllm.cli import engine_settings
+    from fastllm.engine_args import engine_settings
 
     settings = engine_settings(args) if hasattr(args, "gpu_memory_utilization") else {}
     return LLM(
@@ -233,13 +235,12 @@ def transformers_latency(args: Any) -> LatencyResult:
 
 def weight_bytes_per_token(folder: str, args: Any) -> int | None:
     """Bytes of weights one decode step reads (every matrix once; embeddings only if tied)."""
-    from fastllm.engine.llm_engine import is_gguf_file
+    from fastllm.loading import is_gguf_file
+    from fastllm.loading import weight_bytes_per_token as file_bytes
 
     if is_gguf_file(folder):
-        from fastllm.gguf import weight_bytes_per_token as gguf_bytes
-
         try:
-            return gguf_bytes(folder)
+            return file_bytes(folder)
         except (OSError, ValueError):
             return None
     try:
@@ -283,7 +284,7 @@ def _fmt(v: Any) -> str:
 def run(args: Any) -> int:
     """Entry point of ``fastllm bench``."""
     if args.threads:
-        os.environ["FASTLLM_NUM_THREADS"] = str(args.threads)
+        envs.set_num_threads(args.threads)
         import torch
 
         torch.set_num_threads(args.threads)

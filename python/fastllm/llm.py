@@ -5,32 +5,22 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, TypedDict
+from typing import Any
 
 from fastllm.config import EngineConfig
 from fastllm.engine.llm_engine import LLMEngine
+from fastllm.inputs import (  # noqa: F401 - TextPrompt, TokensPrompt: vLLM's names, exported here
+    PromptType,
+    TextPrompt,
+    TokensPrompt,
+    chat_prompt,
+    chat_stop,
+    parse_prompts,
+    truncate,
+)
 from fastllm.outputs import RequestOutput
 from fastllm.sampling_params import RequestOutputKind, SamplingParams
 from fastllm.tokenizer import HFCompatibleTokenizer, Tokenizer
-
-
-class TextPrompt(TypedDict):
-    """A prompt as text (vLLM's ``TextPrompt``)."""
-
-    prompt: str
-
-
-class _TokenIds(TypedDict):
-    prompt_token_ids: list[int]
-
-
-class TokensPrompt(_TokenIds, total=False):
-    """A prompt as token ids (vLLM's ``TokensPrompt``); ``prompt`` is only echoed back."""
-
-    prompt: str
-
-
-PromptType = str | TextPrompt | TokensPrompt | dict[str, Any] | list[int]
 
 
 class LLM:
@@ -109,24 +99,13 @@ class LLM:
         return HFCompatibleTokenizer(self._tokenizer())
 
     def _tokenizer(self) -> Tokenizer:
-        tok = self.llm_engine.tokenizer
-        if tok is None:
-            raise ValueError(
-                "this LLM has no tokenizer (skip_tokenizer_init=True, or load_format='dummy' "
-                "on a folder without tokenizer.json): give prompts as token ids, "
-                "e.g. {'prompt_token_ids': [...]}"
-            )
-        return tok
+        return self.llm_engine.require_tokenizer()
 
     def __repr__(self) -> str:
-        e = self.llm_engine
-        quant = f"quantization={e.quantization!r}"
-        if e.gguf is not None:
-            from fastllm.gguf import describe_tensor_types
+        from fastllm.loading import describe_weights
 
-            quant = f"quantization='gguf' ({describe_tensor_types(e.gguf)})"
-            if e.quantization is not None:
-                quant += f", float tensors quantized to {e.quantization!r}"
+        e = self.llm_engine
+        quant = describe_weights(e.loaded)
         return (
             f"LLM(model={self.config.model!r}, device={e.device!r}, "
             f"dtype={str(e.dtype).removeprefix('torch.')}, "
@@ -161,10 +140,7 @@ class LLM:
         for i, conv in enumerate(convs):
             if not isinstance(conv, list):
                 raise ValueError(f"messages[{i}] must be a list of message dicts")
-            text = tok.apply_chat_template(
-                conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt
-            )
-            items.append((text, tok.encode(text, add_special_tokens=False)))
+            items.append(chat_prompt(tok, conv, chat_template, add_generation_prompt))
         params = [
             chat_stop(p, tok, chat_template)
             for p in self._normalize_params(sampling_params, len(items))
@@ -181,7 +157,7 @@ class LLM:
         (params,) = self._normalize_params(sampling_params, 1)
         engine = self.llm_engine
         self._check_idle()
-        item = (item[0], _truncated(item[1], params))
+        item = (item[0], truncate(item[1], params))
         engine.validate_request(item[1], params, "prompt 0")
         with self._owned_requests() as ids:
             rid = self._add(ids, item, params.clone(output_kind=RequestOutputKind.DELTA))
@@ -208,8 +184,13 @@ class LLM:
             yield ids
         finally:
             engine = self.llm_engine
-            for rid in ids:
-                engine.abort_request(rid)
+            try:
+                for rid in ids:
+                    engine.abort_request(rid)
+            except Exception:  # noqa: BLE001 - whatever ended the call propagates
+                # An interrupt can leave block accounting half-done; the
+                # engine belongs to this call alone, so it is reset whole.
+                engine.abort_all()
 
     def _add(
         self, ids: list[str], item: tuple[str | None, list[int]], params: SamplingParams
@@ -222,33 +203,7 @@ class LLM:
         return rid
 
     def _normalize_prompts(self, prompts: Any) -> list[tuple[str | None, list[int]]]:
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        elif isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
-            prompts = [prompts]
-        items: list[tuple[str | None, list[int]]] = []
-        for i, p in enumerate(prompts):
-            if isinstance(p, dict) and (p.get("multi_modal_data") or p.get("mm_processor_kwargs")):
-                raise ValueError(f"prompts[{i}]: multi-modal prompts are not supported")
-            if isinstance(p, str):
-                items.append((p, self._tokenizer().encode(p)))
-            elif isinstance(p, dict) and "prompt_token_ids" in p:
-                ids = p["prompt_token_ids"]
-                if not isinstance(ids, (list, tuple)) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in ids
-                ):
-                    raise ValueError(f"prompts[{i}].prompt_token_ids must be a list of ints")
-                items.append((p.get("prompt"), list(ids)))
-            elif isinstance(p, dict) and isinstance(p.get("prompt"), str):
-                items.append((p["prompt"], self._tokenizer().encode(p["prompt"])))
-            elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
-                items.append((None, list(p)))
-            else:
-                raise ValueError(
-                    f"prompts[{i}] must be a str, a list of token ids, or a dict with "
-                    f"'prompt' or 'prompt_token_ids', got {type(p).__name__}"
-                )
-        return items
+        return parse_prompts(prompts, lambda text: self._tokenizer().encode(text))
 
     @staticmethod
     def _normalize_params(sp: Any, n: int) -> list[SamplingParams]:
@@ -274,7 +229,7 @@ class LLM:
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         self._check_idle()
-        items = [(text, _truncated(ids, p)) for (text, ids), p in zip(items, params)]
+        items = [(text, truncate(ids, p)) for (text, ids), p in zip(items, params)]
         for i, ((_, ids), p) in enumerate(zip(items, params)):
             engine.validate_request(ids, p, f"prompt {i}")
         results: list[RequestOutput | None] = [None] * len(items)
@@ -296,25 +251,6 @@ class LLM:
             if progress is not None:
                 progress.close()
         return [r for r in results if r is not None]
-
-
-def chat_stop(params: SamplingParams, tokenizer: Any, chat_template: str | None) -> SamplingParams:
-    """``params`` for a chat reply: the template's end-of-turn token ends it
-    too (unless ``ignore_eos``), so a reply stops where its turn closes."""
-    if params.ignore_eos:
-        return params
-    extra = [
-        t for t in tokenizer.end_of_turn_token_ids(chat_template) if t not in params.stop_token_ids
-    ]
-    if not extra:
-        return params
-    return params.clone(stop_token_ids=[*params.stop_token_ids, *extra])
-
-
-def _truncated(ids: list[int], params: SamplingParams) -> list[int]:
-    """The prompt cut to its last ``truncate_prompt_tokens`` tokens (vLLM's rule)."""
-    k = params.truncate_prompt_tokens
-    return ids[-k:] if k is not None and len(ids) > k else ids
 
 
 class _Progress:

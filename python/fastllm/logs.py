@@ -11,8 +11,9 @@ logger), so those lines are seen in a script or a notebook without any setup.
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from fastllm import envs
 
 LEVELS = {
     "critical": logging.CRITICAL,
@@ -32,13 +33,13 @@ def configure_logging(level: str | None = None) -> None:
     without ``level`` change nothing), or at ``level`` whenever one is given
     (the server's ``--log-level``)."""
     global _configured
-    if os.environ.get("FASTLLM_CONFIGURE_LOGGING", "1").strip().lower() in ("0", "false", "no"):
+    if envs.off("FASTLLM_CONFIGURE_LOGGING"):
         return
     if _configured and level is None:
         return
     _configured = True
     log = logging.getLogger("fastllm")
-    name = (level or os.environ.get("FASTLLM_LOGGING_LEVEL") or "info").strip().lower()
+    name = (level or envs.get("FASTLLM_LOGGING_LEVEL") or "info").strip().lower()
     log.setLevel(LEVELS.get(name, logging.INFO))
     if not log.hasHandlers():
         handler = logging.StreamHandler(sys.stderr)

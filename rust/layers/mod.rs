@@ -12,7 +12,6 @@
 //! polynomial and exponent bits, no libm call) and compiled through
 //! `cpu::simd` for AVX-512, AVX2 + FMA and baseline x86-64, chosen at run time.
 
-pub mod decoder;
 mod kernels;
 
 use kernels::{Act, Norm, Rotate};

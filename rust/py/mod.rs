@@ -12,10 +12,11 @@ use crate::error::CoreError;
 
 mod attention;
 mod cuda;
-mod decoder;
 mod gemm;
 mod kv;
 mod layers;
+mod linear;
+mod llama;
 mod platform;
 mod quant;
 mod sampling;
@@ -46,6 +47,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     gemm::register(m)?;
     layers::register(m)?;
     quant::register(m)?;
-    decoder::register(m)?;
+    llama::register(m)?;
     Ok(())
 }

@@ -6,24 +6,32 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
-use super::gemm::{bias_arg, linear_args};
+use super::linear::{bias_arg, linear_class};
 use super::tensor::{check_no_overlap, kernel_dst, kernel_src, DType, TensorArg};
 use crate::cpu::IntPath;
-use crate::layers::decoder::LinearWeight;
+use crate::linear::{LinearWeight, OnPath};
 use crate::quant::gguf::BlockType;
 use crate::quant::{QuantFormat, QuantWeight};
 
 /// A linear layer's weight quantized to 8 or 4 bits for the integer kernels.
 #[pyclass(name = "QuantizedLinear", module = "fastllm._core", frozen)]
 pub(super) struct PyQuantizedLinear {
-    inner: Arc<QuantWeight>,
-    path: IntPath,
+    kernel: OnPath<QuantWeight, IntPath>,
 }
 
 impl PyQuantizedLinear {
     /// The weights and path, shared (the decoder stack runs them too).
     pub(super) fn weight(&self) -> LinearWeight {
-        LinearWeight::Quant(self.inner.clone(), self.path)
+        Arc::new(self.kernel.clone())
+    }
+
+    fn adopt(inner: QuantWeight, path: IntPath) -> Self {
+        PyQuantizedLinear {
+            kernel: OnPath {
+                weight: Arc::new(inner),
+                path,
+            },
+        }
     }
 }
 
@@ -36,8 +44,7 @@ fn parse(format: &str, path: Option<&str>) -> PyResult<(QuantFormat, IntPath)> {
     Ok((format, path))
 }
 
-#[pymethods]
-impl PyQuantizedLinear {
+linear_class!(PyQuantizedLinear, {
     /// Quantizes `weight` [out_features, in_features] (bf16 or f32, CPU) to
     /// `format` ("q8_0", "q4_0", "iq4_nl" or "q4_1"); `bias` [out_features] stays in
     /// f32. `path` names an integer kernel path (default: fastest).
@@ -59,10 +66,7 @@ impl PyQuantizedLinear {
         // and the caller keeps them alive during the call.
         let (ws, bs) = unsafe { (kernel_src(&weight), bias.as_ref().map(|b| kernel_src(b))) };
         let inner = py.detach(move || QuantWeight::quantize(format, ws, bs, n, k))?;
-        Ok(PyQuantizedLinear {
-            inner: Arc::new(inner),
-            path,
-        })
+        Ok(PyQuantizedLinear::adopt(inner, path))
     }
 
     /// Adopts weights already quantized in GGUF's block layout: `blocks` is
@@ -99,10 +103,7 @@ impl PyQuantizedLinear {
         let inner = py.detach(move || {
             QuantWeight::from_block_parts(format, &parts, bs, out_features, in_features)
         })?;
-        Ok(PyQuantizedLinear {
-            inner: Arc::new(inner),
-            path,
-        })
+        Ok(PyQuantizedLinear::adopt(inner, path))
     }
 
     /// Adopts panels packed earlier (`write_panels`' bytes for a layer of
@@ -138,10 +139,7 @@ impl PyQuantizedLinear {
                 in_features,
             )
         }?;
-        Ok(PyQuantizedLinear {
-            inner: Arc::new(inner),
-            path,
-        })
+        Ok(PyQuantizedLinear::adopt(inner, path))
     }
 
     /// Writes the layer's panels (`nbytes` bytes) at `offset` of the open
@@ -154,7 +152,7 @@ impl PyQuantizedLinear {
             // SAFETY: the file is the caller's and stays open; ManuallyDrop
             // keeps it from being closed here.
             let file = std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(fd) });
-            let bytes = self.inner.panel_bytes();
+            let bytes = self.kernel.weight.panel_bytes();
             py.detach(|| file.write_all_at(bytes, offset))
                 .map_err(|e| pyo3::exceptions::PyOSError::new_err(format!("write_panels: {e}")))
         }
@@ -165,23 +163,6 @@ impl PyQuantizedLinear {
                 "write_panels: needs a Unix system",
             ))
         }
-    }
-
-    /// out [M, out_features] = x [M, in_features] @ weight^T + bias.
-    fn forward(
-        &self,
-        py: Python<'_>,
-        out: &Bound<'_, PyAny>,
-        x: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
-        let (n, k) = (self.inner.out_features(), self.inner.in_features());
-        let (out, x, m) = linear_args(out, x, n, k)?;
-        // SAFETY: x and out were checked (dtype, CPU, contiguity, shape) and
-        // share no memory; the caller keeps them alive.
-        let (dst, xs) = unsafe { (kernel_dst(&out), kernel_src(&x)) };
-        let (w, path) = (&self.inner, self.path);
-        py.detach(move || crate::quant::gemm_with_path(path, dst, xs, w, m))?;
-        Ok(())
     }
 
     /// out [T, in_features] = rows `ids` [T] (int64) of the weight,
@@ -195,49 +176,27 @@ impl PyQuantizedLinear {
         let ids = TensorArg::extract("ids", ids)?;
         ids.check(&[DType::I64], 1)?;
         let t = ids.shape[0];
-        let k = self.inner.in_features();
+        let k = self.kernel.weight.in_features();
         let out = TensorArg::extract("out", out)?;
         out.check(&[DType::BF16, DType::F32], 2)?;
         out.expect_dim(0, t, "len(ids)")?;
         out.expect_dim(1, k, "in_features")?;
         // SAFETY: checked (dtype, CPU, contiguity, shape); distinct tensors.
         let (ids, dst) = unsafe { (ids.slice::<i64>(), kernel_dst(&out)) };
-        let w = &self.inner;
+        let w = &self.kernel.weight;
         py.detach(move || w.embed(ids, dst))?;
         Ok(())
     }
 
     /// The weights in GGUF's block layout (rows padded to whole groups).
     fn to_blocks<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        PyBytes::new(py, &self.inner.to_blocks())
-    }
-
-    #[getter]
-    fn in_features(&self) -> usize {
-        self.inner.in_features()
-    }
-
-    #[getter]
-    fn out_features(&self) -> usize {
-        self.inner.out_features()
-    }
-
-    /// Bytes of packed weights and scales.
-    #[getter]
-    fn nbytes(&self) -> usize {
-        self.inner.nbytes()
+        PyBytes::new(py, &self.kernel.weight.to_blocks())
     }
 
     /// "q8_0", "q4_0" or "iq4_nl".
     #[getter]
     fn format(&self) -> &'static str {
-        self.inner.format().name()
-    }
-
-    /// The integer kernel path this layer runs.
-    #[getter]
-    fn path(&self) -> &'static str {
-        self.path.name()
+        self.kernel.weight.format().name()
     }
 
     fn __repr__(&self) -> String {
@@ -249,7 +208,7 @@ impl PyQuantizedLinear {
             self.path()
         )
     }
-}
+});
 
 /// Runs the block conversion `f(blocks, out)` without the GIL, once
 /// `blocks` (uint8) and `out` (`out_dtype`, whose elements are `T`) are

@@ -96,9 +96,13 @@ class KVCacheManager:
 
     def free(self, seq: Sequence) -> None:
         """Returns a sequence's blocks; the last ones are freed first so they are
-        evicted before the shared prefix they extend."""
-        for b in reversed(seq.block_table):
-            self.pool.free(b)
+        evicted before the shared prefix they extend. The table is detached
+        first: an interrupt part-way leaves blocks unfreed (which
+        ``LLMEngine.reclaim_blocks`` returns once idle), never a table that
+        lists a freed block (which a later free would free twice)."""
+        table = seq.block_table
         seq.block_table = []
         seq.num_registered_blocks = 0
         seq.num_computed_tokens = 0
+        for b in reversed(table):
+            self.pool.free(b)

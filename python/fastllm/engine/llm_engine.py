@@ -2,77 +2,24 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import itertools
 import logging
-import os
 import random
-import re
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
-from fastllm.config import EngineConfig, ModelConfig, resolve_dtype
+from fastllm.config import EngineConfig, ModelConfig
 from fastllm.engine.output_processor import OutputProcessor
 from fastllm.engine.request import Request
 from fastllm.logs import configure_logging
 from fastllm.outputs import RequestOutput
 from fastllm.sampling_params import SamplingParams
 
+if TYPE_CHECKING:  # pragma: no cover
+    from fastllm.loading import LoadedModel
+    from fastllm.tokenizer import Tokenizer
+
 logger = logging.getLogger("fastllm")
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-
-
-def is_gguf_file(model: str) -> bool:
-    """Whether ``model`` names a GGUF file (a path ending in ``.gguf``)."""
-    return isinstance(model, str) and model.lower().endswith(".gguf") and not os.path.isdir(model)
-
-
-def resolve_model_folder(
-    model: str, revision: str | None = None, download_dir: str | None = None
-) -> str:
-    """A local folder for ``model``: a path, or a hub id (``org/name`` or
-    ``name``) found in the local Hugging Face cache (``download_dir`` when
-    given). fastllm never downloads: a miss says how to."""
-    if os.path.isdir(model):
-        return model
-    if os.path.exists(model):
-        raise ValueError(f"model path {model!r} is not a folder")
-    if _HUB_ID.match(model) and ".." not in model:
-        try:
-            from huggingface_hub import snapshot_download
-        except ImportError:  # pragma: no cover - tokenizers depends on it
-            snapshot_download = None
-        if snapshot_download is not None:
-            try:
-                return snapshot_download(
-                    model, revision=revision, cache_dir=download_dir, local_files_only=True
-                )
-            except Exception as e:  # not in the local cache
-                where = download_dir or "the local Hugging Face cache"
-                rev = f" at revision {revision!r}" if revision else ""
-                hint = f" --revision {revision}" if revision else ""
-                hint += f" --cache-dir {download_dir}" if download_dir else ""
-                raise ValueError(
-                    f"model {model!r}{rev} is not a local folder and is not in {where} "
-                    f"({type(e).__name__}); fastllm never downloads: run "
-                    f"`huggingface-cli download {model}{hint}` first, or pass the folder's path"
-                ) from None
-    raise ValueError(f"model folder not found: {model!r}")
-
-
-def _check_architecture(mc: ModelConfig, folder: str) -> None:
-    """A clear error, before any weight is read, for an architecture fastllm cannot run."""
-    from fastllm.models import ARCHITECTURES, get_model_class
-
-    if mc.architecture not in ARCHITECTURES and "auto_map" in mc.hf:
-        raise ValueError(
-            f"{os.path.join(folder, 'config.json')}: architecture {mc.architecture!r} comes "
-            f"with its own remote code (auto_map), and fastllm runs no remote code, "
-            f"trust_remote_code or not; supported architectures: {', '.join(ARCHITECTURES)}"
-        )
-    get_model_class(mc.architecture)  # the usual error for any other unknown architecture
 
 
 class RequestError(ValueError):
@@ -83,116 +30,48 @@ class RequestError(ValueError):
         self.field = field
 
 
-@contextlib.contextmanager
-def _gc_paused():
-    """Python's cyclic garbage collector off while a model loads. A load makes
-    hundreds of thousands of objects that form no cycles (a GGUF vocabulary's
-    strings and merges), and every collection they set off walks all of
-    torch's objects too (a 152k-token GGUF header and tokenizer: 104 -> 99 ms)."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 class LLMEngine:
     """Owns the tokenizer, model runner and scheduler; advances requests step by step."""
 
     def __init__(self, config: EngineConfig) -> None:
         configure_logging()
         config.validate()
+        from fastllm.engine.kv_cache_manager import KVCacheManager
+        from fastllm.engine.scheduler import Scheduler
+        from fastllm.engine.structured import StructuredOutputs
+        from fastllm.loading import load
         from fastllm.platform import resolve_device
 
-        device = resolve_device(config.device, config.tensor_parallel_size)
-        from fastllm.layers.quantization import resolve_quantization
-
-        gguf_path = config.model if is_gguf_file(config.model) else None
-        q = config.quantization
-        if gguf_path is None and isinstance(q, str) and q.strip().lower() == "gguf":
-            raise ValueError(f"quantization='gguf' needs a .gguf model file; got {config.model!r}")
-        self.quantization = resolve_quantization(q)
-        if self.quantization is not None and device != "cpu":
-            raise ValueError(
-                f"quantization={config.quantization!r} runs on the CPU's integer kernels, "
-                f"not on device {device!r}: pass device='cpu', or quantization=None"
-            )
-        if gguf_path is None:
-            folder = resolve_model_folder(config.model, config.revision, config.download_dir)
-        else:
-            from fastllm.gguf.cache import cache_file_exists
-            from fastllm.gguf.reader import GGUFFile
-
-            folder = gguf_path
         self.config = config
-        self.folder = folder
-        with _gc_paused():
-            # A GGUF file's every header, key and tensor is checked here.
-            # With the packed-weight cache, the file's quantized tensors are
-            # not read: its pages are mapped as the header and floats need them.
-            gguf = (
-                None
-                if gguf_path is None
-                else GGUFFile(gguf_path, populate=not cache_file_exists(gguf_path))
-            )
-            try:
-                self._init(config, device, folder, gguf)
-            finally:
-                if gguf is not None:
-                    gguf.close()  # every tensor was copied or repacked out of the file
-
-    def _init(self, config: EngineConfig, device: str, folder: str, gguf: Any) -> None:
-        import torch
-
-        from fastllm.engine.cache_size import plan_kv_cache
-        from fastllm.engine.kv_cache_manager import KVCacheManager
-        from fastllm.engine.model_runner import ModelRunner
-        from fastllm.engine.scheduler import Scheduler
-        from fastllm.layers.linear import pack_linears, should_pack
-        from fastllm.layers.rotary import RotaryEmbedding
-        from fastllm.models.loader import load_model
-        from fastllm.tokenizer import Tokenizer
-
-        #: What the model's weights came from: the GGUF file's tensor types, or None.
-        self.gguf: dict[str, Any] | None = None
-        if gguf is None:
-            self.model_config = mc = ModelConfig.from_pretrained(folder)
-        else:
-            from fastllm.gguf.config import hf_config
-
-            if config.load_format not in ("auto", "gguf"):
-                raise ValueError(
-                    f"load_format={config.load_format!r} does not apply to a GGUF file; "
-                    "use 'auto' or 'gguf'"
-                )
-            self.model_config = mc = ModelConfig.from_dict(hf_config(gguf), path=folder)
-        _check_architecture(mc, folder)
-        tok_folder = (
-            resolve_model_folder(config.tokenizer, config.tokenizer_revision, config.download_dir)
-            if config.tokenizer
-            else folder
+        #: The model as ``loading.load`` made it: source, config, tokenizer, weights.
+        self.loaded = loaded = load(
+            config, resolve_device(config.device, config.tensor_parallel_size)
         )
-        # Without a tokenizer (vLLM's skip_tokenizer_init, or random weights from a
-        # folder that holds only config.json) prompts are token ids and outputs
-        # carry no text.
-        no_tokenizer = config.skip_tokenizer_init or (
-            config.load_format == "dummy"
-            and not os.path.isfile(os.path.join(tok_folder, "tokenizer.json"))
+        self.folder = loaded.path
+        self.model_config = mc = loaded.model_config
+        self.tokenizer = loaded.tokenizer
+        self.device, self.dtype = loaded.device, loaded.dtype
+        self.quantization = loaded.quantization
+        self._set_limits(config, mc)
+        eos = set(mc.eos_token_ids)
+        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = eos
+        self._build_runner(config, loaded)
+        self.kv = KVCacheManager(
+            self.cache.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.tokenizer: Tokenizer | None
-        if no_tokenizer:
-            self.tokenizer = None
-        elif gguf is not None and not config.tokenizer:
-            from fastllm.gguf.tokenizer import tokenizer_from_metadata
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, eos
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured = StructuredOutputs(self.tokenizer, eos, mc.vocab_size)
+        self._request_ids = itertools.count()
+        self._seed_rng = random.Random(config.seed)
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
 
-            self.tokenizer = tokenizer_from_metadata(gguf.metadata, folder)
-        else:
-            self.tokenizer = Tokenizer(tok_folder)
-        self.device = device
-        self.dtype = resolve_dtype(config.dtype, device, mc.torch_dtype)
+    def _set_limits(self, config: EngineConfig, mc: ModelConfig) -> None:
+        """The context and batch limits, checked against the model's."""
         limit = mc.max_position_embeddings
         if config.max_model_len is not None and limit and config.max_model_len > limit:
             raise ValueError(
@@ -209,30 +88,20 @@ class LLMEngine:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"max_num_seqs ({config.max_num_seqs})"
             )
-        eos = set(mc.eos_token_ids)
-        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = eos
 
-        torch_device = torch.device(device)
-        if gguf is None:
-            model = load_model(mc, folder, self.dtype, device, config.load_format)
-        else:
-            from fastllm.gguf.loader import load_gguf_model
+    def _build_runner(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        """Sizes the KV cache (which may lower ``max_model_len``) and builds the runner."""
+        import torch
 
-            model, report = load_gguf_model(mc, gguf, self.dtype, device)
-            self.gguf = report.summary(folder)
-        if self.quantization is not None:
-            from fastllm.layers.quantization import quantize_model
+        from fastllm.engine.cache_size import plan_kv_cache
+        from fastllm.engine.model_runner import ModelRunner
+        from fastllm.layers.rotary import limit_positions
 
-            quantize_model(model, self.quantization, mc.vocab_size)
-        elif should_pack(device, self.dtype):
-            pack_linears(model)
-        bs = config.block_size
+        mc, bs = loaded.model_config, config.block_size
         self.cache = plan_kv_cache(
-            device=device,
+            device=loaded.device,
             block_bytes=ModelRunner.block_bytes(
-                mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, bs, self.dtype
+                mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, bs, loaded.dtype
             ),
             block_size=bs,
             max_model_len=self.max_model_len,
@@ -242,33 +111,30 @@ class LLMEngine:
             gpu_memory_utilization=config.gpu_memory_utilization,
         )
         self.max_model_len = self.cache.max_model_len
-        for module in model.modules():
-            if isinstance(module, RotaryEmbedding):
-                module.limit_positions(self.max_model_len)
-        num_blocks = self.cache.num_blocks
+        limit_positions(loaded.model, self.max_model_len)
         logger.info("KV cache: %s", self.cache.describe())
         self.runner = ModelRunner(
-            model,
+            loaded.model,
             num_layers=mc.num_hidden_layers,
             num_kv_heads=mc.num_key_value_heads,
             head_size=mc.head_dim,
-            num_blocks=num_blocks,
+            num_blocks=self.cache.num_blocks,
             block_size=bs,
-            dtype=self.dtype,
-            device=torch_device,
+            dtype=loaded.dtype,
+            device=torch.device(loaded.device),
             vocab_size=mc.vocab_size,
+            fuse_decoder=loaded.fuse_decoder,
         )
-        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, eos
-        )
-        self.output_processor = OutputProcessor(self.tokenizer)
-        from fastllm.engine.structured import StructuredOutputs
 
-        self.structured = StructuredOutputs(self.tokenizer, eos, mc.vocab_size)
-        self._request_ids = itertools.count()
-        self._seed_rng = random.Random(config.seed)
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+    def require_tokenizer(self) -> Tokenizer:
+        """The tokenizer; a ValueError saying what to do when there is none."""
+        if self.tokenizer is None:
+            raise ValueError(
+                "this LLM has no tokenizer (skip_tokenizer_init=True, or load_format='dummy' "
+                "on a folder without tokenizer.json): give prompts as token ids, "
+                "e.g. {'prompt_token_ids': [...]}"
+            )
+        return self.tokenizer
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -384,6 +250,20 @@ class LLMEngine:
             self.output_processor.release(req)
         self.reclaim_blocks()
         return out
+
+    def abort_all(self) -> None:
+        """Aborts every request and drops whatever an interrupt left half-done
+        (sequences no request owns, blocks no table lists), so the engine is
+        idle with every KV block free; for the one caller that owns the
+        engine (``LLM``) when aborting its own requests failed."""
+        for rid in list(self.requests):
+            try:
+                self.abort_request(rid)
+            except Exception:  # noqa: BLE001 - the rest is dropped below either way
+                logger.debug("abort of request %s failed", rid, exc_info=True)
+        self.output_processor.requests.clear()
+        self.scheduler.drop_all()
+        self.reclaim_blocks()
 
     def reclaim_blocks(self) -> int:
         """With no request left, returns to the pool every KV block still held:

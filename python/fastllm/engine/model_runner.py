@@ -35,6 +35,7 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         vocab_size: int | None = None,
+        fuse_decoder: bool = False,
     ) -> None:
         self.model = model
         # Grammar masks overlap the forward pass when it runs on the GPU (the CPU is
@@ -64,10 +65,9 @@ class ModelRunner:
         for layer, k, v in zip(layers, self.k_caches, self.v_caches):
             layer.k_cache = k
             layer.v_cache = v
-        # A packed CPU model of the Llama family runs its decoder layers in one
-        # Rust call per step (``layers/decoder_stack.py``).
-        fuse = getattr(model, "fuse_decoder_layers", None)
-        self.fused_layers = bool(packed and fuse is not None and fuse())
+        # The loader decided whether the decoder layers run as one fused call
+        # per step (``loading.load``); the fusion needs the caches made above.
+        self.fused_layers = bool(fuse_decoder and model.fuse_decoder_layers())
 
     @staticmethod
     def block_bytes(

@@ -117,6 +117,14 @@ class Scheduler:
         """Whether any sequence waits or runs."""
         return bool(self.waiting or self.running)
 
+    def drop_all(self) -> None:
+        """Forgets every waiting and running sequence (their blocks are the
+        engine's to reclaim)."""
+        for seq in (*self.running, *self.waiting):
+            seq.status = SequenceStatus.FINISHED
+        self.running.clear()
+        self.waiting.clear()
+
     def sequences_of(self, request_id: str) -> list[Sequence]:
         """The running and waiting sequences of one request."""
         return [s for s in (*self.running, *self.waiting) if s.request_id == request_id]

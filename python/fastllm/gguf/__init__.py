@@ -10,6 +10,32 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastllm.lazy import lazy_attribute
+
+# Public names of the package's modules, imported on first use (the reader
+# and the loader pull in numpy and torch).
+_LAZY = {
+    "GGUFFile": "fastllm.gguf.reader",
+    "GGUFError": "fastllm.gguf.reader",
+    "hf_config": "fastllm.gguf.config",
+    "tokenizer_from_metadata": "fastllm.gguf.tokenizer",
+    "load_gguf_model": "fastllm.gguf.loader",
+}
+
+
+def __getattr__(name: str) -> Any:
+    return lazy_attribute("fastllm.gguf", _LAZY, globals(), name)
+
+
+def open_file(path: str) -> Any:
+    """The GGUF file ``path``, every header, key and tensor checked. With a
+    packed-weight cache for it, its pages are mapped as they are read, not
+    all at once (its quantized tensors are never read then)."""
+    from fastllm.gguf.cache import cache_file_exists
+    from fastllm.gguf.reader import GGUFFile
+
+    return GGUFFile(path, populate=not cache_file_exists(path))
+
 
 def describe_tensor_types(info: dict[str, Any]) -> str:
     """``"Q8_0 x169, F32 x121"`` (and what was converted) for an engine's ``gguf`` info."""

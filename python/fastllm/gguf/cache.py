@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from fastllm import _core
-from fastllm.gguf.reader import _MAP_FLAGS
+from fastllm import _core, envs
+from fastllm.gguf.reader import MAP_FLAGS, readonly_tensor
 
 logger = logging.getLogger("fastllm")
 
@@ -55,16 +55,9 @@ _ALIGN = 4096
 
 def cache_dir() -> str | None:
     """Where cache files live, or None when ``FASTLLM_GGUF_CACHE`` turns the cache off."""
-    switch = os.environ.get("FASTLLM_GGUF_CACHE", "1").strip().lower()
-    if switch in ("0", "false", "no", "off"):
+    if not envs.flag("FASTLLM_GGUF_CACHE"):
         return None
-    if switch not in ("", "1", "true", "yes", "on"):
-        raise ValueError(f"FASTLLM_GGUF_CACHE must be 0 or 1, got {switch!r}")
-    root = os.environ.get("FASTLLM_CACHE_DIR")
-    if not root:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(base, "fastllm")
-    return os.path.join(root, "gguf")
+    return os.path.join(envs.cache_root(), "gguf")
 
 
 def _identity(path: str) -> dict[str, Any]:
@@ -139,7 +132,7 @@ class PanelCache:
                     return
                 if not all(_entry_ok(e, size - data) for e in entries.values()):
                     return
-                self._map = mmap.mmap(f.fileno(), 0, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
+                self._map = mmap.mmap(f.fileno(), 0, flags=MAP_FLAGS, prot=mmap.PROT_READ)
                 self._entries, self._data = entries, data
         except FileNotFoundError:
             return
@@ -161,11 +154,10 @@ class PanelCache:
         if self._map is None or e is None or (e["format"], e["n"], e["k"]) != want:
             self.misses += 1
             return None
-        from fastllm.gguf.loader import _readonly_tensor
 
         at = self._data + e["offset"]
         view = np.frombuffer(self._map, dtype=np.uint8, count=e["nbytes"], offset=at)
-        data = _readonly_tensor(view)
+        data = readonly_tensor(view)
         try:
             table = _core.QuantizedLinear.from_panels(data, out_features, in_features, fmt, bias)
         except ValueError as err:

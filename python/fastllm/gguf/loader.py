@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import re
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,8 +39,8 @@ from torch import nn
 from fastllm import _core
 from fastllm.config import ModelConfig
 from fastllm.gguf.cache import PanelCache, cache_dir
-from fastllm.gguf.reader import GGUFError, GGUFFile, TensorInfo
-from fastllm.layers.linear import Embedding, Linear
+from fastllm.gguf.reader import GGUFError, GGUFFile, TensorInfo, readonly_tensor
+from fastllm.layers.linear import Embedding, Linear, adopt_packed_head
 from fastllm.models import get_model_class
 from fastllm.models.weights import WeightSpec
 
@@ -235,7 +234,7 @@ def _blocks(gguf: GGUFFile, info: TensorInfo, heads: int | None) -> torch.Tensor
     if heads is not None:
         rows = data.reshape(info.rows, -1)[_unpermute_rows(info.rows, heads)]
         data = rows.reshape(-1)
-    return _readonly_tensor(data)
+    return readonly_tensor(data)
 
 
 _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -386,18 +385,15 @@ def load_gguf_model(
         head_table = _quantized(gguf, p, state["lm_head.bias"], report, cache)
     else:
         head_table = tables.get(head_name)
-    for module in owners.values():
-        module.weight = None  # replaced by its quantized table below
-    model.load_state_dict(state, strict=True, assign=True)
+    # The quantized modules adopt their tables (their weights are not in ``state``).
     for pname, module in owners.items():
-        table = tables[pname]
         if isinstance(module, Linear):
-            module.packed = table
+            module.pack(tables[pname])
         else:
-            module.quantized = table
-            module.dtype = dtype
+            module.quantize(tables[pname], dtype)
+    model.load_state_dict(state, strict=True, assign=True)
     if head_table is not None:
-        model.packed_head = head_table
+        adopt_packed_head(model, head_table)
     bind_ops(model, select_ops(device, dtype))
     if cache is not None:
         report.cache, report.from_cache = cache.path, cache.misses == 0
@@ -451,10 +447,3 @@ def _head_weight_name(model: nn.Module) -> str:
         if isinstance(module, Embedding) and module.num_embeddings == model.config.vocab_size:
             return f"{name}.weight"
     raise GGUFError("the model has no language-model head")
-
-
-def _readonly_tensor(arr: np.ndarray) -> torch.Tensor:
-    """A CPU tensor viewing ``arr`` (read-only memory: only the kernels read it)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # torch warns about read-only arrays
-        return torch.from_numpy(arr)

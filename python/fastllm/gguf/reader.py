@@ -22,7 +22,7 @@ from fastllm import _core
 
 # MAP_POPULATE maps every page at once (far cheaper than a fault per page
 # when the tensors are read right after).
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
@@ -147,7 +147,7 @@ class GGUFFile:
             size = os.fstat(self._file.fileno()).st_size
             if size < 24:
                 raise GGUFError(f"{path}: not a GGUF file (only {size} bytes)")
-            flags = _MAP_FLAGS if populate else mmap.MAP_SHARED
+            flags = MAP_FLAGS if populate else mmap.MAP_SHARED
             self._map = mmap.mmap(self._file.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
             self.size = size
             self.metadata: dict[str, Any] = {}
@@ -201,82 +201,16 @@ class GGUFFile:
             )
         self.version = version
         n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
-        pos = 24
-        end = len(buf)
-        if n_tensors > end or n_kv > end:
+        if n_tensors > len(buf) or n_kv > len(buf):
             raise self._fail(f"header counts ({n_tensors} tensors, {n_kv} keys) exceed the file")
-
-        def need(n: int, what: str) -> None:
-            if pos + n > end:
-                raise self._fail(
-                    f"truncated while reading {what} (needs {pos + n} bytes, file has {end})"
-                )
-
-        def string(what: str) -> str:
-            nonlocal pos
-            need(8, what)
-            (n,) = struct.unpack_from("<Q", buf, pos)
-            pos += 8
-            need(n, what)
-            raw = bytes(buf[pos : pos + n])
-            pos += n
-            try:
-                return raw.decode("utf-8")
-            except UnicodeDecodeError:
-                # Token strings of some vocabularies are not valid UTF-8 on their own.
-                return raw.decode("utf-8", errors="replace")
-
-        def value(vtype: int, key: str) -> Any:
-            nonlocal pos
-            if vtype == _STRING:
-                return string(f"metadata key {key!r}")
-            if vtype == _ARRAY:
-                need(12, f"metadata key {key!r}")
-                itype, count = struct.unpack_from("<IQ", buf, pos)
-                pos += 12
-                if itype in _NUMPY:
-                    width = struct.calcsize(_SCALARS[itype])
-                    need(count * width, f"metadata key {key!r}")
-                    arr = np.frombuffer(buf, dtype=_NUMPY[itype], count=count, offset=pos).copy()
-                    pos += count * width
-                    return arr
-                if itype == _BOOL:
-                    need(count, f"metadata key {key!r}")
-                    arr = np.frombuffer(buf, dtype=np.uint8, count=count, offset=pos) != 0
-                    pos += count
-                    return arr
-                if itype == _STRING:
-                    if count > end:
-                        raise self._fail(
-                            f"metadata key {key!r}: array of {count} strings exceeds the file"
-                        )
-                    try:
-                        strings, pos = _core.gguf_strings(self._bytes(), pos, count)
-                    except ValueError as e:
-                        raise self._fail(
-                            f"truncated while reading metadata key {key!r}: {e}"
-                        ) from None
-                    return strings
-                raise self._fail(f"metadata key {key!r}: unsupported array element type {itype}")
-            fmt = _SCALARS.get(vtype)
-            if fmt is None:
-                raise self._fail(f"metadata key {key!r}: unknown value type {vtype}")
-            width = struct.calcsize(fmt)
-            need(width, f"metadata key {key!r}")
-            (v,) = struct.unpack_from(fmt, buf, pos)
-            pos += width
-            return v
-
+        cur = _Cursor(self, buf, 24)
         for i in range(n_kv):
-            key = string(f"metadata key #{i}")
-            need(4, f"metadata key {key!r}")
-            (vtype,) = struct.unpack_from("<I", buf, pos)
-            pos += 4
-            v = value(vtype, key)
+            key = cur.string(f"metadata key #{i}")
+            (vtype,) = cur.unpack("<I", f"metadata key {key!r}")
+            v = cur.value(vtype, key)
             if key in self.metadata:
                 raise self._fail(f"metadata key {key!r} appears twice")
             self.metadata[key] = v
-
         alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
         if (
             not isinstance(alignment, int)
@@ -287,23 +221,18 @@ class GGUFFile:
             raise self._fail(
                 f"metadata key 'general.alignment' must be a power of two, got {alignment!r}"
             )
+        infos = [cur.tensor_info(i) for i in range(n_tensors)]
+        self._place_tensors(infos, -(-cur.pos // alignment) * alignment, alignment, len(buf))
 
-        infos = []
-        for i in range(n_tensors):
-            name = string(f"tensor #{i}'s name")
-            need(4, f"tensor {name!r}")
-            (n_dims,) = struct.unpack_from("<I", buf, pos)
-            pos += 4
-            if not 1 <= n_dims <= 4:
-                raise self._fail(f"tensor {name!r} has {n_dims} dimensions (1 to 4 are valid)")
-            need(8 * n_dims + 12, f"tensor {name!r}")
-            dims = struct.unpack_from(f"<{n_dims}Q", buf, pos)
-            pos += 8 * n_dims
-            ttype, offset = struct.unpack_from("<IQ", buf, pos)
-            pos += 12
-            infos.append((name, dims, ttype, offset))
-
-        data_start = -(-pos // alignment) * alignment
+    def _place_tensors(
+        self,
+        infos: list[tuple[str, tuple[int, ...], int, int]],
+        data_start: int,
+        alignment: int,
+        end: int,
+    ) -> None:
+        """Checks every tensor's type, shape, alignment and extent (inside the
+        file, no two overlapping) and records it."""
         spans = []
         for name, dims, ttype, offset in infos:
             if name in self.tensors:
@@ -357,3 +286,95 @@ class GGUFFile:
     def get(self, key: str, default: Any = None) -> Any:
         """A metadata value, or ``default``."""
         return self.metadata.get(key, default)
+
+
+class _Cursor:
+    """Reads the header of a GGUF file front to back, every read checked
+    against the end of the file."""
+
+    def __init__(self, file: GGUFFile, buf: memoryview, pos: int) -> None:
+        self.file = file
+        self.buf = buf
+        self.pos = pos
+        self.end = len(buf)
+
+    def need(self, n: int, what: str) -> None:
+        if self.pos + n > self.end:
+            raise self.file._fail(
+                f"truncated while reading {what} (needs {self.pos + n} bytes, file has {self.end})"
+            )
+
+    def unpack(self, fmt: str, what: str) -> tuple[Any, ...]:
+        width = struct.calcsize(fmt)
+        self.need(width, what)
+        values = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += width
+        return values
+
+    def string(self, what: str) -> str:
+        (n,) = self.unpack("<Q", what)
+        self.need(n, what)
+        raw = bytes(self.buf[self.pos : self.pos + n])
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            # Token strings of some vocabularies are not valid UTF-8 on their own.
+            return raw.decode("utf-8", errors="replace")
+
+    def value(self, vtype: int, key: str) -> Any:
+        what = f"metadata key {key!r}"
+        if vtype == _STRING:
+            return self.string(what)
+        if vtype == _ARRAY:
+            itype, count = self.unpack("<IQ", what)
+            return self.array(itype, count, key)
+        fmt = _SCALARS.get(vtype)
+        if fmt is None:
+            raise self.file._fail(f"{what}: unknown value type {vtype}")
+        return self.unpack(fmt, what)[0]
+
+    def array(self, itype: int, count: int, key: str) -> Any:
+        what = f"metadata key {key!r}"
+        if itype in _NUMPY:
+            width = struct.calcsize(_SCALARS[itype])
+            self.need(count * width, what)
+            arr = np.frombuffer(self.buf, dtype=_NUMPY[itype], count=count, offset=self.pos)
+            self.pos += count * width
+            return arr.copy()
+        if itype == _BOOL:
+            self.need(count, what)
+            arr = np.frombuffer(self.buf, dtype=np.uint8, count=count, offset=self.pos) != 0
+            self.pos += count
+            return arr
+        if itype == _STRING:
+            if count > self.end:
+                raise self.file._fail(f"{what}: array of {count} strings exceeds the file")
+            try:
+                strings, self.pos = _core.gguf_strings(self.file._bytes(), self.pos, count)
+            except ValueError as e:
+                raise self.file._fail(f"truncated while reading {what}: {e}") from None
+            return strings
+        raise self.file._fail(f"{what}: unsupported array element type {itype}")
+
+    def tensor_info(self, i: int) -> tuple[str, tuple[int, ...], int, int]:
+        """(name, dims, ggml type, offset) of the next tensor entry."""
+        name = self.string(f"tensor #{i}'s name")
+        (n_dims,) = self.unpack("<I", f"tensor {name!r}")
+        if not 1 <= n_dims <= 4:
+            raise self.file._fail(f"tensor {name!r} has {n_dims} dimensions (1 to 4 are valid)")
+        self.need(8 * n_dims + 12, f"tensor {name!r}")
+        dims = self.unpack(f"<{n_dims}Q", f"tensor {name!r}")
+        ttype, offset = self.unpack("<IQ", f"tensor {name!r}")
+        return name, dims, ttype, offset
+
+
+def readonly_tensor(arr: np.ndarray) -> Any:
+    """A CPU tensor viewing ``arr`` (read-only memory: only the kernels read it)."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns about read-only arrays
+        return torch.from_numpy(arr)

@@ -14,19 +14,16 @@ function returns ``None`` so the caller runs its torch fallback.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 
-from fastllm import _core
+from fastllm import _core, envs
 
 _R = TypeVar("_R")
 _disabled: str | None = (
-    "FASTLLM_CUDA_KERNELS=0 is set"
-    if os.environ.get("FASTLLM_CUDA_KERNELS", "1").strip() in ("0", "false", "no", "off")
-    else None
+    "FASTLLM_CUDA_KERNELS=0 is set" if envs.off("FASTLLM_CUDA_KERNELS") else None
 )
 _warned = False
 

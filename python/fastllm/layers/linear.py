@@ -13,13 +13,12 @@ Elsewhere (CUDA, or ``FASTLLM_CPU_GEMM=torch``) layers call torch.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastllm import _core
+from fastllm import _core, envs
 from fastllm.layers import CPU_KERNEL_DTYPES, Module
 
 logger = logging.getLogger("fastllm")
@@ -87,11 +86,11 @@ class Embedding(Module):
         self.quantized = None
         self.dtype = None
 
-    def quantize(self, table) -> None:
+    def quantize(self, table, dtype: torch.dtype | None = None) -> None:
         """Reads rows from ``table`` (a ``_core.QuantizedLinear`` of this
         table's weights, e.g. the tied head) from now on, and frees the float
-        copy; rows come out in the table's former dtype."""
-        self.dtype = self.weight.dtype
+        copy; rows come out in ``dtype`` (default: the table's former dtype)."""
+        self.dtype = dtype if dtype is not None else self.weight.dtype
         self.quantized = table
         self.weight = None
 
@@ -128,10 +127,7 @@ def head_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 def gemm_mode() -> str:
     """``FASTLLM_CPU_GEMM``: ``auto`` (default: pack where a SIMD kernel
     runs), ``rust`` (always pack) or ``torch`` (never)."""
-    mode = os.environ.get(GEMM_ENV, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "rust", "torch"):
-        raise ValueError(f"{GEMM_ENV}={mode!r}: expected 'auto', 'rust' or 'torch'")
-    return mode
+    return envs.choice(GEMM_ENV, ("auto", "rust", "torch"))
 
 
 def should_pack(device: str, dtype: torch.dtype) -> bool:
@@ -143,6 +139,12 @@ def should_pack(device: str, dtype: torch.dtype) -> bool:
         return True
     # The portable scalar kernel is slower than torch: keep torch there.
     return _core.gemm_default_path() != "scalar"
+
+
+def adopt_packed_head(model: nn.Module, head) -> None:
+    """Gives ``model`` a ready head table (a GGUF file's quantized head), which
+    ``pack_linears`` and ``quantize_model`` then keep."""
+    model.packed_head = head
 
 
 def pack_linears(model: nn.Module, make=None) -> int:

@@ -154,3 +154,10 @@ def qkv_with_rotary(
         return ops.split_qkv_rotary(qkv, num_heads, num_kv_heads, head_dim, cos, sin)
     q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
     return ops.rotary(q_norm(q), cos, sin), ops.rotary(k_norm(k), cos, sin), v
+
+
+def limit_positions(model: torch.nn.Module, n: int) -> None:
+    """Every rotary embedding of ``model`` builds its table for positions below ``n``."""
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.limit_positions(n)

@@ -12,13 +12,14 @@ import torch
 from torch import nn
 
 from fastllm.config import ModelConfig
-from fastllm.layers import Module, decoder_stack
+from fastllm.layers import Module
 from fastllm.layers.activation import ActAndMul
 from fastllm.layers.attention import PagedAttention
 from fastllm.layers.linear import Embedding, Linear, head_logits
 from fastllm.layers.norm import RMSNorm
 from fastllm.layers.ops import TORCH_OPS
 from fastllm.layers.rotary import RotaryEmbedding, qkv_with_rotary
+from fastllm.models import llama_stack
 from fastllm.models.weights import WeightSpec
 
 
@@ -155,17 +156,20 @@ class LlamaForCausalLM(Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         if self.decoder_stack is not None:
-            decoder_stack.run(self.decoder_stack, x, cos, sin)
+            llama_stack.run(self.decoder_stack, x, cos, sin)
         else:
             for layer in self.model.layers:
                 x = layer(x, cos, sin)
         return self.model.norm(x)
 
+    #: The layer classes whose maths ``rust/models/llama.rs`` implements.
+    FUSED_LAYER_TYPES = (LlamaDecoderLayer, LlamaAttention, LlamaMLP)
+
     def fuse_decoder_layers(self) -> bool:
         """Runs the decoder layers as one ``_core.DecoderStack`` from now on,
         when the model is packed on the CPU and has its KV caches
-        (``layers/decoder_stack.py``); returns whether it does."""
-        self.decoder_stack = decoder_stack.build(self)
+        (``models/llama_stack.py``); returns whether it does."""
+        self.decoder_stack = llama_stack.build(self)
         return self.decoder_stack is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastllm import _lazy_attribute
+from fastllm.lazy import lazy_attribute
 
 INSTALL_HINT = 'fastllm.ray needs Ray: pip install "fastllm[ray]"'
 
@@ -45,4 +45,4 @@ __all__ = sorted([*_LAZY, "require_ray", "INSTALL_HINT"])
 
 
 def __getattr__(name: str) -> Any:
-    return _lazy_attribute("fastllm.ray", _LAZY, globals(), name)
+    return lazy_attribute("fastllm.ray", _LAZY, globals(), name)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Any
 
+from fastllm import envs
 from fastllm.ray import require_ray
 
 ray = require_ray()
@@ -98,7 +98,7 @@ class LLMPredictor:
         if num_threads is not None:
             if num_threads < 1:
                 raise ValueError(f"num_threads must be at least 1, got {num_threads}")
-            os.environ["FASTLLM_NUM_THREADS"] = str(num_threads)
+            envs.set_num_threads(num_threads)
             import torch
 
             torch.set_num_threads(num_threads)
@@ -122,7 +122,7 @@ class LLMPredictor:
 
     def generate_rows(self, columns: dict[str, list[Any]], n: int) -> dict[str, list[Any]]:
         """The output columns for ``n`` rows given as plain-Python columns."""
-        from fastllm.llm import _truncated, chat_stop
+        from fastllm.inputs import chat_stop, truncate
         from fastllm.sampling_params import SamplingParams
 
         llm = self.llm
@@ -146,8 +146,8 @@ class LLMPredictor:
                     )
                 text, ids, is_chat = self._prompt(columns, i)
                 if is_chat:
-                    p = chat_stop(p, llm._tokenizer(), self.chat_template)
-                ids = _truncated(ids, p)
+                    p = chat_stop(p, engine.require_tokenizer(), self.chat_template)
+                ids = truncate(ids, p)
                 engine.validate_request(ids, p, f"row {i}")
             except ValueError as e:
                 out["generated_text"][i] = ""
@@ -175,7 +175,9 @@ class LLMPredictor:
 
     def _prompt(self, columns: dict[str, list[Any]], i: int) -> tuple[str | None, list[int], bool]:
         """Row ``i``'s prompt: (text or None, token ids, whether it is a chat)."""
-        tok = None
+        from fastllm.inputs import chat_prompt, is_token_ids
+
+        tokenizer = self.llm.llm_engine.require_tokenizer
         for name in ("messages", "prompt_token_ids", "prompt"):
             value = columns[name][i] if name in columns else None
             if value is None:
@@ -184,22 +186,16 @@ class LLMPredictor:
                 conv = _plain(value)
                 if not isinstance(conv, list) or not all(isinstance(m, dict) for m in conv):
                     raise ValueError(f"row {i}: messages must be a list of message dicts")
-                tok = self.llm._tokenizer()
-                text = tok.apply_chat_template(
-                    conv, chat_template=self.chat_template, add_generation_prompt=True
-                )
-                return text, tok.encode(text, add_special_tokens=False), True
+                return (*chat_prompt(tokenizer(), conv, self.chat_template), True)
             if name == "prompt_token_ids":
                 ids = _plain(value)
-                if not isinstance(ids, list) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in ids
-                ):
+                if not isinstance(ids, list) or not is_token_ids(ids):
                     raise ValueError(f"row {i}: prompt_token_ids must be a list of ints")
                 text = columns["prompt"][i] if "prompt" in columns else None
                 return (text if isinstance(text, str) else None), ids, False
             if not isinstance(value, str):
                 raise ValueError(f"row {i}: prompt must be a string, got {type(value).__name__}")
-            return value, self.llm._tokenizer().encode(value), False
+            return value, tokenizer().encode(value), False
         raise ValueError(
             f"row {i} has no prompt: give a 'prompt', 'prompt_token_ids' or 'messages'"
         )

@@ -94,6 +94,7 @@ def routing_token_ids(
     read (the replica then answers it, with its own errors)."""
     from pydantic import ValidationError
 
+    from fastllm.inputs import parse_prompt
     from fastllm.server.protocol import ChatCompletionRequest, CompletionRequest
 
     if tokenizer is None:
@@ -106,19 +107,13 @@ def routing_token_ids(
             prompts = CompletionRequest.model_validate(data).prompts()
             if not prompts:
                 return None
-            p = prompts[0]
-            return tokenizer.encode(p) if isinstance(p, str) else list(p)
+            return parse_prompt(prompts[0], tokenizer.encode, "prompt")[1]
         if path == "/v1/chat/completions":
             req = ChatCompletionRequest.model_validate(data)
             template = req.chat_template or chat_template or tokenizer.chat_template
             if template is None:
                 return None
-            text = tokenizer.apply_chat_template(
-                [m.as_dict() for m in req.messages],
-                chat_template=template,
-                add_generation_prompt=req.add_generation_prompt,
-            )
-            return tokenizer.encode(text, add_special_tokens=False)
+            return req.prompt(tokenizer, template)[1]
     except (ValueError, TypeError, ValidationError, UnicodeDecodeError):
         return None
     except Exception:  # a template that raises: the replica reports it

@@ -6,10 +6,10 @@ import asyncio
 import hmac
 import json
 import logging
-import os
 from collections.abc import AsyncIterator
 from typing import Any
 
+from fastllm import envs
 from fastllm.ray import require_ray
 from fastllm.ray.routing import (
     DEFAULT_BUSY_MARGIN,
@@ -90,14 +90,61 @@ def build_app(
         "max_body_bytes": max_body_bytes or DEFAULT_MAX_BODY_BYTES,
         "chat_template": chat_template,
     }
-    threads = num_threads
+    replica = _replica_class(engine_args, app_kwargs, num_threads, prefix_routing)
+    env = dict(runtime_env or {})
+    env["env_vars"] = {
+        "FASTLLM_NUM_THREADS": str(num_threads),
+        "OMP_NUM_THREADS": str(num_threads),
+        **env.get("env_vars", {}),
+    }
+    options: dict[str, Any] = {
+        "name": name,
+        "num_replicas": num_replicas,
+        "ray_actor_options": {
+            "num_cpus": num_cpus_per_replica,
+            "num_gpus": num_gpus_per_replica,
+            "runtime_env": env,
+        },
+        "health_check_period_s": 2,
+    }
+    if max_ongoing_requests is not None:
+        options["max_ongoing_requests"] = max_ongoing_requests
+    if not prefix_routing:
+        deployment = serve.deployment(serve.ingress(replica.build_asgi_app)(replica), **options)
+        return deployment.bind()
+    from ray.serve.config import RequestRouterConfig
+
+    options["request_router_config"] = RequestRouterConfig(
+        request_router_class="fastllm.ray.router.PrefixAffinityRouter",
+        request_router_kwargs={"busy_margin": busy_margin},
+    )
+    engines = serve.deployment(replica, **options)
+    router_app = RouterApp(
+        deployment=name,
+        routing_blocks=routing_blocks,
+        max_body_bytes=app_kwargs["max_body_bytes"],
+        api_key=api_key,
+        chat_template=chat_template,
+    )
+    router = serve.deployment(
+        serve.ingress(router_app)(FastllmRouter),
+        name=f"{name}-router",
+        num_replicas=1,
+        max_ongoing_requests=router_max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0, "runtime_env": env},
+    )
+    return router.bind(engines.bind())
+
+
+def _replica_class(
+    engine_args: Any, app_kwargs: dict[str, Any], threads: int, routed: bool
+) -> type:
+    """The class of the engine deployment's replicas."""
 
     def build_asgi_app() -> Any:
         from fastllm.server.app import create_app
 
         return create_app(engine_args, **app_kwargs)
-
-    routed = prefix_routing
 
     class FastllmReplica:
         """One replica: the server app over its own engine (Serve's HTTP
@@ -105,7 +152,7 @@ def build_app(
         requests it relays)."""
 
         def __init__(self) -> None:
-            os.environ["FASTLLM_NUM_THREADS"] = str(threads)
+            envs.set_num_threads(threads)
             import torch
 
             torch.set_num_threads(threads)
@@ -136,77 +183,22 @@ def build_app(
             the replica's unique id."""
             from ray import serve
 
-            from fastllm.server.app import _prometheus
+            from fastllm.server.metrics import prometheus
 
             state = self.app.state.fastllm
             uid = serve.get_replica_context().replica_id.unique_id
-            return _prometheus(state.engine, state.model_names[0], replica=uid)
+            return prometheus(state.engine, state.model_names[0], replica=uid)
 
         def routing_info(self, **routing: Any) -> dict[str, Any]:
             """What the router needs to compute the replicas' prompt tokens
-            and blocks: the tokenizer's folder (None: no tokenizer) and the
-            KV block size."""
-            from fastllm.engine.llm_engine import resolve_model_folder
-
-            llm = self.app.state.fastllm.engine.engine
-            cfg = llm.config
-            folder = llm.folder
-            if cfg.tokenizer:
-                folder = resolve_model_folder(
-                    cfg.tokenizer, cfg.tokenizer_revision, cfg.download_dir
-                )
-            return {
-                "tokenizer_folder": folder if llm.tokenizer is not None else None,
-                "block_size": llm.config.block_size,
-                "prefix_caching": bool(llm.config.enable_prefix_caching),
-            }
+            and blocks (``ServerState.routing_info``)."""
+            return self.app.state.fastllm.routing_info()
 
     FastllmReplica.__name__ = FastllmReplica.__qualname__ = "FastllmReplica"
+    FastllmReplica.build_asgi_app = staticmethod(build_asgi_app)
     if routed:  # Serve calls (and awaits) __del__ when it stops the replica
         FastllmReplica.__del__ = FastllmReplica._shutdown
-    env = dict(runtime_env or {})
-    env["env_vars"] = {
-        "FASTLLM_NUM_THREADS": str(threads),
-        "OMP_NUM_THREADS": str(threads),
-        **env.get("env_vars", {}),
-    }
-    options: dict[str, Any] = {
-        "name": name,
-        "num_replicas": num_replicas,
-        "ray_actor_options": {
-            "num_cpus": num_cpus_per_replica,
-            "num_gpus": num_gpus_per_replica,
-            "runtime_env": env,
-        },
-        "health_check_period_s": 2,
-    }
-    if max_ongoing_requests is not None:
-        options["max_ongoing_requests"] = max_ongoing_requests
-    if not prefix_routing:
-        deployment = serve.deployment(serve.ingress(build_asgi_app)(FastllmReplica), **options)
-        return deployment.bind()
-    from ray.serve.config import RequestRouterConfig
-
-    options["request_router_config"] = RequestRouterConfig(
-        request_router_class="fastllm.ray.router.PrefixAffinityRouter",
-        request_router_kwargs={"busy_margin": busy_margin},
-    )
-    engines = serve.deployment(FastllmReplica, **options)
-    router_app = RouterApp(
-        deployment=name,
-        routing_blocks=routing_blocks,
-        max_body_bytes=app_kwargs["max_body_bytes"],
-        api_key=api_key,
-        chat_template=chat_template,
-    )
-    router = serve.deployment(
-        serve.ingress(router_app)(FastllmRouter),
-        name=f"{name}-router",
-        num_replicas=1,
-        max_ongoing_requests=router_max_ongoing_requests,
-        ray_actor_options={"num_cpus": 0, "runtime_env": env},
-    )
-    return router.bind(engines.bind())
+    return FastllmReplica
 
 
 # ---- the router deployment ---------------------------------------------------------
@@ -345,9 +337,9 @@ class RouterApp:
                     tok = None
                     if info.get("tokenizer_folder") and info.get("prefix_caching"):
                         try:
-                            from fastllm.tokenizer import Tokenizer
+                            from fastllm.loading import load_tokenizer
 
-                            tok = await asyncio.to_thread(Tokenizer, info["tokenizer_folder"])
+                            tok = await asyncio.to_thread(load_tokenizer, info["tokenizer_folder"])
                         except Exception as e:  # noqa: BLE001 - routing degrades, serving goes on
                             logger.warning("prefix routing off: cannot load the tokenizer: %s", e)
                     self._tokenizer = tok
@@ -389,7 +381,7 @@ class RouterApp:
                     return
         if scope["type"] != "http":
             return
-        from fastllm.server.app import _error_response, _too_large
+        from fastllm.server.http import error_response, too_large
 
         body = bytearray()
         while True:
@@ -398,7 +390,7 @@ class RouterApp:
                 return
             body += message.get("body", b"")
             if len(body) > self.max_body_bytes:
-                await _error_response(_too_large(self.max_body_bytes))(scope, receive, send)
+                await error_response(too_large(self.max_body_bytes))(scope, receive, send)
                 return
             if not message.get("more_body", False):
                 break
@@ -420,7 +412,7 @@ class RouterApp:
         """Sends the replica's messages on; a replica that dies before its
         answer started gives a 503, one that dies in an event stream ends
         it with an error event (what the OpenAI clients raise)."""
-        from fastllm.server.app import _error_response
+        from fastllm.server.http import error_response
         from fastllm.server.protocol import APIError
 
         started = False
@@ -438,7 +430,7 @@ class RouterApp:
             err = APIError(f"the replica serving this request failed: {e}", 503)
             logger.warning("fastllm router: %s", err.message)
             if not started:
-                await _error_response(err)(scope, receive, send)
+                await error_response(err)(scope, receive, send)
             elif event_stream:
                 data = f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode()
                 await send({"type": "http.response.body", "body": data, "more_body": False})

@@ -302,6 +302,16 @@ class ChatCompletionRequest(_Common):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
+    def prompt(self, tokenizer: Any, chat_template: str | None) -> tuple[str, list[int]]:
+        """The conversation as the template renders it, and its token ids: what
+        the replica runs and what the Ray router routes by. The tools go to the
+        template unless ``tool_choice`` is ``"none"``; a 400 when the template
+        cannot render the conversation."""
+        tools = self.tools if self.tools and self.tool_choice != "none" else None
+        return messages_prompt(
+            tokenizer, self.messages, chat_template, self.add_generation_prompt, tools
+        )
+
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """The output length limit and the field that set it."""
         if self.max_completion_tokens is not None:
@@ -350,6 +360,12 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
+    def prompt_of_messages(self, tokenizer: Any, chat_template: str) -> tuple[str, list[int]]:
+        """``messages`` rendered as a chat request renders them (without tools)."""
+        return messages_prompt(
+            tokenizer, self.messages or [], chat_template, self.add_generation_prompt
+        )
+
 
 class DetokenizeRequest(BaseModel):
     """Body of ``POST /detokenize``."""
@@ -358,3 +374,22 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+def messages_prompt(
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    chat_template: str | None,
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+) -> tuple[str, list[int]]:
+    """A request's conversation through ``inputs.chat_prompt``; a 400 naming
+    ``messages`` when the template cannot render it."""
+    from fastllm.inputs import chat_prompt
+
+    try:
+        return chat_prompt(
+            tokenizer, [m.as_dict() for m in messages], chat_template, add_generation_prompt, tools
+        )
+    except ValueError as e:
+        raise APIError(f"cannot apply the chat template: {e}", 400, param="messages") from e

@@ -1,5 +1,7 @@
 //! The decoder layers of the Llama family (Llama, Mistral, Qwen2, Qwen3) in
-//! one call per step.
+//! one call per step: the Rust twin of `python/fastllm/models/llama.py`
+//! (`models/llama_stack.py` hands it the weights; `tests/test_decoder_stack.py`
+//! checks both paths agree on every Llama-family config).
 //!
 //! A batch-1 decode step of a small model is a few hundred kernel calls of
 //! 5-150 µs each. Made one by one from Python, every call pays for the
@@ -17,51 +19,11 @@
 //!
 //! where every `+` rounds to the element type, as torch's `x + y` does.
 
-use std::sync::Arc;
-
 use crate::attention::{paged_attention, reshape_and_cache, BatchLayout, CacheShape};
-use crate::cpu::{Element, IntPath, Path};
+use crate::cpu::Element;
 use crate::error::{CoreError, CoreResult};
-use crate::gemm::PackedWeight;
 use crate::layers::{qkv_rotary, rms_norm, silu_and_mul, QkvShape};
-use crate::quant::QuantWeight;
-
-/// A linear layer's weight (and bias) as one of the CPU GEMMs runs it.
-#[derive(Clone, Debug)]
-pub enum LinearWeight {
-    /// Packed bf16 / f32 weights (`gemm`) on a float kernel path.
-    Float(Arc<PackedWeight>, Path),
-    /// Quantized weights (`quant`) on an integer kernel path.
-    Quant(Arc<QuantWeight>, IntPath),
-}
-
-impl LinearWeight {
-    pub fn in_features(&self) -> usize {
-        match self {
-            LinearWeight::Float(w, _) => w.in_features(),
-            LinearWeight::Quant(w, _) => w.in_features(),
-        }
-    }
-
-    pub fn out_features(&self) -> usize {
-        match self {
-            LinearWeight::Float(w, _) => w.out_features(),
-            LinearWeight::Quant(w, _) => w.out_features(),
-        }
-    }
-
-    /// `out [m, out_features] = x [m, in_features] W^T + bias`.
-    fn forward<T: Element>(&self, out: &mut [T], x: &[T], m: usize) -> CoreResult<()> {
-        match self {
-            LinearWeight::Float(w, path) => {
-                crate::gemm::gemm_with_path(*path, T::dst(out), T::src(x), w, m)
-            }
-            LinearWeight::Quant(w, path) => {
-                crate::quant::gemm_with_path(*path, T::dst(out), T::src(x), w, m)
-            }
-        }
-    }
-}
+use crate::linear::LinearWeight;
 
 /// The sizes every layer of a model shares.
 #[derive(Clone, Copy, Debug)]
@@ -251,7 +213,9 @@ pub fn decoder_stack<T: Element>(
             s.eps,
             s.hidden,
         )?;
-        layer.qkv.forward(&mut b.qkv, &b.normed, tokens)?;
+        layer
+            .qkv
+            .forward(T::dst(&mut b.qkv), T::src(&b.normed), tokens)?;
         let qkv: &[T] = match layer.qk_norm {
             None => &b.qkv,
             Some((qn, kn)) => {
@@ -297,7 +261,9 @@ pub fn decoder_stack<T: Element>(
             s.scale,
             layer.sliding_window,
         )?;
-        layer.o.forward(&mut b.proj, &b.attn, tokens)?;
+        layer
+            .o
+            .forward(T::dst(&mut b.proj), T::src(&b.attn), tokens)?;
         add_residual(x, &b.proj);
         rms_norm(
             T::dst(&mut b.normed),
@@ -306,9 +272,13 @@ pub fn decoder_stack<T: Element>(
             s.eps,
             s.hidden,
         )?;
-        layer.gate_up.forward(&mut b.gate_up, &b.normed, tokens)?;
+        layer
+            .gate_up
+            .forward(T::dst(&mut b.gate_up), T::src(&b.normed), tokens)?;
         silu_and_mul(T::dst(&mut b.act), T::src(&b.gate_up), s.intermediate)?;
-        layer.down.forward(&mut b.proj, &b.act, tokens)?;
+        layer
+            .down
+            .forward(T::dst(&mut b.proj), T::src(&b.act), tokens)?;
         add_residual(x, &b.proj);
     }
     Ok(())
@@ -316,9 +286,12 @@ pub fn decoder_stack<T: Element>(
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
     use crate::cpu::elem::tests::Rng;
     use crate::cpu::Src;
+    use crate::gemm::PackedWeight;
 
     /// A plain f64 model of the same layers: dense matrices, full causal
     /// softmax over each sequence's positions, no cache, no blocks.
@@ -472,7 +445,7 @@ mod tests {
                         std::array::from_fn(|i| {
                             let (n, k) = dims[i];
                             let p = PackedWeight::pack(Src::F32(&ws[i]), None, n, k).unwrap();
-                            LinearWeight::Float(Arc::new(p), crate::gemm::default_path())
+                            crate::linear::float(Arc::new(p), crate::gemm::default_path())
                         })
                     })
                     .collect();
@@ -585,7 +558,7 @@ mod tests {
         };
         let lin = |n: usize, k: usize| {
             let w = vec![0.1f32; n * k];
-            LinearWeight::Float(
+            crate::linear::float(
                 Arc::new(PackedWeight::pack(Src::F32(&w), None, n, k).unwrap()),
                 crate::gemm::default_path(),
             )

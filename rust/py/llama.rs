@@ -1,5 +1,5 @@
 //! The decoder stack (`DecoderStack`): every Llama-family layer of a model,
-//! run in one call per step (`layers::decoder`).
+//! run in one call per step (`models::llama`).
 //!
 //! The stack is built once, after the model is packed and its KV caches are
 //! allocated: it checks every weight, norm and cache tensor then, keeps them
@@ -18,7 +18,8 @@ use super::gemm::PyPackedLinear;
 use super::quant::PyQuantizedLinear;
 use super::tensor::{DType, TensorArg};
 use crate::attention::{BatchLayout, CacheShape, Element};
-use crate::layers::decoder::{self, DecoderLayer, DecoderShape, LinearWeight, StepInputs};
+use crate::linear::LinearWeight;
+use crate::models::llama::{self as decoder, DecoderLayer, DecoderShape, StepInputs};
 
 /// A tensor the stack reads or writes: address and element count.
 #[derive(Clone, Copy)]

@@ -16,7 +16,6 @@ of a 12 ms decode step of a 0.5B model).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -24,16 +23,6 @@ from fastllm import _core
 from fastllm.forward_context import get_context
 
 logger = logging.getLogger("fastllm")
-
-FUSED_ENV = "FASTLLM_CPU_FUSED"
-
-
-def fused_enabled() -> bool:
-    """``FASTLLM_CPU_FUSED``: ``1`` (default) fuses where possible, ``0`` never."""
-    value = os.environ.get(FUSED_ENV, "1").strip() or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"{FUSED_ENV}={value!r}: expected '0' or '1'")
-    return value == "1"
 
 
 def _packed(linear) -> object | None:
@@ -43,12 +32,29 @@ def _packed(linear) -> object | None:
     return None
 
 
+# The architectures whose decoder maths ``rust/models/llama.rs`` implements
+# (pre-norm attention with optional q/k norms and biases, a gated-SiLU MLP);
+# ``tests/test_decoder_stack.py`` checks each against the layer-by-layer path.
+# A family added to ``models/llama.py`` runs layer by layer until it is added
+# here and there.
+FUSED_ARCHITECTURES = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+)
+
+
 def why_not(model) -> str | None:
     """Why the decoder layers of ``model`` (a Llama-family model) cannot run
-    as one stack, or None when they can."""
-    if not fused_enabled():
-        return f"{FUSED_ENV}=0"
+    as one stack, or None when they can. The model names the layer classes
+    whose maths the stack implements (``FUSED_LAYER_TYPES``): a subclass that
+    changes them runs layer by layer."""
+    arch = model.config.architecture
+    if arch not in FUSED_ARCHITECTURES:
+        return f"the fused stack does not implement {arch}"
+    layer_type, attn_type, mlp_type = model.FUSED_LAYER_TYPES
     for i, layer in enumerate(model.model.layers):
+        kinds = ((layer, layer_type), (layer.self_attn, attn_type), (layer.mlp, mlp_type))
+        if any(type(part) is not kind for part, kind in kinds):
+            return f"layer {i} is not the Llama layer the fused stack implements"
         attn, mlp = layer.self_attn, layer.mlp
         if attn.ops.backend != "rust":
             return f"layer {i} runs the {attn.ops.backend} ops"

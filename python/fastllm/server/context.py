@@ -1,0 +1,102 @@
+"""What every route needs: the server's state and the rules it applies to
+every request (the model's name, the engine's request rule, the chat
+template)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fastllm.engine.llm_engine import RequestError
+from fastllm.sampling_params import SamplingParams
+from fastllm.server.engine_loop import AsyncEngine
+from fastllm.server.protocol import APIError
+
+
+@dataclass
+class ServerState:
+    """What every route needs: the engine, the served names and the limits."""
+
+    engine: AsyncEngine
+    model_names: list[str]
+    max_model_len: int
+    max_body_bytes: int
+    created: int
+    # names accepted in a request's "model" besides model_names (not listed by /v1/models)
+    aliases: tuple[str, ...] = ()
+    # default template of /v1/chat/completions (--chat-template); None: the model's
+    chat_template: str | None = None
+    api_key_required: bool = False
+
+    def routing_info(self) -> dict[str, Any]:
+        """What a prefix-aware router needs to compute this server's prompt
+        tokens and KV blocks: the tokenizer's folder or GGUF file (None: no
+        tokenizer), the block size and whether prefix caching is on."""
+        from fastllm.loading import resolve_model_folder
+
+        llm = self.engine.engine
+        cfg = llm.config
+        path = llm.folder
+        if cfg.tokenizer:
+            path = resolve_model_folder(cfg.tokenizer, cfg.tokenizer_revision, cfg.download_dir)
+        return {
+            "tokenizer_folder": path if llm.tokenizer is not None else None,
+            "block_size": cfg.block_size,
+            "prefix_caching": bool(cfg.enable_prefix_caching),
+        }
+
+
+class RouteContext:
+    """The state of one server as its routes use it."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.engine = state.engine
+        #: The LLMEngine the engine thread runs.
+        self.llm = state.engine.engine
+        self.tok: Any = self.llm.tokenizer
+
+    def model_name(self, requested: str | None) -> str:
+        """The served name a request's ``model`` field means; a 404 for another."""
+        state = self.state
+        if requested is None or requested in state.aliases:
+            return state.model_names[0]
+        if requested not in state.model_names:
+            raise APIError(
+                f"the model `{requested}` does not exist; this server serves "
+                f"{', '.join(state.model_names)}",
+                404,
+                param="model",
+                code="model_not_found",
+            )
+        return requested
+
+    def check_request(
+        self, ids: list[int], params: SamplingParams, where: str, fields: dict[str, str]
+    ) -> None:
+        """The engine's rule for every request (offline too); ``fields`` maps
+        SamplingParams names to this endpoint's names."""
+        try:
+            self.llm.validate_request(ids, params, where)
+        except RequestError as e:
+            param = where.split("[")[0] if e.field == "prompt" else fields.get(e.field, e.field)
+            msg = str(e)
+            for ours, theirs in fields.items():
+                msg = msg.replace(f"{ours}=", f"{theirs}=").replace(
+                    f"lower {ours}", f"lower {theirs}"
+                )
+            raise APIError(msg, 400, param=param) from e
+
+    def chat_template(self, requested: str | None) -> str:
+        """The template a chat request renders with: its own, else the server's
+        (--chat-template), else the model's; a 400 when there is none."""
+        template = requested or self.state.chat_template or self.tok.chat_template
+        if template is None:
+            raise APIError(
+                "this model has no chat template, so /v1/chat/completions cannot render "
+                "messages: start the server with --chat-template FILE|STRING (or send "
+                "chat_template in the request)",
+                400,
+                param="messages",
+            )
+        return template
