@@ -157,6 +157,8 @@ def test_every_environment_switch_is_in_the_table_and_the_docs():
     assert used <= table, used - table
     docs = (ROOT / "docs" / "architecture.md").read_text()
     assert envs.markdown_table() in docs
+    readme = (ROOT / "README.md").read_text()
+    assert all(f"`{name}" in readme for name in table), table
     # Python reads them only through envs.py
     for path in PKG.rglob("*.py"):
         if path.name != "envs.py":

@@ -165,6 +165,40 @@ def test_routing_tokens_equal_the_engines_prompt_tokens(reference):
     assert routing_token_ids("/tokenize", body, tok, None) is None
 
 
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
+    "{% endfor %}<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}"
+)
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+@pytest.mark.parametrize("tool_choice", [None, "auto", "required", "none"])
+def test_routing_tokens_of_a_tool_calling_chat_include_its_tools(reference, tool_choice):
+    """A chat that offers tools is routed by the prompt the replica runs: the
+    template renders the tools (unless tool_choice is 'none'), as the server
+    does; the reference renders the template with jinja2 directly."""
+    import jinja2
+
+    tok = reference.llm_engine.tokenizer
+    conv = [{"role": "user", "content": "the weather in Oslo"}]
+    req = {"model": "m", "messages": conv, "tools": [WEATHER], "chat_template": TOOLS_TEMPLATE}
+    if tool_choice is not None:
+        req["tool_choice"] = tool_choice
+    body = json.dumps(req).encode()
+    tools = None if tool_choice == "none" else [WEATHER]
+    text = jinja2.Template(TOOLS_TEMPLATE).render(
+        messages=conv, tools=tools, add_generation_prompt=True
+    )
+    assert ("get_weather" in text) == (tool_choice != "none")
+    want = tok.encode(text, add_special_tokens=False)
+    assert routing_token_ids("/v1/chat/completions", body, tok, None) == want
+
+
 # ---- on a local Ray cluster ----------------------------------------------------------
 
 

@@ -261,7 +261,7 @@ class LLMEngine:
                 self.abort_request(rid)
             except Exception:  # noqa: BLE001 - the rest is dropped below either way
                 logger.debug("abort of request %s failed", rid, exc_info=True)
-        self.output_processor.requests.clear()
+        self.output_processor.release_all()
         self.scheduler.drop_all()
         self.reclaim_blocks()
 

@@ -47,6 +47,11 @@ class OutputProcessor:
         """Starts tracking a request."""
         self.requests[req.request_id] = req
 
+    def release_all(self) -> None:
+        """Forgets every request (an engine reset after an interrupt)."""
+        self.requests.clear()
+        self._texts.clear()
+
     def release(self, req: Request) -> None:
         """Forgets a finished or aborted request."""
         self.requests.pop(req.request_id, None)
