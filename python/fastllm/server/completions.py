@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -85,16 +86,15 @@ def register(app: FastAPI, ctx: RouteContext) -> None:
                     }
                 )
         prompt_tokens = sum(len(ids) for _, ids in items)
+        head = _head(cid, created, name)
         return JSONResponse(
-            {
-                "id": cid,
-                "object": "text_completion",
-                "created": created,
-                "model": name,
-                "choices": choices,
-                "usage": usage(prompt_tokens, completion_tokens),
-            }
+            {**head, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
         )
+
+
+def _head(cid: str, created: int, name: str) -> dict[str, Any]:
+    """The fields every completions reply and chunk starts with."""
+    return {"id": cid, "object": "text_completion", "created": created, "model": name}
 
 
 async def stream_completion(
@@ -110,6 +110,7 @@ async def stream_completion(
     # Outputs are deltas (RequestOutputKind.DELTA): new text, tokens and logprobs.
     offsets: dict[tuple[int, int], int] = {}  # text offset of the next logprob token
     completion_tokens = 0
+    head = _head(cid, created, name)
     try:
         async for i, out in merge_outputs(gens):
             for c in out.outputs:
@@ -135,27 +136,10 @@ async def stream_completion(
                     "finish_reason": finish,
                     "stop_reason": c.stop_reason if finish else None,
                 }
-                yield sse(
-                    {
-                        "id": cid,
-                        "object": "text_completion",
-                        "created": created,
-                        "model": name,
-                        "choices": [choice],
-                    }
-                )
+                yield sse({**head, "choices": [choice]})
         if include_usage:
             prompt_tokens = sum(len(ids) for _, ids in items)
-            yield sse(
-                {
-                    "id": cid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": name,
-                    "choices": [],
-                    "usage": usage(prompt_tokens, completion_tokens),
-                }
-            )
+            yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
     except APIError as e:
         yield sse(e.body())
     except Exception as e:
