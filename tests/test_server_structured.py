@@ -304,7 +304,7 @@ BOUNDED = {
     "required": ["name", "age", "tags", "ok"],
     "additionalProperties": False,
 }
-ROUNDS = 40
+ROUNDS = 100  # x2 (plain and streamed; or the two call formats): 200 replies per test
 
 
 def test_bounded_json_schema_always_closes_plain_and_streamed(client):
@@ -313,13 +313,14 @@ def test_bounded_json_schema_always_closes_plain_and_streamed(client):
     whitespace let such replies run to max_tokens inside the JSON)."""
     bad = []
     for seed in range(ROUNDS):
-        kw = dict(response_format=json_schema_format(BOUNDED), seed=seed, max_tokens=200)
+        schema = (BOUNDED, SCHEMA)[seed % 2]
+        kw = dict(response_format=json_schema_format(schema), seed=seed, max_tokens=200)
         c = chat(client, **kw).choices[0]
         content, _, finish = joined_stream(chat(client, stream=True, **kw))
         for text, reason in ((c.message.content, c.finish_reason), (content, finish)):
             try:
                 assert reason == "stop", reason
-                jsonschema.validate(json.loads(text), BOUNDED)
+                jsonschema.validate(json.loads(text), schema)
             except (AssertionError, ValueError, jsonschema.ValidationError) as e:
                 bad.append((seed, text[:60], str(e)[:60]))
     assert not bad, f"{len(bad)} of {2 * ROUNDS} replies did not close: {bad[:4]}"
@@ -329,7 +330,7 @@ def test_bounded_json_schema_always_closes_plain_and_streamed(client):
 def test_forced_tool_call_always_returns_valid_calls(client, fmt):
     extra = {"chat_template": TEMPLATES[fmt]} if TEMPLATES[fmt] else {}
     choice = {"type": "function", "function": {"name": "get_weather"}}
-    for seed in range(ROUNDS // 2):
+    for seed in range(ROUNDS):
         r = chat(
             client, tools=TOOLS, tool_choice=choice, seed=seed, max_tokens=120, extra_body=extra
         )
