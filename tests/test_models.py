@@ -72,6 +72,29 @@ def _configs() -> dict[str, object]:
         ),
         "mistral": t.MistralConfig(**c, sliding_window=5),
         "qwen2": t.Qwen2Config(**c),
+        # Granite 3's multipliers, all away from 1 (the values of its 2B/8B configs), with biases.
+        "granite": t.GraniteConfig(
+            **c,
+            embedding_multiplier=12.0,
+            attention_multiplier=0.015625,
+            residual_multiplier=0.22,
+            logits_scaling=8.0,
+            attention_bias=True,
+            mlp_bias=True,
+            pad_token_id=0,
+        ),
+        # SmolLM3: layer 0 without rotary embedding (NoPE), layer 1 with it and a
+        # sliding window shorter than the test sequences.
+        "smollm3": t.SmolLM3Config(
+            **c,
+            no_rope_layers=[0, 1],
+            use_sliding_window=True,
+            sliding_window=5,
+            layer_types=["full_attention", "sliding_attention"],
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
         "qwen3": t.Qwen3Config(**c, tie_word_embeddings=True),
         "phi": t.PhiConfig(
             vocab_size=VOCAB,
@@ -319,6 +342,37 @@ def test_sliding_window_changes_the_result(saved: dict) -> None:
     _assert_close_f32(b, _reference(ref_model, [seq])[0], "mistral windowed")
     assert not torch.allclose(a[6:], b[6:], atol=1e-3)
     torch.testing.assert_close(a[:5], b[:5])  # identical while the window covers everything
+
+
+def test_each_granite_and_smollm3_option_matters(saved: dict) -> None:
+    """The options these configs exercise change the logits (so the equality
+    with transformers above tests them): each Granite multiplier set back to
+    1, SmolLM3's NoPE layer given its rotary embedding, its window removed."""
+    seq = _sequences(7, [15])[0]
+
+    def logits(name: str, **changes) -> torch.Tensor:
+        folder = saved[name][0]
+        config = ModelConfig.from_pretrained(folder)
+        for key, value in changes.items():
+            config.hf[key] = value
+        if "sliding_window" in changes:
+            config.sliding_window = changes["sliding_window"]
+        model = load_model(config, folder, torch.float32, "cpu")
+        return PagedRunner(model, torch.float32).step([(0, seq)])[0]
+
+    for name, variants in {
+        "granite": [
+            {"embedding_multiplier": 1.0},
+            {"attention_multiplier": 32**-1.0},
+            {"residual_multiplier": 1.0},
+            {"logits_scaling": 1.0},
+        ],
+        "smollm3": [{"no_rope_layers": [1, 1]}, {"sliding_window": None}],
+    }.items():
+        base = logits(name)
+        _assert_close_f32(base, _reference(saved[name][1], [seq])[0], name)
+        for change in variants:
+            assert not torch.allclose(base, logits(name, **change), atol=1e-3), (name, change)
 
 
 # ---- loader ----

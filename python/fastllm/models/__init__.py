@@ -21,6 +21,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("fastllm.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("fastllm.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("fastllm.models.llama", "Qwen3ForCausalLM"),
+    "GraniteForCausalLM": ("fastllm.models.llama", "GraniteForCausalLM"),
+    "SmolLM3ForCausalLM": ("fastllm.models.llama", "SmolLM3ForCausalLM"),
     "PhiForCausalLM": ("fastllm.models.phi", "PhiForCausalLM"),
     "GPT2LMHeadModel": ("fastllm.models.gpt2", "GPT2LMHeadModel"),
 }

@@ -1,12 +1,18 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2 and Qwen3 share one implementation.
+"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Granite and SmolLM3
+share one implementation.
 
 Differences are flags: Qwen2 has q/k/v biases, Qwen3 RMS-normalises q and k per
 head before the rotary embedding, Mistral (and Qwen when enabled) use a sliding
-window. q/k/v are fused into one projection and gate/up into another; the
-loader concatenates the checkpoint's separate tensors.
+window, Granite scales the embeddings, the attention scores, each residual
+branch and the logits by constants of its config, SmolLM3 leaves the rotary
+embedding out of some layers (``no_rope_layers``). q/k/v are fused into one
+projection and gate/up into another; the loader concatenates the checkpoint's
+separate tensors.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,7 +23,7 @@ from fastllm.layers.activation import ActAndMul
 from fastllm.layers.attention import PagedAttention
 from fastllm.layers.linear import Embedding, Linear, head_logits
 from fastllm.layers.norm import RMSNorm
-from fastllm.layers.ops import TORCH_OPS
+from fastllm.layers.ops import TORCH_OPS, split_qkv
 from fastllm.layers.rotary import RotaryEmbedding, qkv_with_rotary
 from fastllm.models import llama_stack
 from fastllm.models.weights import WeightSpec
@@ -34,6 +40,8 @@ class LlamaAttention(Module):
         o_bias: bool,
         qk_norm: bool,
         eps: float,
+        scale: float | None = None,
+        use_rope: bool = True,
     ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -46,16 +54,22 @@ class LlamaAttention(Module):
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.ops = TORCH_OPS  # the model's op table (``layers/ops.py``), bound at load
+        self.use_rope = use_rope
         self.attn = PagedAttention(
             self.num_heads,
             self.head_dim,
             self.num_kv_heads,
-            self.head_dim**-0.5,
+            self.head_dim**-0.5 if scale is None else scale,
             config.layer_sliding_window(layer),
         )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
+        if not self.use_rope:  # positions come from the causal mask alone (SmolLM3)
+            q, k, v = split_qkv(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            return self.o_proj(self.attn(q, k, v))
         q, k, v = qkv_with_rotary(
             self.ops,
             self.qkv_proj(x),
@@ -87,13 +101,23 @@ class LlamaMLP(Module):
 class LlamaDecoderLayer(Module):
     """Pre-norm attention and MLP blocks with residual connections."""
 
-    def __init__(self, config: ModelConfig, layer: int, flags: dict[str, bool]) -> None:
+    def __init__(self, config: ModelConfig, layer: int, flags: dict[str, Any]) -> None:
         super().__init__()
         hf = config.hf
         eps = float(hf.get("rms_norm_eps", 1e-6))
+        rope_layers = flags.get("rope_layers")
         self.self_attn = LlamaAttention(
-            config, layer, flags["qkv_bias"], flags["o_bias"], flags["qk_norm"], eps
+            config,
+            layer,
+            flags["qkv_bias"],
+            flags["o_bias"],
+            flags["qk_norm"],
+            eps,
+            scale=flags.get("attention_scale"),
+            use_rope=True if rope_layers is None else bool(rope_layers[layer]),
         )
+        #: Granite's factor on each residual branch (None: plain sums).
+        self.residual_multiplier: float | None = flags.get("residual_multiplier")
         self.mlp = LlamaMLP(
             config.hidden_size,
             config.intermediate_size,
@@ -105,14 +129,18 @@ class LlamaDecoderLayer(Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        m = self.residual_multiplier
+        if m is None:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin) * m
+        return x + self.mlp(self.post_attention_layernorm(x)) * m
 
 
 class LlamaModel(Module):
     """Embedding, decoder layers and the final norm."""
 
-    def __init__(self, config: ModelConfig, flags: dict[str, bool]) -> None:
+    def __init__(self, config: ModelConfig, flags: dict[str, Any]) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -128,7 +156,11 @@ class LlamaForCausalLM(Module):
         super().__init__()
         self.config = config
         self.tied = config.tie_word_embeddings
-        self.model = LlamaModel(config, self._flags(config))
+        flags = self._flags(config)
+        self.model = LlamaModel(config, flags)
+        #: Granite's factor on the token embeddings and divisor of the logits.
+        self.embedding_multiplier: float | None = flags.get("embedding_multiplier")
+        self.logits_scaling: float | None = flags.get("logits_scaling")
         self.lm_head = None if self.tied else Linear(config.hidden_size, config.vocab_size)
         rotary_dim = int(config.head_dim * config.partial_rotary_factor)
         self.rotary = RotaryEmbedding(
@@ -142,7 +174,7 @@ class LlamaForCausalLM(Module):
         self.decoder_stack = None
 
     @staticmethod
-    def _flags(config: ModelConfig) -> dict[str, bool]:
+    def _flags(config: ModelConfig) -> dict[str, Any]:
         bias = bool(config.hf.get("attention_bias", False))
         return {
             "qkv_bias": bias,
@@ -154,6 +186,8 @@ class LlamaForCausalLM(Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] of the step's packed tokens."""
         x = self.model.embed_tokens(input_ids)
+        if self.embedding_multiplier is not None:
+            x = x * self.embedding_multiplier
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         if self.decoder_stack is not None:
             llama_stack.run(self.decoder_stack, x, cos, sin)
@@ -174,7 +208,8 @@ class LlamaForCausalLM(Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [n, vocab] for the given rows of hidden states."""
-        return head_logits(self, hidden)
+        logits = head_logits(self, hidden)
+        return logits if self.logits_scaling is None else logits / self.logits_scaling
 
     def head_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Weight and bias of the language-model head (the embedding when tied)."""
@@ -211,7 +246,7 @@ class MistralForCausalLM(LlamaForCausalLM):
     """Mistral: Llama with a sliding attention window."""
 
     @staticmethod
-    def _flags(config: ModelConfig) -> dict[str, bool]:
+    def _flags(config: ModelConfig) -> dict[str, Any]:
         return {"qkv_bias": False, "o_bias": False, "qk_norm": False, "mlp_bias": False}
 
 
@@ -219,7 +254,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2 / Qwen2.5: biases on q, k and v (not on o)."""
 
     @staticmethod
-    def _flags(config: ModelConfig) -> dict[str, bool]:
+    def _flags(config: ModelConfig) -> dict[str, Any]:
         return {"qkv_bias": True, "o_bias": False, "qk_norm": False, "mlp_bias": False}
 
 
@@ -227,6 +262,60 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3: per-head RMSNorm on q and k before the rotary embedding."""
 
     @staticmethod
-    def _flags(config: ModelConfig) -> dict[str, bool]:
+    def _flags(config: ModelConfig) -> dict[str, Any]:
         bias = bool(config.hf.get("attention_bias", False))
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": True, "mlp_bias": False}
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    """Granite 3.x: Llama with its config's multipliers on the embeddings, the
+    attention scores (in place of 1/sqrt(head_dim)), each residual branch,
+    and a divisor of the logits."""
+
+    @staticmethod
+    def _flags(config: ModelConfig) -> dict[str, Any]:
+        hf = config.hf
+        bias = bool(hf.get("attention_bias", False))
+
+        def number(name: str, default: float) -> float:
+            value = hf.get(name, default)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"config.json: {name} must be a positive number, got {value!r}")
+            return float(value)
+
+        return {
+            "qkv_bias": bias,
+            "o_bias": bias,
+            "qk_norm": False,
+            "mlp_bias": bool(hf.get("mlp_bias", False)),
+            "embedding_multiplier": number("embedding_multiplier", 1.0),
+            "attention_scale": number("attention_multiplier", config.head_dim**-0.5),
+            "residual_multiplier": number("residual_multiplier", 1.0),
+            "logits_scaling": number("logits_scaling", 1.0),
+        }
+
+
+class SmolLM3ForCausalLM(LlamaForCausalLM):
+    """SmolLM3: Llama whose layers with ``no_rope_layers[i] == 0`` use no
+    rotary embedding (NoPE), and sliding windows where ``layer_types`` says."""
+
+    @staticmethod
+    def _flags(config: ModelConfig) -> dict[str, Any]:
+        hf = config.hf
+        layers = hf.get("no_rope_layers")
+        n = config.num_hidden_layers
+        if layers is None:
+            interval = hf.get("no_rope_layer_interval", 4)
+            layers = [int((i + 1) % interval != 0) for i in range(n)]
+        if not isinstance(layers, list) or len(layers) != n or any(v not in (0, 1) for v in layers):
+            raise ValueError(
+                f"config.json: no_rope_layers must be a list of {n} zeros and ones, got {layers!r}"
+            )
+        bias = bool(hf.get("attention_bias", False))
+        return {
+            "qkv_bias": bias,
+            "o_bias": bias,
+            "qk_norm": False,
+            "mlp_bias": bool(hf.get("mlp_bias", False)),
+            "rope_layers": tuple(bool(v) for v in layers),
+        }
