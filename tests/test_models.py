@@ -83,6 +83,8 @@ def _configs() -> dict[str, object]:
             mlp_bias=True,
             pad_token_id=0,
         ),
+        # OLMo 2: post-norm blocks, q/k norms over whole projections, attention biases.
+        "olmo2": t.Olmo2Config(**c, attention_bias=True, pad_token_id=0),
         # SmolLM3: layer 0 without rotary embedding (NoPE), layer 1 with it and a
         # sliding window shorter than the test sequences.
         "smollm3": t.SmolLM3Config(

@@ -23,6 +23,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("fastllm.models.llama", "Qwen3ForCausalLM"),
     "GraniteForCausalLM": ("fastllm.models.llama", "GraniteForCausalLM"),
     "SmolLM3ForCausalLM": ("fastllm.models.llama", "SmolLM3ForCausalLM"),
+    "Olmo2ForCausalLM": ("fastllm.models.llama", "Olmo2ForCausalLM"),
     "PhiForCausalLM": ("fastllm.models.phi", "PhiForCausalLM"),
     "GPT2LMHeadModel": ("fastllm.models.gpt2", "GPT2LMHeadModel"),
 }

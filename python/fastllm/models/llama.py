@@ -1,11 +1,13 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Granite and SmolLM3
-share one implementation.
+"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Granite, SmolLM3 and
+OLMo 2 share one implementation.
 
 Differences are flags: Qwen2 has q/k/v biases, Qwen3 RMS-normalises q and k per
 head before the rotary embedding, Mistral (and Qwen when enabled) use a sliding
 window, Granite scales the embeddings, the attention scores, each residual
 branch and the logits by constants of its config, SmolLM3 leaves the rotary
-embedding out of some layers (``no_rope_layers``). q/k/v are fused into one
+embedding out of some layers (``no_rope_layers``), OLMo 2 normalises after
+attention and MLP instead of before, and RMS-normalises the whole q and k
+projections (``Olmo2DecoderLayer``). q/k/v are fused into one
 projection and gate/up into another; the loader concatenates the checkpoint's
 separate tensors.
 """
@@ -137,14 +139,56 @@ class LlamaDecoderLayer(Module):
         return x + self.mlp(self.post_attention_layernorm(x)) * m
 
 
+class Olmo2Attention(LlamaAttention):
+    """OLMo 2's attention: RMSNorm over the whole q and k projections (not per
+    head) before the rotary embedding."""
+
+    def __init__(self, config: ModelConfig, layer: int, bias: bool, eps: float) -> None:
+        super().__init__(config, layer, bias, bias, False, eps)
+        self.q_norm = RMSNorm(self.q_size, eps)
+        self.k_norm = RMSNorm(self.kv_size, eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        n = x.shape[0]
+        q = self.q_norm(q.contiguous()).view(n, self.num_heads, self.head_dim)
+        k = self.k_norm(k.contiguous()).view(n, self.num_kv_heads, self.head_dim)
+        q, k = self.ops.rotary(q, cos, sin), self.ops.rotary(k, cos, sin)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class Olmo2DecoderLayer(Module):
+    """OLMo 2's block: attention and MLP each normalised after, then added."""
+
+    def __init__(self, config: ModelConfig, layer: int, flags: dict[str, Any]) -> None:
+        super().__init__()
+        hf = config.hf
+        eps = float(hf.get("rms_norm_eps", 1e-6))
+        self.self_attn = Olmo2Attention(config, layer, flags["qkv_bias"], eps)
+        self.mlp = LlamaMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            hf.get("hidden_act", "silu"),
+            flags["mlp_bias"],
+        )
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin))
+        return x + self.post_feedforward_layernorm(self.mlp(x))
+
+
 class LlamaModel(Module):
     """Embedding, decoder layers and the final norm."""
 
-    def __init__(self, config: ModelConfig, flags: dict[str, Any]) -> None:
+    def __init__(self, config: ModelConfig, flags: dict[str, Any], layer_class: type) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, flags) for i in range(config.num_hidden_layers)
+            layer_class(config, i, flags) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, float(config.hf.get("rms_norm_eps", 1e-6)))
 
@@ -157,7 +201,7 @@ class LlamaForCausalLM(Module):
         self.config = config
         self.tied = config.tie_word_embeddings
         flags = self._flags(config)
-        self.model = LlamaModel(config, flags)
+        self.model = LlamaModel(config, flags, self.LAYER_CLASS)
         #: Granite's factor on the token embeddings and divisor of the logits.
         self.embedding_multiplier: float | None = flags.get("embedding_multiplier")
         self.logits_scaling: float | None = flags.get("logits_scaling")
@@ -196,6 +240,8 @@ class LlamaForCausalLM(Module):
                 x = layer(x, cos, sin)
         return self.model.norm(x)
 
+    #: The decoder layer of this family.
+    LAYER_CLASS: type = LlamaDecoderLayer
     #: The layer classes whose maths ``rust/models/llama.rs`` implements.
     FUSED_LAYER_TYPES = (LlamaDecoderLayer, LlamaAttention, LlamaMLP)
 
@@ -319,3 +365,14 @@ class SmolLM3ForCausalLM(LlamaForCausalLM):
             "mlp_bias": bool(hf.get("mlp_bias", False)),
             "rope_layers": tuple(bool(v) for v in layers),
         }
+
+
+class Olmo2ForCausalLM(LlamaForCausalLM):
+    """OLMo 2: post-norm blocks with RMSNorm over the whole q and k projections."""
+
+    LAYER_CLASS = Olmo2DecoderLayer
+
+    @staticmethod
+    def _flags(config: ModelConfig) -> dict[str, Any]:
+        bias = bool(config.hf.get("attention_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False, "mlp_bias": False}
