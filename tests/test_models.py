@@ -98,6 +98,31 @@ def _configs() -> dict[str, object]:
             eos_token_id=2,
         ),
         "qwen3": t.Qwen3Config(**c, tie_word_embeddings=True),
+        # YaRN as Qwen3's long-context configs set it (defaults for the rest) ...
+        "qwen3-yarn": t.Qwen3Config(
+            **c,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        # ... and with every field set (DeepSeek-style mscale pair, ramp bounds, no truncation).
+        "llama-yarn": t.LlamaConfig(
+            **c,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "original_max_position_embeddings": 32,
+                "mscale": 0.707,
+                "mscale_all_dim": 1.0,
+                "beta_fast": 16.0,
+                "beta_slow": 2.0,
+                "truncate": False,
+            },
+        ),
         "phi": t.PhiConfig(
             vocab_size=VOCAB,
             hidden_size=128,
@@ -377,6 +402,23 @@ def test_each_granite_and_smollm3_option_matters(saved: dict) -> None:
             assert not torch.allclose(base, logits(name, **change), atol=1e-3), (name, change)
 
 
+@pytest.mark.parametrize("name", ["qwen3-yarn", "llama-yarn"])
+def test_yarn_changes_the_result(name: str, saved: dict) -> None:
+    """YaRN's frequencies and attention factor change these models' logits
+    (so the equality with transformers above tests them)."""
+    folder, ref_model = saved[name]
+    seq = _sequences(9, [15])[0]
+    config = ModelConfig.from_pretrained(folder)
+    assert config.rope_scaling["rope_type"] == "yarn"
+    yarn = PagedRunner(_load(folder), torch.float32).step([(0, seq)])[0]
+    _assert_close_f32(yarn, _reference(ref_model, [seq])[0], name)
+    config.rope_scaling = None
+    plain = load_model(config, folder, torch.float32, "cpu")
+    assert not torch.allclose(
+        yarn, PagedRunner(plain, torch.float32).step([(0, seq)])[0], atol=1e-3
+    )
+
+
 # ---- loader ----
 
 
@@ -498,10 +540,10 @@ def test_unsupported_architecture(tmp_path, saved: dict) -> None:
 
 def test_unsupported_rope_type(saved: dict) -> None:
     hf = json.load(open(os.path.join(saved["llama"][0], "config.json")))
-    hf["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    hf["rope_parameters"] = {"rope_type": "longrope", "factor": 4.0, "rope_theta": 10000.0}
     config = ModelConfig.from_dict(hf)
     with pytest.raises(
-        ValueError, match="unsupported rope scaling type 'yarn'; supported: default"
+        ValueError, match="unsupported rope scaling type 'longrope'; supported: default"
     ):
         load_model(config, "unused", torch.float32, "cpu", load_format="dummy")
 

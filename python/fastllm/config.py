@@ -170,6 +170,12 @@ class ModelConfig:
         bos_ids = _token_ids(bos, "bos_token_id", path)
 
         rope_theta, rope_scaling, partial = _rope_parameters(hf, path)
+        if rope_scaling is not None and rope_scaling["rope_type"] == "yarn":
+            # transformers' default: the context the model was trained with
+            if rope_scaling.get("original_max_position_embeddings") is None:
+                rope_scaling["original_max_position_embeddings"] = max_pos
+            if rope_scaling.get("factor") is None:  # a config that gives both lengths instead
+                rope_scaling["factor"] = max_pos / rope_scaling["original_max_position_embeddings"]
         return cls(
             architecture=archs[0],
             model_type=model_type,

@@ -1,8 +1,9 @@
 """Rotary position embedding (neox style: the two halves of the rotated dims pair up).
 
-Supports the rope types Hugging Face calls "default", "linear" and "llama3" (and
-"freq_factors": one divisor per frequency, as GGUF files store Llama 3's), and
-partial rotary (only the first ``rotary_dim`` dims of each head rotate, as in Phi).
+Supports the rope types Hugging Face calls "default", "linear", "llama3" and
+"yarn" (and "freq_factors": one divisor per frequency, as GGUF files store
+Llama 3's), and partial rotary (only the first ``rotary_dim`` dims of each head
+rotate, as in Phi).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from fastllm.layers.ops import TORCH_OPS, LayerOps, rotary_torch, split_qkv
 # The neox rotary as a torch expression (the reference of the Rust and CUDA kernels).
 apply_rotary = rotary_torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -33,6 +34,8 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any] | None)
         return inv_freq / float(_scaling_field(scaling, "factor"))
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(rotary_dim, theta, scaling)
     if rope_type == "freq_factors":
         # One divisor per frequency, as GGUF files store Llama 3's scaling.
         factors = torch.tensor(
@@ -70,6 +73,56 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_factor(scaling: dict[str, Any]) -> float:
+    factor = float(_scaling_field(scaling, "factor"))
+    if factor <= 0:
+        raise ValueError(f"rope scaling 'yarn': factor must be positive, got {factor}")
+    return factor
+
+
+def _yarn_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (Qwen2.5 / Qwen3 long context): frequencies that turn fewer than
+    ``beta_slow`` times over the original context are divided by ``factor``,
+    those that turn more than ``beta_fast`` times are kept, with a linear ramp
+    between (by dimension index)."""
+    factor = _yarn_factor(scaling)
+    old_len = float(_scaling_field(scaling, "original_max_position_embeddings"))
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (rotary_dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = (torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)
+    keep = 1 - ramp.clamp(0, 1)  # 1: the original frequency, 0: divided by factor
+    exponents = torch.arange(0, rotary_dim, 2, device="cpu").float() / rotary_dim
+    pos_freqs = theta**exponents
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """The factor on cos and sin (YaRN's attention temperature; 1 otherwise)."""
+    if scaling is None or scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(scaling)
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if m and m_all:
+        return float(mscale(float(m)) / mscale(float(m_all)))
+    return mscale(1.0)
+
+
 class RotaryEmbedding(Module):
     """Rotates q/k heads by their tokens' positions.
 
@@ -97,6 +150,7 @@ class RotaryEmbedding(Module):
         # Positions the cos/sin table covers (``limit_positions``).
         self.table_positions = max_position
         self.inv_freq = rope_inv_freq(rotary_dim, theta, scaling)  # plain attribute: stays on CPU
+        self.attention_factor = rope_attention_factor(scaling)
         self._table: torch.Tensor | None = None  # [table_positions, rotary_dim]: cos | sin
         self.ops = TORCH_OPS  # the model's op table (``layers/ops.py``), bound at load
 
@@ -115,7 +169,10 @@ class RotaryEmbedding(Module):
         if table is None or table.device != device:
             t = torch.arange(self.table_positions, dtype=torch.float32, device="cpu")
             freqs = torch.outer(t, self.inv_freq)
-            table = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+            cos, sin = freqs.cos(), freqs.sin()
+            if self.attention_factor != 1.0:
+                cos, sin = cos * self.attention_factor, sin * self.attention_factor
+            table = torch.cat((cos, sin), dim=-1).to(device)
             self._table = table
         return table
 
