@@ -83,6 +83,16 @@ def _configs() -> dict[str, object]:
             mlp_bias=True,
             pad_token_id=0,
         ),
+        # Phi-3: fused q/k/v and gate/up as stored, partial rotary (Phi-4-mini's 0.75),
+        # a sliding window on every layer.
+        "phi3": t.Phi3Config(
+            **{k: v for k, v in c.items() if k != "head_dim"},
+            partial_rotary_factor=0.75,
+            sliding_window=5,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
         # OLMo 2: post-norm blocks, q/k norms over whole projections, attention biases.
         "olmo2": t.Olmo2Config(**c, attention_bias=True, pad_token_id=0),
         # SmolLM3: layer 0 without rotary embedding (NoPE), layer 1 with it and a
@@ -371,10 +381,11 @@ def test_sliding_window_changes_the_result(saved: dict) -> None:
     torch.testing.assert_close(a[:5], b[:5])  # identical while the window covers everything
 
 
-def test_each_granite_and_smollm3_option_matters(saved: dict) -> None:
+def test_each_granite_smollm3_and_phi3_option_matters(saved: dict) -> None:
     """The options these configs exercise change the logits (so the equality
     with transformers above tests them): each Granite multiplier set back to
-    1, SmolLM3's NoPE layer given its rotary embedding, its window removed."""
+    1, SmolLM3's NoPE layer given its rotary embedding, the SmolLM3 and Phi-3
+    windows removed."""
     seq = _sequences(7, [15])[0]
 
     def logits(name: str, **changes) -> torch.Tensor:
@@ -395,6 +406,7 @@ def test_each_granite_and_smollm3_option_matters(saved: dict) -> None:
             {"logits_scaling": 1.0},
         ],
         "smollm3": [{"no_rope_layers": [1, 1]}, {"sliding_window": None}],
+        "phi3": [{"sliding_window": None}],
     }.items():
         base = logits(name)
         _assert_close_f32(base, _reference(saved[name][1], [seq])[0], name)

@@ -24,6 +24,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "GraniteForCausalLM": ("fastllm.models.llama", "GraniteForCausalLM"),
     "SmolLM3ForCausalLM": ("fastllm.models.llama", "SmolLM3ForCausalLM"),
     "Olmo2ForCausalLM": ("fastllm.models.llama", "Olmo2ForCausalLM"),
+    "Phi3ForCausalLM": ("fastllm.models.llama", "Phi3ForCausalLM"),
     "PhiForCausalLM": ("fastllm.models.phi", "PhiForCausalLM"),
     "GPT2LMHeadModel": ("fastllm.models.gpt2", "GPT2LMHeadModel"),
 }

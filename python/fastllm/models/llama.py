@@ -1,5 +1,5 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Granite, SmolLM3 and
-OLMo 2 share one implementation.
+"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Granite, SmolLM3, OLMo 2
+and Phi-3 share one implementation.
 
 Differences are flags: Qwen2 has q/k/v biases, Qwen3 RMS-normalises q and k per
 head before the rotary embedding, Mistral (and Qwen when enabled) use a sliding
@@ -376,3 +376,18 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     def _flags(config: ModelConfig) -> dict[str, Any]:
         bias = bool(config.hf.get("attention_bias", False))
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False, "mlp_bias": False}
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 / Phi-3.5 (and Phi-4-mini's layout): Llama with q/k/v and gate/up
+    stored fused (``qkv_proj``, ``gate_up_proj``, read as they are), partial
+    rotary and a sliding window on every layer when the config has one.
+    LongRoPE (``rope_type: longrope``) is not implemented yet: a clear error."""
+
+    @staticmethod
+    def _flags(config: ModelConfig) -> dict[str, Any]:
+        return {"qkv_bias": False, "o_bias": False, "qk_norm": False, "mlp_bias": False}
+
+    def weight_specs(self) -> dict[str, WeightSpec]:
+        """None: the checkpoint's fused tensors have this model's names."""
+        return {}
