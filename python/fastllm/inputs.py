@@ -132,17 +132,13 @@ def check_chat_template(tokenizer: Any, template: str | None, folder: str) -> No
     """A ValueError at startup, not at the first message, when there is no chat
     template (``template`` from ``--chat-template``, else the model's) or it
     cannot render a conversation."""
-    from jinja2.exceptions import TemplateError
-
     if template is None and tokenizer.chat_template is None:
         raise ValueError(
             f"{folder} has no chat template (no chat_template in tokenizer_config.json, no "
             "chat_template.jinja); pass --chat-template FILE|STRING"
         )
     try:
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": "hi"}], chat_template=template, add_generation_prompt=True
-        )
-    except (ValueError, TemplateError) as e:
+        render_chat(tokenizer, [{"role": "user", "content": "hi"}], template)
+    except ValueError as e:
         whose = "--chat-template" if template is not None else f"the chat template of {folder}"
         raise ValueError(f"{whose} cannot render a conversation: {e}") from None
