@@ -185,8 +185,12 @@ class LLM:
         finally:
             engine = self.llm_engine
             try:
-                for rid in ids:
-                    engine.abort_request(rid)
+                # After a call that ran to its end nothing is left to abort.
+                if engine.requests or engine.has_unfinished_requests():
+                    for rid in ids:
+                        engine.abort_request(rid)
+                else:
+                    engine.reclaim_blocks()
             except Exception:  # noqa: BLE001 - whatever ended the call propagates
                 # An interrupt can leave block accounting half-done; the
                 # engine belongs to this call alone, so it is reset whole.

@@ -35,7 +35,7 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any] | None)
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
     if rope_type == "yarn":
-        return _yarn_inv_freq(rotary_dim, theta, scaling)
+        return _yarn_inv_freq(inv_freq, rotary_dim, theta, scaling)
     if rope_type == "freq_factors":
         # One divisor per frequency, as GGUF files store Llama 3's scaling.
         factors = torch.tensor(
@@ -80,7 +80,9 @@ def _yarn_factor(scaling: dict[str, Any]) -> float:
     return factor
 
 
-def _yarn_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+def _yarn_inv_freq(
+    inv_freq: torch.Tensor, rotary_dim: int, theta: float, scaling: dict[str, Any]
+) -> torch.Tensor:
     """YaRN (Qwen2.5 / Qwen3 long context): frequencies that turn fewer than
     ``beta_slow`` times over the original context are divided by ``factor``,
     those that turn more than ``beta_fast`` times are kept, with a linear ramp
@@ -101,9 +103,7 @@ def _yarn_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any]) -> to
         high += 0.001  # no zero-width ramp
     ramp = (torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)
     keep = 1 - ramp.clamp(0, 1)  # 1: the original frequency, 0: divided by factor
-    exponents = torch.arange(0, rotary_dim, 2, device="cpu").float() / rotary_dim
-    pos_freqs = theta**exponents
-    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
 
 
 def rope_attention_factor(scaling: dict[str, Any] | None) -> float:

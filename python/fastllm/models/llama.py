@@ -95,6 +95,12 @@ class LlamaMLP(Module):
         self.act = ActAndMul(act)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
+    @classmethod
+    def of(cls, config: ModelConfig, bias: bool) -> LlamaMLP:
+        """The MLP a decoder layer of ``config`` has."""
+        act = config.hf.get("hidden_act", "silu")
+        return cls(config.hidden_size, config.intermediate_size, act, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -120,12 +126,7 @@ class LlamaDecoderLayer(Module):
         )
         #: Granite's factor on each residual branch (None: plain sums).
         self.residual_multiplier: float | None = flags.get("residual_multiplier")
-        self.mlp = LlamaMLP(
-            config.hidden_size,
-            config.intermediate_size,
-            hf.get("hidden_act", "silu"),
-            flags["mlp_bias"],
-        )
+        self.mlp = LlamaMLP.of(config, flags["mlp_bias"])
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
 
@@ -163,15 +164,9 @@ class Olmo2DecoderLayer(Module):
 
     def __init__(self, config: ModelConfig, layer: int, flags: dict[str, Any]) -> None:
         super().__init__()
-        hf = config.hf
-        eps = float(hf.get("rms_norm_eps", 1e-6))
+        eps = float(config.hf.get("rms_norm_eps", 1e-6))
         self.self_attn = Olmo2Attention(config, layer, flags["qkv_bias"], eps)
-        self.mlp = LlamaMLP(
-            config.hidden_size,
-            config.intermediate_size,
-            hf.get("hidden_act", "silu"),
-            flags["mlp_bias"],
-        )
+        self.mlp = LlamaMLP.of(config, flags["mlp_bias"])
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
 
