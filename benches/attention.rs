@@ -94,6 +94,7 @@ fn run<T: Element>(s: &Setup<T>, out: &mut [T]) {
         batch,
         scale,
         0,
+        0.0,
     ) {
         panic!("paged_attention failed: {e}");
     }

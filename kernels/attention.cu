@@ -3,7 +3,8 @@
 // num_kv_heads, block_size, head_size]; sequence s owns query rows
 // query_start_loc[s]..query_start_loc[s+1], the last q_len of its seq_len
 // tokens; query j of s sits at position p = seq_len - q_len + j and attends to
-// keys [0, p], or (p - window, p] when window > 0. Grouped-query heads share
+// keys [0, p], or (p - window, p] when window > 0; softcap > 0 replaces each
+// scaled score s by softcap * tanh(s / softcap). Grouped-query heads share
 // the KV head head / (num_heads / num_kv_heads).
 //
 // One block per (token, head): keys are processed in tiles of ATT_TILE with an
@@ -25,7 +26,8 @@ __device__ void paged_attention_impl(T* __restrict__ out, const T* __restrict__ 
                                      const int* __restrict__ seq_lens,
                                      const int* __restrict__ query_start_loc, int num_seqs,
                                      int num_heads, int num_kv_heads, int head_size,
-                                     int block_size, int max_blocks, float scale, int window) {
+                                     int block_size, int max_blocks, float scale, int window,
+                                     float softcap) {
     __shared__ float q_s[ATT_MAX_HEAD];
     __shared__ float p_s[ATT_TILE];
     __shared__ i64 row_s[ATT_TILE];
@@ -81,7 +83,8 @@ __device__ void paged_attention_impl(T* __restrict__ out, const T* __restrict__ 
             const T* k_row = key_cache + row;
             float dot = 0.0f;
             for (int d = 0; d < head_size; ++d) dot += q_s[d] * to_float(k_row[d]);
-            const float s = dot * scale;
+            float s = dot * scale;
+            if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
             p_s[i] = s;
             local_max = fmaxf(local_max, s);
         }
@@ -121,10 +124,10 @@ __device__ void paged_attention_impl(T* __restrict__ out, const T* __restrict__ 
         T* out, const T* query, const T* key_cache, const T* value_cache,                       \
         const int* block_tables, const int* seq_lens, const int* query_start_loc, int num_seqs, \
         int num_heads, int num_kv_heads, int head_size, int block_size, int max_blocks,         \
-        float scale, int window) {                                                              \
+        float scale, int window, float softcap) {                                               \
         paged_attention_impl<T>(out, query, key_cache, value_cache, block_tables, seq_lens,     \
                                 query_start_loc, num_seqs, num_heads, num_kv_heads, head_size,  \
-                                block_size, max_blocks, scale, window);                         \
+                                block_size, max_blocks, scale, window, softcap);                \
     }
 
 DEFINE_ATTENTION(float, f32)

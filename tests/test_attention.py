@@ -58,8 +58,11 @@ def make_batch(
     return query, key_cache, value_cache, block_tables, seq_lens, qsl
 
 
-def reference_attention(query, key_cache, value_cache, block_tables, seq_lens, qsl, scale, window):
-    """Float32 attention over K/V gathered into contiguous tensors, via torch SDPA."""
+def reference_attention(
+    query, key_cache, value_cache, block_tables, seq_lens, qsl, scale, window, softcap=0.0
+):
+    """Float32 attention over K/V gathered into contiguous tensors, via torch
+    SDPA (written out with the soft-cap ``c * tanh(s / c)`` when there is one)."""
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     out = torch.empty(query.shape, dtype=torch.float32)
@@ -87,7 +90,11 @@ def reference_attention(query, key_cache, value_cache, block_tables, seq_lens, q
         mask = keys <= pos
         if window > 0:
             mask &= keys > pos - window
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        if softcap > 0:
+            scores = softcap * torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap)
+            o = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         out[q0:q1] = o.transpose(0, 1)
     return out
 
@@ -113,14 +120,17 @@ def attention_cases(draw):
         block_size=draw(st.sampled_from([8, 16, 32])),
         dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
         window=draw(st.sampled_from([0, 0, -1]) | st.integers(1, 64)),
+        softcap=draw(st.sampled_from([0.0, 0.0, 0.5, 4.0, 50.0])),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
 
-def run_attention(query, key_cache, value_cache, block_tables, seq_lens, qsl, scale, window):
+def run_attention(
+    query, key_cache, value_cache, block_tables, seq_lens, qsl, scale, window, softcap=0.0
+):
     out = torch.full_like(query, float("nan"))
     _core.paged_attention(
-        out, query, key_cache, value_cache, block_tables, seq_lens, qsl, scale, window
+        out, query, key_cache, value_cache, block_tables, seq_lens, qsl, scale, window, softcap
     )
     return out
 
@@ -129,11 +139,11 @@ def run_attention(query, key_cache, value_cache, block_tables, seq_lens, qsl, sc
 @given(attention_cases())
 def test_paged_attention_matches_sdpa(case):
     gen = torch.Generator().manual_seed(case.pop("seed"))
-    window = case.pop("window")
+    window, softcap = case.pop("window"), case.pop("softcap")
     batch = make_batch(gen, **case)
     scale = 1.0 / math.sqrt(case["head_size"])
-    got = run_attention(*batch, scale, window)
-    want = reference_attention(*batch, scale, window)
+    got = run_attention(*batch, scale, window, softcap)
+    want = reference_attention(*batch, scale, window, softcap)
     assert got.dtype == case["dtype"]
     torch.testing.assert_close(got.float(), want, **TOL[case["dtype"]])
 
@@ -283,3 +293,6 @@ def test_paged_attention_errors():
     check(3, torch.zeros(4, 2, 16, 64), "value_cache: shape")
     with pytest.raises(ValueError, match="scale"):
         _core.paged_attention(*args, float("nan"))
+    for cap in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="softcap: must be a finite number >= 0"):
+            _core.paged_attention(*args, 0.125, 0, cap)

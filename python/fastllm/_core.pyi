@@ -103,6 +103,7 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Attention of packed new tokens over the paged KV cache, written into ``out``.
 
@@ -111,7 +112,8 @@ def paged_attention(
     ``[num_seqs]`` (context length including the new tokens); ``query_start_loc``:
     int32 ``[num_seqs + 1]``. Sequence ``i``'s new tokens are the last of its
     ``seq_lens[i]`` tokens and attend causally; ``sliding_window > 0`` limits a
-    query at position ``p`` to keys in ``(p - sliding_window, p]``.
+    query at position ``p`` to keys in ``(p - sliding_window, p]``; ``softcap > 0``
+    replaces each scaled score ``s`` by ``softcap * tanh(s / softcap)``.
     """
 
 # ---- sampling ----
@@ -299,6 +301,7 @@ def cuda_paged_attention(
     query_start_loc: Tensor,
     scale: float,
     sliding_window: int,
+    softcap: float,
     stream: int,
 ) -> None:
     """Paged attention with the contract of ``paged_attention`` (f32/f16/bf16, head_size <= 512), into ``out``."""

@@ -25,6 +25,68 @@ _GPT2_NAMES = {
 }
 
 
+# Multimodal checkpoints whose text part fastllm runs: the ``text_config``
+# becomes the model's config (fields it leaves out take the text model's
+# defaults below), and the weights are found under the text model's prefix.
+TEXT_PART_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
+# Defaults of fields a config may leave out, by ``model_type``: the values
+# the family's reference configuration class uses (Gemma 3's multimodal
+# checkpoints list only the text fields that differ from these).
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": {
+        "vocab_size": 262_208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131_072,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "tie_word_embeddings": True,
+    },
+    "gemma2": {
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0,
+        "tie_word_embeddings": True,
+    },
+}
+_FAMILY_DEFAULTS["gemma3"] = _FAMILY_DEFAULTS["gemma3_text"]
+
+
+def _text_part(hf: dict[str, Any], path: str) -> dict[str, Any]:
+    """The config of the model fastllm runs: ``hf`` itself, or the text part
+    of a multimodal checkpoint (``TEXT_PART_ARCHITECTURES``), with the
+    family's defaults filled in for the fields it leaves out."""
+    archs = hf.get("architectures")
+    if isinstance(archs, list) and archs and archs[0] in TEXT_PART_ARCHITECTURES:
+        text = hf.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError(f"{path}: {archs[0]} needs a 'text_config' object")
+        merged = dict(text)
+        merged.setdefault("model_type", "gemma3_text")
+        for key in ("eos_token_id", "bos_token_id", "pad_token_id", "dtype", "torch_dtype"):
+            if merged.get(key) is None and hf.get(key) is not None:
+                merged[key] = hf[key]
+        merged["architectures"] = [archs[0]]
+        merged["text_part_of"] = archs[0]
+        hf = merged
+    defaults = _FAMILY_DEFAULTS.get(str(hf.get("model_type")))
+    if defaults:
+        hf = {**{k: v for k, v in defaults.items() if k not in hf}, **hf}
+    return hf
+
+
 def _read_json(path: str, what: str) -> dict[str, Any]:
     """Reads one JSON object from ``path``; errors name the file."""
     try:
@@ -96,6 +158,7 @@ class ModelConfig:
         generation_path: str = "generation_config.json",
     ) -> ModelConfig:
         """Builds the configuration from an already parsed ``config.json`` dict."""
+        hf = _text_part(hf, path)
         archs = hf.get("architectures")
         if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
             raise ValueError(f"{path}: field 'architectures' is missing or not a list of names")
@@ -198,18 +261,68 @@ class ModelConfig:
             hf=hf,
         )
 
+    def layer_attention_types(self) -> list[str] | None:
+        """Each decoder layer's attention, ``"sliding_attention"`` or
+        ``"full_attention"``, where the config says (``layer_types``, or the
+        Gemma families' patterns: Gemma 2 alternates from a sliding first
+        layer, Gemma 3 has ``sliding_window_pattern - 1`` sliding layers
+        before each full one); None where it does not."""
+        n = self.num_hidden_layers
+        types = self.hf.get("layer_types")
+        if types is not None:
+            ok = ("sliding_attention", "full_attention")
+            if not isinstance(types, list) or len(types) != n or any(t not in ok for t in types):
+                raise ValueError(
+                    f"config.json: layer_types must list {n} of 'sliding_attention' and "
+                    f"'full_attention', got {types!r}"
+                )
+            return list(types)
+        if self.model_type == "gemma2":
+            pattern = 2
+        elif self.model_type in ("gemma3", "gemma3_text"):
+            pattern = self.hf.get("sliding_window_pattern", 6)
+            if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern <= 0:
+                raise ValueError(
+                    f"config.json: sliding_window_pattern must be a positive integer, got {pattern!r}"
+                )
+        else:
+            return None
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+
     def layer_sliding_window(self, layer: int) -> int | None:
         """The sliding window of decoder layer ``layer`` (None: full attention)."""
         if self.sliding_window is None:
             return None
-        layer_types = self.hf.get("layer_types")
-        if isinstance(layer_types, list) and layer < len(layer_types):
+        layer_types = self.layer_attention_types()
+        if layer_types is not None:
             return self.sliding_window if layer_types[layer] == "sliding_attention" else None
         if self.model_type in ("qwen2", "qwen3"):
             # Qwen applies the window only from layer max_window_layers on.
             first = self.hf.get("max_window_layers", 0) or 0
             return self.sliding_window if layer >= first else None
         return self.sliding_window
+
+
+def rope_of_layer_type(config: ModelConfig, layer_type: str) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) of the layers of ``layer_type`` in a model
+    whose layer types rotate differently (Gemma 3): ``rope_parameters`` with
+    one entry per layer type, or the older fields (the full-attention layers
+    take ``rope_theta`` and ``rope_scaling``, the sliding ones
+    ``rope_local_base_freq`` and no scaling)."""
+    hf = config.hf
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
+        nested = {"rope_parameters": params[layer_type]}
+        theta, scaling, _ = _rope_parameters(nested, "config.json")
+        return theta, scaling
+    if layer_type == "sliding_attention":
+        theta = hf.get("rope_local_base_freq", 10_000.0)
+        if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+            raise ValueError(
+                f"config.json: 'rope_local_base_freq' must be a positive number, got {theta!r}"
+            )
+        return float(theta), None
+    return config.rope_theta, config.rope_scaling
 
 
 def _rope_parameters(hf: dict[str, Any], path: str) -> tuple[float, dict[str, Any] | None, float]:
@@ -221,6 +334,10 @@ def _rope_parameters(hf: dict[str, Any], path: str) -> tuple[float, dict[str, An
     params = hf.get("rope_parameters")
     if params is not None and not isinstance(params, dict):
         raise ValueError(f"{path}: field 'rope_parameters' must be an object, got {params!r}")
+    if params is not None and isinstance(params.get("full_attention"), dict):
+        # One set per layer type (Gemma 3): the full-attention layers' here;
+        # ``ModelConfig.rope_of`` reads the others.
+        params = params["full_attention"]
     params = dict(params or {})
     legacy = hf.get("rope_scaling")
     if legacy is not None:

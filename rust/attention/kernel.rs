@@ -181,6 +181,19 @@ fn exp_shift_sum<S: Simd>(s: &mut [f32], max: f32) -> f32 {
     total
 }
 
+/// `cap * tanh(s / cap)` for each score, as `sign * (1 - e) / (1 + e)` with
+/// `e = exp(-2 |s| / cap)` (branch-free, so the loop vectorises); exact to
+/// a few ulp of the cap.
+#[inline(always)]
+fn soft_cap<S: Simd>(s: &mut [f32], cap: f32) {
+    let inv = -2.0 / cap;
+    for x in s.iter_mut() {
+        let e = exp_nonpos::<S>(x.abs() * inv);
+        let t = cap * (1.0 - e) / (1.0 + e);
+        *x = if *x < 0.0 { -t } else { t };
+    }
+}
+
 /// Largest element (scores are never NaN: inputs are finite); written over
 /// 16 lanes with plain comparisons so it vectorises.
 #[inline(always)]
@@ -354,6 +367,9 @@ fn attend_body<T: Element, S: Simd>(
                     let t = ka + j;
                     s[j] = dot1::<S>(qrow, &keys[t * d..(t + 1) * d]);
                     j += 1;
+                }
+                if p.softcap > 0.0 {
+                    soft_cap::<S>(s, p.softcap);
                 }
                 let tile_max = max_of(s);
                 let old_max = state.max[row];

@@ -156,7 +156,9 @@ fn available_paths() -> Vec<Path> {
 ///
 /// `query` and `out` are `[num_tokens, num_heads, head_size]`; `scale`
 /// multiplies the scores; `sliding_window > 0` restricts a query at position
-/// `p` to keys in `(p - sliding_window, p]`.
+/// `p` to keys in `(p - sliding_window, p]`; `softcap > 0` replaces each
+/// scaled score `s` by `softcap * tanh(s / softcap)` (Gemma 2's attention
+/// logit soft-capping), 0 leaves the scores as they are.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention<T: Element>(
     out: &mut [T],
@@ -168,6 +170,7 @@ pub fn paged_attention<T: Element>(
     batch: BatchLayout<'_>,
     scale: f32,
     sliding_window: i64,
+    softcap: f32,
 ) -> CoreResult<()> {
     paged_attention_with(
         out,
@@ -179,6 +182,7 @@ pub fn paged_attention<T: Element>(
         batch,
         scale,
         sliding_window,
+        softcap,
         Plan::production(),
         crate::cpu::best_path(),
     )
@@ -218,6 +222,8 @@ struct Problem<'a, T> {
     group: usize,
     scale: f32,
     window: usize,
+    /// Soft-cap of the scaled scores (0: none).
+    softcap: f32,
     path: Path,
 }
 
@@ -247,9 +253,15 @@ pub(crate) fn paged_attention_with<T: Element>(
     batch: BatchLayout<'_>,
     scale: f32,
     sliding_window: i64,
+    softcap: f32,
     plan: Plan,
     path: Path,
 ) -> CoreResult<()> {
+    if !(softcap.is_finite() && softcap >= 0.0) {
+        return Err(CoreError::invalid(format!(
+            "softcap: must be a finite number >= 0 (0: none), got {softcap}"
+        )));
+    }
     let seqs = validate(out, query, key_cache, value_cache, shape, num_heads, batch)?;
     let d = shape.head_size;
     let group = num_heads / shape.num_kv_heads;
@@ -273,6 +285,7 @@ pub(crate) fn paged_attention_with<T: Element>(
         group,
         scale,
         window,
+        softcap,
         path,
     };
     let out_ptr = OutPtr(out.as_mut_ptr());
@@ -639,6 +652,7 @@ mod tests {
         q_lens: Vec<usize>,
         seq_lens: Vec<usize>,
         window: i64,
+        softcap: f32,
     }
 
     struct Data {
@@ -725,6 +739,14 @@ mod tests {
                                 .sum::<f64>()
                                 * scale as f64
                         })
+                        .map(|x| {
+                            let cap = case.softcap as f64;
+                            if cap > 0.0 {
+                                cap * (x / cap).tanh()
+                            } else {
+                                x
+                            }
+                        })
                         .collect();
                     let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                     let w: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
@@ -762,6 +784,7 @@ mod tests {
             batch,
             scale,
             case.window,
+            case.softcap,
             plan,
             path,
         )
@@ -784,22 +807,26 @@ mod tests {
                 q_lens: vec![1, 1, 1],
                 seq_lens: vec![1, 37, 300],
                 window: 0,
+                softcap: 0.0,
             },
-            // Prefill after a prefix mixed with decode, MQA, sliding window.
+            // Prefill after a prefix mixed with decode, MQA, sliding window, soft-cap.
             Case {
                 shape: shape(64, 1, 8, 64),
                 num_heads: 4,
                 q_lens: vec![23, 1, 9],
                 seq_lens: vec![70, 129, 9],
                 window: 17,
+                softcap: 1.5,
             },
-            // Long single-sequence decode (partitions), head size not a multiple of 16.
+            // Long single-sequence decode (partitions), head size not a multiple of 16,
+            // soft-cap (so the partitions merge capped scores).
             Case {
                 shape: shape(80, 2, 32, 72),
                 num_heads: 4,
                 q_lens: vec![1],
                 seq_lens: vec![2000],
                 window: 0,
+                softcap: 2.0,
             },
             // Prefill with window longer than the sequence, MHA, head size 256.
             Case {
@@ -808,6 +835,7 @@ mod tests {
                 q_lens: vec![40, 0],
                 seq_lens: vec![50, 5],
                 window: 400,
+                softcap: 0.0,
             },
         ]
     }
@@ -916,6 +944,7 @@ mod tests {
                 batch,
                 1.0,
                 0,
+                0.0,
             )
             .map_err(|e| e.to_string())
         };

@@ -110,6 +110,8 @@ pub struct Attention {
     pub max_blocks: usize,
     pub scale: f32,
     pub sliding_window: i64,
+    /// Soft-cap of the scaled scores (0: none).
+    pub softcap: f32,
 }
 
 /// Launches paged attention: one block of 128 threads per (token, head).
@@ -142,7 +144,8 @@ pub fn paged_attention(rt: &Runtime, t: Target<'_>, a: &Attention) -> CoreResult
         .i32(a.block_size as i32)
         .i32(a.max_blocks as i32)
         .f32(a.scale)
-        .i32(window);
+        .i32(window)
+        .f32(a.softcap);
     let cfg = LaunchConfig {
         grid: (
             grid_dim(a.num_tokens, "num_tokens", X_LIMIT)?,

@@ -260,6 +260,7 @@ pub fn decoder_stack<T: Element>(
             step.batch,
             s.scale,
             layer.sliding_window,
+            0.0, // no soft-cap: the stack implements the Llama layers only
         )?;
         layer
             .o

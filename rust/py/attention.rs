@@ -154,7 +154,7 @@ unsafe fn cache_rows<T: Element>(
 
 /// Attention of packed new tokens over the paged KV cache, written into `out`.
 #[pyfunction]
-#[pyo3(signature = (out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window = 0))]
+#[pyo3(signature = (out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window = 0, softcap = 0.0))]
 #[allow(clippy::too_many_arguments)]
 fn paged_attention(
     py: Python<'_>,
@@ -167,6 +167,7 @@ fn paged_attention(
     query_start_loc: &Bound<'_, PyAny>,
     scale: f64,
     sliding_window: i64,
+    softcap: f64,
 ) -> PyResult<()> {
     let o = TensorArg::extract("out", out)?;
     let q = TensorArg::extract("query", query)?;
@@ -209,6 +210,7 @@ fn paged_attention(
             batch.layout(),
             scale as f32,
             sliding_window,
+            softcap as f32,
         );
         match kc.dtype {
             DType::BF16 => attend::<bf16>(py, &o, &q, &kc, &vc, args),
@@ -218,7 +220,7 @@ fn paged_attention(
 }
 
 /// `paged_attention` on the checked tensors, for one element type; `args` are
-/// (cache shape, query heads, batch layout, scale, sliding window).
+/// (cache shape, query heads, batch layout, scale, sliding window, soft-cap).
 ///
 /// # Safety
 /// As `TensorArg::slice`: the tensors were checked to hold `T`, contiguous,
@@ -229,11 +231,20 @@ unsafe fn attend<T: Element>(
     q: &TensorArg,
     kc: &TensorArg,
     vc: &TensorArg,
-    (shape, num_heads, batch, scale, window): (CacheShape, usize, BatchLayout<'_>, f32, i64),
+    (shape, num_heads, batch, scale, window, cap): (
+        CacheShape,
+        usize,
+        BatchLayout<'_>,
+        f32,
+        i64,
+        f32,
+    ),
 ) -> PyResult<()> {
     let (o, q) = (o.slice_mut::<T>(), q.slice::<T>());
     let (kc, vc) = (kc.slice::<T>(), vc.slice::<T>());
-    py.detach(|| attention::paged_attention(o, q, kc, vc, shape, num_heads, batch, scale, window))?;
+    py.detach(|| {
+        attention::paged_attention(o, q, kc, vc, shape, num_heads, batch, scale, window, cap)
+    })?;
     Ok(())
 }
 

@@ -204,6 +204,7 @@ fn cuda_paged_attention(
     query_start_loc: &Bound<'_, PyAny>,
     scale: f32,
     sliding_window: i64,
+    softcap: f32,
     stream: usize,
 ) -> PyResult<()> {
     let kc = TensorArg::extract("key_cache", key_cache)?;
@@ -235,6 +236,11 @@ fn cuda_paged_attention(
             "scale: must be finite, got {scale}"
         )));
     }
+    if !(softcap.is_finite() && softcap >= 0.0) {
+        return Err(PyValueError::new_err(format!(
+            "softcap: must be a finite number >= 0 (0: none), got {softcap}"
+        )));
+    }
     let device = one_device(&[&kc, &vc, &q, &o, &bt, &sl, &qsl])?;
     let args = crate::cuda::ops::Attention {
         elem: elem_of(&kc),
@@ -254,6 +260,7 @@ fn cuda_paged_attention(
         max_blocks: bt.shape[1],
         scale,
         sliding_window,
+        softcap,
     };
     if num_seqs == 0 {
         return Ok(());

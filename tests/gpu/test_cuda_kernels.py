@@ -37,7 +37,7 @@ def check_enabled(ops):
     assert ops.enabled(), f"CUDA kernels were disabled: {ops.disabled_reason()}"
 
 
-def attention_reference(q, k_cache, v_cache, tables, seq_lens, qsl, scale, window):
+def attention_reference(q, k_cache, v_cache, tables, seq_lens, qsl, scale, window, softcap=0.0):
     """Float64 CPU attention over the gathered cache, straight from the contract."""
     q, k_cache, v_cache = (t.double().cpu() for t in (q, k_cache, v_cache))
     heads, kv_heads = q.shape[1], k_cache.shape[1]
@@ -60,6 +60,8 @@ def attention_reference(q, k_cache, v_cache, tables, seq_lens, qsl, scale, windo
             for h in range(heads):
                 kh = keys[:, h // group]
                 scores = (kh @ q[t, h]) * scale
+                if softcap > 0:
+                    scores = softcap * torch.tanh(scores / softcap)
                 scores[~visible] = float("-inf")
                 w = torch.softmax(scores, dim=0)
                 out[t, h] = w @ vals[:, h // group]
@@ -99,6 +101,7 @@ def test_cache_write_then_attention(ops, dtype, case):
     block_size = rng.choice([8, 16])
     num_blocks = 64
     window = rng.choice([0, 0, 7, 25])
+    softcap = rng.choice([0.0, 0.0, 0.5, 4.0])  # Gemma 2's attention soft-cap
     q_lens, seq_lens, tables, qsl = random_batch(rng, block_size, num_blocks)
     shape = (num_blocks, kv_heads, block_size, head_size)
     k_cache = torch.randn(shape, device=dev).to(dtype)
@@ -130,9 +133,9 @@ def test_cache_write_then_attention(ops, dtype, case):
         torch.tensor(seq_lens, dtype=torch.int32, device=dev),
         torch.tensor(qsl, dtype=torch.int32, device=dev),
     ]
-    out = ops.paged_attention(q, k_cache, v_cache, *args, scale, window)
+    out = ops.paged_attention(q, k_cache, v_cache, *args, scale, window, softcap)
     check_enabled(ops)
-    want = attention_reference(q, k_cache, v_cache, tables, seq_lens, qsl, scale, window)
+    want = attention_reference(q, k_cache, v_cache, tables, seq_lens, qsl, scale, window, softcap)
     torch.testing.assert_close(out.double().cpu(), want, atol=ATOL[dtype], rtol=ATOL[dtype])
 
 

@@ -28,6 +28,7 @@ class PagedAttention(Module):
         num_kv_heads: int,
         scale: float,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
@@ -36,11 +37,15 @@ class PagedAttention(Module):
             )
         if sliding_window is not None and sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+        if logit_softcap is not None and not logit_softcap > 0:
+            raise ValueError(f"logit_softcap must be positive or None, got {logit_softcap}")
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
+        #: Gemma 2's soft-cap of the scaled scores: ``c * tanh(s / c)`` (None: none).
+        self.logit_softcap = logit_softcap
         # Assigned by the model runner: [num_blocks, num_kv_heads, block_size, head_size].
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None

@@ -24,6 +24,7 @@ class PagedLayer(Protocol):
     head_size: int
     scale: float
     sliding_window: int | None
+    logit_softcap: float | None
     k_cache: torch.Tensor | None
     v_cache: torch.Tensor | None
 
@@ -148,4 +149,10 @@ def _sdpa(
     if groups > 1:
         k = k.repeat_interleave(groups, dim=-3)
         v = v.repeat_interleave(groups, dim=-3)
+    cap = layer.logit_softcap
+    if cap:  # SDPA has no soft-cap: the scores written out
+        scores = (q @ k.transpose(-1, -2)).float() * layer.scale
+        scores = torch.tanh(scores / cap) * cap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return (torch.softmax(scores, dim=-1).to(v.dtype) @ v).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale)

@@ -90,6 +90,7 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor | None:
     """Paged attention of query [T, heads, head] (CPU kernel's contract); None if the kernels are off."""
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -106,6 +107,7 @@ def paged_attention(
             query_start_loc,
             float(scale),
             int(sliding_window),
+            float(softcap),
             _stream(query),
         )
         return out

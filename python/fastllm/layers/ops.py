@@ -160,6 +160,7 @@ def attention_rust(
         meta.query_start_loc,
         layer.scale,
         layer.sliding_window or 0,
+        layer.logit_softcap or 0.0,
     )
     return out
 
@@ -223,6 +224,7 @@ def attention_cuda(
             meta.query_start_loc,
             layer.scale,
             layer.sliding_window or 0,
+            layer.logit_softcap or 0.0,
         )
         if out is not None:
             return out

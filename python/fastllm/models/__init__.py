@@ -25,6 +25,9 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "SmolLM3ForCausalLM": ("fastllm.models.llama", "SmolLM3ForCausalLM"),
     "Olmo2ForCausalLM": ("fastllm.models.llama", "Olmo2ForCausalLM"),
     "Phi3ForCausalLM": ("fastllm.models.llama", "Phi3ForCausalLM"),
+    "Gemma2ForCausalLM": ("fastllm.models.gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("fastllm.models.gemma", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("fastllm.models.gemma", "Gemma3ForCausalLM"),
     "PhiForCausalLM": ("fastllm.models.phi", "PhiForCausalLM"),
     "GPT2LMHeadModel": ("fastllm.models.gpt2", "GPT2LMHeadModel"),
 }

@@ -44,6 +44,7 @@ class LlamaAttention(Module):
         eps: float,
         scale: float | None = None,
         use_rope: bool = True,
+        logit_softcap: float | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -63,6 +64,7 @@ class LlamaAttention(Module):
             self.num_kv_heads,
             self.head_dim**-0.5 if scale is None else scale,
             config.layer_sliding_window(layer),
+            logit_softcap,
         )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

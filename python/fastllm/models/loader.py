@@ -201,6 +201,8 @@ def _checkpoint_state(
     for pname, shape, spec, names in _plan(model, ckpt):
         if len(names) == 1 and not spec.transpose:
             t = ckpt.read(names[0])
+            if spec.offset:
+                t = t.float() + spec.offset
             moved = t.to(device=device, dtype=dtype).contiguous()
             # A tensor read from a safetensors file views the file's memory
             # map, and any one such tensor kept keeps the whole file mapped
@@ -213,6 +215,8 @@ def _checkpoint_state(
             t = ckpt.read(name)
             if spec.transpose:
                 t = t.t()
+            if spec.offset:
+                t = t.float() + spec.offset
             out[offset : offset + t.shape[0]].copy_(t)
             offset += t.shape[0]
         state[pname] = out

@@ -11,12 +11,15 @@ class WeightSpec:
 
     ``sources`` are concatenated along dim 0 (fused q/k/v or gate/up); ``splits``
     gives each source's size along that dim. ``transpose`` marks GPT-2's
-    ``Conv1D`` weights, stored as [in, out] instead of [out, in].
+    ``Conv1D`` weights, stored as [in, out] instead of [out, in]. ``offset``
+    is added to the stored values in float32 before the cast to the model's
+    dtype (Gemma's norms store ``w`` and scale by ``1 + w``).
     """
 
     sources: tuple[str, ...]
     splits: tuple[int, ...] | None = None
     transpose: bool = False
+    offset: float = 0.0
 
     def source_shapes(self, param_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
         """The shape each source tensor must have in the checkpoint."""
