@@ -167,6 +167,10 @@ def _configs() -> dict[str, object]:
                 "truncate": False,
             },
         ),
+        # Dynamic NTK: the default frequencies up to max_position_embeddings.
+        "llama-dynamic": t.LlamaConfig(
+            **c, rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
+        ),
         "phi": t.PhiConfig(
             vocab_size=VOCAB,
             hidden_size=128,
@@ -612,10 +616,10 @@ def test_unsupported_architecture(tmp_path, saved: dict) -> None:
 
 def test_unsupported_rope_type(saved: dict) -> None:
     hf = json.load(open(os.path.join(saved["llama"][0], "config.json")))
-    hf["rope_parameters"] = {"rope_type": "longrope", "factor": 4.0, "rope_theta": 10000.0}
+    hf["rope_parameters"] = {"rope_type": "fancy", "factor": 4.0, "rope_theta": 10000.0}
     config = ModelConfig.from_dict(hf)
     with pytest.raises(
-        ValueError, match="unsupported rope scaling type 'longrope'; supported: default"
+        ValueError, match="unsupported rope scaling type 'fancy'; supported: default"
     ):
         load_model(config, "unused", torch.float32, "cpu", load_format="dummy")
 
@@ -769,4 +773,84 @@ def test_gemma2_default_layer_pattern_and_bad_layer_types(tmp_path, saved: dict)
     cfg["layer_types"] = ["sliding_attention", "local"]
     (tmp_path / "g2" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="layer_types must list 3"):
+        _load(folder)
+
+
+def _phi3_longrope(folder: str, seed: int, **rope) -> torch.nn.Module:
+    """A Phi-3 with LongRoPE over a 16-token original context (Phi-3.5 /
+    Phi-4-mini's layout: factors per rotary frequency, the original context
+    at the config's top level), saved to ``folder``."""
+    g = torch.Generator().manual_seed(seed)
+    half = 12  # head_dim 32, partial_rotary_factor 0.75: 24 rotary dims
+    config = transformers.Phi3Config(
+        **{k: v for k, v in LLAMA_COMMON.items() if k != "head_dim"},
+        partial_rotary_factor=0.75,
+        original_max_position_embeddings=16,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": (1 + torch.rand(half, generator=g)).tolist(),
+            "long_factor": (1 + 8 * torch.rand(half, generator=g)).tolist(),
+            **rope,
+        },
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    _randomize(model, seed)
+    model = model.float().eval()
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("rope", [{}, {"attention_factor": 1.3}])
+def test_phi3_longrope_matches_transformers(tmp_path, rope: dict) -> None:
+    """LongRoPE: with the engine's context past the original one (the default,
+    max_position_embeddings 256 > 16) every position rotates by the long
+    factors, as the reference does for any sequence longer than 16 tokens:
+    prefill, chunks and decode equal to it on such sequences. With the
+    context limited to the original (``max_model_len`` 16) the short factors
+    serve, equal to the reference on sequences within it. The two sets and
+    the attention factor each change the logits."""
+    from fastllm.layers.rotary import limit_positions
+
+    folder = str(tmp_path / "phi3")
+    ref_model = _phi3_longrope(folder, 3, **rope)
+    config = ModelConfig.from_pretrained(folder)
+    assert config.rope_scaling["rope_type"] == "longrope"
+    assert config.rope_scaling["original_max_position_embeddings"] == 16
+    long_seqs = _sequences(13, [40, 23])
+    ref = _reference(ref_model, long_seqs)
+    runner = PagedRunner(_load(folder), torch.float32)
+    first = runner.step([(0, long_seqs[0][:30]), (1, long_seqs[1][:5])])
+    second = runner.step([(0, long_seqs[0][30:31]), (1, long_seqs[1][5:])])
+    rest = runner.step([(0, long_seqs[0][31:])])
+    _assert_close_f32(torch.cat([first[0], second[0], rest[0]]), ref[0], "longrope seq 0")
+    _assert_close_f32(torch.cat([first[1], second[1]]), ref[1], "longrope seq 1")
+
+    short_seq = _sequences(14, [16])[0]
+    short_model = _load(folder)
+    limit_positions(short_model, 16)
+    short = PagedRunner(short_model, torch.float32).step([(0, short_seq)])[0]
+    _assert_close_f32(short, _reference(ref_model, [short_seq])[0], "longrope short factors")
+    long_on_short = PagedRunner(_load(folder), torch.float32).step([(0, short_seq)])[0]
+    assert not torch.allclose(short, long_on_short, atol=1e-3)
+    config.rope_scaling["attention_factor"] = 1.0
+    plain = load_model(config, folder, torch.float32, "cpu")
+    limit_positions(plain, 16)
+    assert not torch.allclose(
+        short, PagedRunner(plain, torch.float32).step([(0, short_seq)])[0], atol=1e-3
+    )
+
+
+def test_longrope_factor_lists_are_checked(tmp_path) -> None:
+    folder = str(tmp_path / "phi3")
+    _phi3_longrope(folder, 4)
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    params = cfg.get("rope_parameters") or cfg["rope_scaling"]
+    params["long_factor"] = params["long_factor"][:-1]
+    (tmp_path / "phi3" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="long_factor must list 12 numbers"):
         _load(folder)

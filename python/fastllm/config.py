@@ -233,6 +233,16 @@ class ModelConfig:
         bos_ids = _token_ids(bos, "bos_token_id", path)
 
         rope_theta, rope_scaling, partial = _rope_parameters(hf, path)
+        if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
+            # Phi-3 keeps the pretraining context at the config's top level and
+            # derives the factor from the two lengths when none is given.
+            if rope_scaling.get("original_max_position_embeddings") is None:
+                rope_scaling["original_max_position_embeddings"] = hf.get(
+                    "original_max_position_embeddings", max_pos
+                )
+            if rope_scaling.get("factor") is None:
+                rope_scaling["factor"] = max_pos / rope_scaling["original_max_position_embeddings"]
+            rope_scaling["max_position_embeddings"] = max_pos
         if rope_scaling is not None and rope_scaling["rope_type"] == "yarn":
             # transformers' default: the context the model was trained with
             if rope_scaling.get("original_max_position_embeddings") is None:
@@ -352,6 +362,8 @@ def _rope_parameters(hf: dict[str, Any], path: str) -> tuple[float, dict[str, An
     if not isinstance(partial, (int, float)) or not 0 < partial <= 1:
         raise ValueError(f"{path}: 'partial_rotary_factor' must be in (0, 1], got {partial!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "su":  # LongRoPE's name in the first Phi-3 long-context configs
+        rope_type = "longrope"
     scaling = None
     if rope_type != "default":
         scaling = {

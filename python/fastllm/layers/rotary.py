@@ -1,9 +1,25 @@
 """Rotary position embedding (neox style: the two halves of the rotated dims pair up).
 
-Supports the rope types Hugging Face calls "default", "linear", "llama3" and
-"yarn" (and "freq_factors": one divisor per frequency, as GGUF files store
-Llama 3's), and partial rotary (only the first ``rotary_dim`` dims of each head
-rotate, as in Phi).
+Supports the rope types Hugging Face calls "default", "linear", "llama3",
+"yarn", "longrope" and "dynamic" (and "freq_factors": one divisor per
+frequency, as GGUF files store Llama 3's), and partial rotary (only the first
+``rotary_dim`` dims of each head rotate, as in Phi).
+
+Two types depend on a sequence length, which the reference implementation
+takes from the sequence being run; here it is the context the engine serves
+(``max_model_len``, given by ``limit_positions``), so every position of every
+sequence rotates by one table and cached keys never mix two:
+
+* ``longrope`` (Phi-3/3.5, Phi-4-mini) divides each frequency by its
+  ``long_factor`` when the context is longer than
+  ``original_max_position_embeddings`` and by its ``short_factor`` otherwise,
+  and scales cos/sin by the attention factor (given, or
+  ``sqrt(1 + ln(factor) / ln(original))``). Equal to the reference for every
+  sequence longer than the original context (and for every sequence when the
+  engine's context is within it).
+* ``dynamic`` (NTK) raises the base only for sequences longer than
+  ``max_position_embeddings``, which no sequence here passes: the default
+  frequencies, as the reference uses for every length up to there.
 """
 
 from __future__ import annotations
@@ -19,16 +35,28 @@ from fastllm.layers.ops import TORCH_OPS, LayerOps, rotary_torch, split_qkv
 # The neox rotary as a torch expression (the reference of the Rust and CUDA kernels).
 apply_rotary = rotary_torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
+SUPPORTED_ROPE_TYPES = (
+    "default",
+    "linear",
+    "llama3",
+    "yarn",
+    "longrope",
+    "dynamic",
+    "freq_factors",
+)
 
 
-def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies [rotary_dim // 2] (float32) for the given rope scaling."""
+def rope_inv_freq(
+    rotary_dim: int, theta: float, scaling: dict[str, Any] | None, context: int | None = None
+) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim // 2] (float32) for the given rope
+    scaling, for a model serving ``context`` positions (LongRoPE's choice of
+    factors; None: the model's whole context)."""
     # Explicit CPU device: models are built under ``torch.device("meta")``.
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
     inv_freq = 1.0 / (theta**exponents)
     rope_type = "default" if scaling is None else scaling.get("rope_type", "default")
-    if rope_type == "default":
+    if rope_type in ("default", "dynamic"):
         return inv_freq
     if rope_type == "linear":
         return inv_freq / float(_scaling_field(scaling, "factor"))
@@ -36,6 +64,8 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any] | None)
         return _llama3_inv_freq(inv_freq, scaling)
     if rope_type == "yarn":
         return _yarn_inv_freq(inv_freq, rotary_dim, theta, scaling)
+    if rope_type == "longrope":
+        return _longrope_inv_freq(inv_freq, scaling, context)
     if rope_type == "freq_factors":
         # One divisor per frequency, as GGUF files store Llama 3's scaling.
         factors = torch.tensor(
@@ -55,6 +85,34 @@ def _scaling_field(scaling: dict[str, Any], name: str) -> Any:
     if name not in scaling:
         raise ValueError(f"rope scaling {scaling.get('rope_type')!r} needs the field {name!r}")
     return scaling[name]
+
+
+def _longrope_original(scaling: dict[str, Any]) -> float:
+    old_len = _scaling_field(scaling, "original_max_position_embeddings")
+    if isinstance(old_len, bool) or not isinstance(old_len, (int, float)) or old_len <= 1:
+        raise ValueError(
+            f"rope scaling 'longrope': original_max_position_embeddings must be a number > 1, "
+            f"got {old_len!r}"
+        )
+    return float(old_len)
+
+
+def _longrope_inv_freq(
+    inv_freq: torch.Tensor, scaling: dict[str, Any], context: int | None
+) -> torch.Tensor:
+    """LongRoPE: one divisor per frequency, the long set for a context past
+    the original one, the short set otherwise."""
+    old_len = _longrope_original(scaling)
+    if context is None:
+        context = int(_scaling_field(scaling, "max_position_embeddings"))
+    name = "long_factor" if context > old_len else "short_factor"
+    factors = _scaling_field(scaling, name)
+    if not isinstance(factors, list) or len(factors) != inv_freq.numel():
+        raise ValueError(
+            f"rope scaling 'longrope': {name} must list {inv_freq.numel()} numbers "
+            f"(one per rotary frequency), got {factors!r}"
+        )
+    return inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -107,11 +165,17 @@ def _yarn_inv_freq(
 
 
 def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
-    """The factor on cos and sin (YaRN's attention temperature; 1 otherwise)."""
-    if scaling is None or scaling.get("rope_type") != "yarn":
+    """The factor on cos and sin (YaRN's and LongRoPE's attention
+    temperature; 1 otherwise)."""
+    rope_type = None if scaling is None else scaling.get("rope_type")
+    if scaling is None or rope_type not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if rope_type == "longrope":
+        old_len = _longrope_original(scaling)
+        factor = float(_scaling_field(scaling, "factor"))
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
     factor = _yarn_factor(scaling)
 
     def mscale(m: float) -> float:
@@ -149,7 +213,10 @@ class RotaryEmbedding(Module):
         self.max_position = max_position
         # Positions the cos/sin table covers (``limit_positions``).
         self.table_positions = max_position
-        self.inv_freq = rope_inv_freq(rotary_dim, theta, scaling)  # plain attribute: stays on CPU
+        self.theta = theta
+        self.scaling = scaling
+        # Plain attribute: stays on CPU; rebuilt when the context changes (LongRoPE).
+        self.inv_freq = rope_inv_freq(rotary_dim, theta, scaling, max_position)
         self.attention_factor = rope_attention_factor(scaling)
         self._table: torch.Tensor | None = None  # [table_positions, rotary_dim]: cos | sin
         self.ops = TORCH_OPS  # the model's op table (``layers/ops.py``), bound at load
@@ -158,10 +225,12 @@ class RotaryEmbedding(Module):
         """Builds the cos/sin table for positions below ``n`` only (the engine's
         ``max_model_len``, which no sequence passes): a 32k-position table
         costs 16 ms at load, for rows no request can reach. The rows it has
-        are the same either way."""
+        are the same either way, except under LongRoPE, whose factor set
+        follows the context served (module docstring)."""
         n = max(1, min(self.max_position, n))
         if n != self.table_positions:
             self.table_positions = n
+            self.inv_freq = rope_inv_freq(self.rotary_dim, self.theta, self.scaling, n)
             self._table = None
 
     def _cos_sin_table(self, device: torch.device) -> torch.Tensor:

@@ -378,8 +378,8 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3 / Phi-3.5 (and Phi-4-mini's layout): Llama with q/k/v and gate/up
     stored fused (``qkv_proj``, ``gate_up_proj``, read as they are), partial
-    rotary and a sliding window on every layer when the config has one.
-    LongRoPE (``rope_type: longrope``) is not implemented yet: a clear error."""
+    rotary, LongRoPE (``layers/rotary.py``) and a sliding window on every
+    layer when the config has one."""
 
     @staticmethod
     def _flags(config: ModelConfig) -> dict[str, Any]:
