@@ -29,7 +29,16 @@ ARCH = {
     "qwen3": gguf.MODEL_ARCH.QWEN3,
     "phi": gguf.MODEL_ARCH.PHI2,
     "gpt2": gguf.MODEL_ARCH.GPT2,
+    "gemma2": gguf.MODEL_ARCH.GEMMA2,
+    "gemma3": gguf.MODEL_ARCH.GEMMA3,
+    "phi3": gguf.MODEL_ARCH.PHI3,
+    "granite": gguf.MODEL_ARCH.GRANITE,
+    "olmo2": gguf.MODEL_ARCH.OLMO2,
+    "smollm3": gguf.MODEL_ARCH.SMOLLM3,
 }
+# Families whose q/k rows llama.cpp's converter permutes (LlamaModel subclasses).
+PERMUTED = ("llama", "mistral", "granite", "smollm3")
+GEMMA = ("gemma2", "gemma3")
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 
@@ -98,7 +107,11 @@ def write_gguf(
 ) -> str:
     """Writes the model in ``folder`` (config.json + model.safetensors) to ``path``.
 
-    ``kind`` is the test's model name ("llama", "qwen2", "qwen3", "phi", "gpt2");
+    ``kind`` is the test's model name ("llama", "qwen2", "qwen3", "phi", "gpt2",
+    "gemma2", "gemma3", "phi3", "granite", "olmo2", "smollm3"), written with
+    the converter's conventions for that family (Gemma's norms as ``1 + w``,
+    its soft-caps and windows; Phi-3's fused tensors and LongRoPE factor
+    tensors; Granite's multipliers);
     ``types`` a GGML type name for every matrix, or a function of (GGUF name,
     shape) giving one. With ``tokenizer``, the folder's tokenizer is written
     too (``gguf_writer.add_tokenizer_metadata``). ``fuse_qkv`` stores each
@@ -130,12 +143,51 @@ def write_gguf(
     else:
         w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     rope = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
+    local_rope = None
+    if isinstance(rope.get("full_attention"), dict):  # Gemma 3: one set per layer type
+        rope, local_rope = rope["full_attention"], rope.get("sliding_attention")
     if not is_gpt2:
         w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
         partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
         w.add_rope_dimension_count(int(head_dim * partial))
+    if local_rope is not None:
+        w.add_rope_freq_base_swa(float(local_rope["rope_theta"]))
     if cfg.get("sliding_window") and cfg.get("use_sliding_window", True):
         w.add_sliding_window(cfg["sliding_window"])
+        layer_types = cfg.get("layer_types")
+        if layer_types and kind in ("gemma3", "olmo2", "smollm3"):
+            w.add_sliding_window_pattern([t == "sliding_attention" for t in layer_types])
+        elif cfg.get("sliding_window_pattern"):  # a period, as older Gemma 3 configs give it
+            w.add_sliding_window_pattern(int(cfg["sliding_window_pattern"]))
+    elif kind == "phi3":
+        w.add_sliding_window(0)
+    if kind in GEMMA:
+        if cfg.get("attn_logit_softcapping") and kind == "gemma2":
+            w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        if cfg.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if kind == "granite":
+        for key, add in (
+            ("attention_multiplier", w.add_attention_scale),
+            ("embedding_multiplier", w.add_embedding_scale),
+            ("residual_multiplier", w.add_residual_scale),
+            ("logits_scaling", w.add_logit_scale),
+        ):
+            if cfg.get(key):
+                add(cfg[key])
+    if kind == "phi3":
+        orig = rope.get("original_max_position_embeddings") or cfg.get(
+            "original_max_position_embeddings", cfg["max_position_embeddings"]
+        )
+        w.add_rope_scaling_orig_ctx_len(orig)
+        if rope.get("rope_type") == "longrope":
+            import math
+
+            scale = cfg["max_position_embeddings"] / orig
+            attn = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
+            w.add_rope_scaling_attn_factors(attn)
+            w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+            w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
     if cfg.get("head_dim") is not None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -175,9 +227,11 @@ def write_gguf(
             name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name
         arr = t.float().numpy()
+        if kind in GEMMA and hf_name.endswith("norm.weight"):
+            arr = arr + 1  # Gemma's norms scale by 1 + w: the converter stores the sum
         if is_gpt2 and hf_name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
             arr = arr.T.copy()
-        if kind in ("llama", "mistral"):
+        if kind in PERMUTED:
             if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
                 arr = _permute(arr, heads)
             elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):

@@ -21,7 +21,20 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "phi2": ("PhiForCausalLM", "phi"),
     "gpt2": ("GPT2LMHeadModel", "gpt2"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
+    "granite": ("GraniteForCausalLM", "granite"),
+    "olmo2": ("Olmo2ForCausalLM", "olmo2"),
+    "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
 }
+
+# Architectures read like Llama (RMSNorm eps, rotary base and scaling, window).
+_LLAMA_LIKE = ("llama", "qwen2", "qwen3", "granite", "olmo2", "smollm3")
+# Layers per model at which llama.cpp scales Gemma's queries by
+# hidden / heads instead of the head size (the 27B models; GGUF files do not
+# store ``query_pre_attn_scalar``).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 def architecture(gguf: GGUFFile) -> str:
@@ -114,7 +127,7 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
         )
     head_size = hf.get("head_dim", hidden // heads)
 
-    if arch in ("llama", "qwen2", "qwen3"):
+    if arch in _LLAMA_LIKE:
         hf["rms_norm_eps"] = _float(gguf, p + "attention.layer_norm_rms_epsilon", 1e-5)
         hf["rope_theta"] = _float(gguf, p + "rope.freq_base", 10000.0)
         rope_dim = gguf.get(p + "rope.dimension_count")
@@ -129,13 +142,33 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
         window = gguf.get(p + "attention.sliding_window")
         if window:
             hf["sliding_window"] = _int(gguf, p + "attention.sliding_window")
-        if arch == "llama":
+        if arch in ("llama", "granite", "smollm3"):
             hf["attention_bias"] = "blk.0.attn_q.bias" in tensors
             hf["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
-        else:
+        elif arch in ("qwen2", "qwen3"):
             hf["use_sliding_window"] = bool(window)
             if arch == "qwen3":
                 hf["attention_bias"] = "blk.0.attn_q.bias" in tensors
+        if window:
+            _layer_types(gguf, p, hf, None)
+        if arch == "granite":
+            for key, name in (
+                ("embedding_scale", "embedding_multiplier"),
+                ("attention.scale", "attention_multiplier"),
+                ("residual_scale", "residual_multiplier"),
+                ("logit_scale", "logits_scaling"),
+            ):
+                if gguf.get(p + key) is not None:
+                    hf[name] = _float(gguf, p + key)
+        elif arch == "smollm3":
+            # llama.cpp's rule for SmolLM3: every 4th layer has no rotary embedding.
+            hf["no_rope_layer_interval"] = 4
+        elif arch == "olmo2":
+            hf["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    elif arch in ("gemma2", "gemma3"):
+        _gemma(gguf, arch, p, hf, head_size)
+    elif arch == "phi3":
+        _phi3(gguf, p, hf, head_size)
     elif arch == "phi2":
         hf["layer_norm_eps"] = _float(gguf, p + "attention.layernorm_epsilon", 1e-5)
         hf["rope_theta"] = _float(gguf, p + "rope.freq_base", 10000.0)
@@ -176,6 +209,96 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     if dtype is not None:
         hf["torch_dtype"] = dtype
     return hf
+
+
+def _layer_types(gguf: GGUFFile, p: str, hf: dict[str, Any], pattern: int | None) -> None:
+    """``layer_types`` from ``{arch}.attention.sliding_window_pattern``: one
+    flag per layer, or a period (the last layer of each period is global),
+    or ``pattern`` where the file has neither (None: every layer local)."""
+    n = hf["num_hidden_layers"]
+    key = p + "attention.sliding_window_pattern"
+    value = gguf.get(key)
+    if isinstance(value, np.ndarray) or isinstance(value, list):
+        flags = [bool(v) for v in np.asarray(value).reshape(-1).tolist()]
+        if len(flags) != n:
+            raise GGUFError(
+                f"{gguf.path}: metadata key {key!r} has {len(flags)} entries for {n} layers"
+            )
+    else:
+        period = _int(gguf, key) if value is not None else pattern
+        if period is None:
+            return
+        flags = [(i % period) < period - 1 for i in range(n)]
+    hf["layer_types"] = ["sliding_attention" if f else "full_attention" for f in flags]
+
+
+def _gemma(gguf: GGUFFile, arch: str, p: str, hf: dict[str, Any], head_size: int) -> None:
+    """Gemma 2 / 3: soft-caps, windows, the query scale llama.cpp infers, the
+    local layers' rotary base. The converter stores the norms as ``1 + w``;
+    the loader reads GGUF norms as stored."""
+    hf["rms_norm_eps"] = _float(gguf, p + "attention.layer_norm_rms_epsilon", 1e-6)
+    hf["rope_theta"] = _float(gguf, p + "rope.freq_base", 10000.0)
+    hf["head_dim"] = head_size
+    hf["hidden_activation"] = "gelu_pytorch_tanh"
+    window = gguf.get(p + "attention.sliding_window")
+    if arch == "gemma2":
+        hf["sliding_window"] = _int(gguf, p + "attention.sliding_window", 4096)
+        hf["attn_logit_softcapping"] = _float(gguf, p + "attn_logit_softcapping", 50.0)
+        hf["final_logit_softcapping"] = _float(gguf, p + "final_logit_softcapping", 30.0)
+        _layer_types(gguf, p, hf, 2)
+    else:
+        final = gguf.get(p + "final_logit_softcapping")
+        hf["final_logit_softcapping"] = (
+            _float(gguf, p + "final_logit_softcapping") if final else None
+        )
+        if window:
+            hf["sliding_window"] = _int(gguf, p + "attention.sliding_window")
+            _layer_types(gguf, p, hf, 6)
+        else:  # no window: every layer global
+            hf["sliding_window"] = None
+            hf["layer_types"] = ["full_attention"] * hf["num_hidden_layers"]
+        scaling = _rope_scaling(gguf, p)
+        global_rope = {"rope_type": "default", "rope_theta": hf["rope_theta"]}
+        if scaling is not None:
+            global_rope.update(scaling)
+        local_theta = _float(gguf, p + "rope.freq_base_swa", 10000.0)
+        hf["rope_parameters"] = {
+            "full_attention": global_rope,
+            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
+        }
+    if hf["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]:
+        hf["query_pre_attn_scalar"] = hf["hidden_size"] // hf["num_attention_heads"]
+    else:
+        hf["query_pre_attn_scalar"] = head_size
+
+
+def _phi3(gguf: GGUFFile, p: str, hf: dict[str, Any], head_size: int) -> None:
+    """Phi-3 / Phi-4-mini: partial rotary, the window, LongRoPE's factor
+    tensors with the attention factor and original context the converter wrote."""
+    hf["rms_norm_eps"] = _float(gguf, p + "attention.layer_norm_rms_epsilon", 1e-5)
+    rope_dim = _int(gguf, p + "rope.dimension_count", head_size)
+    hf["partial_rotary_factor"] = rope_dim / head_size
+    window = gguf.get(p + "attention.sliding_window")
+    if window:
+        hf["sliding_window"] = _int(gguf, p + "attention.sliding_window")
+    rope: dict[str, Any] = {"rope_theta": _float(gguf, p + "rope.freq_base", 10000.0)}
+    if "rope_factors_long.weight" in gguf.tensors:
+        rope["rope_type"] = "longrope"
+        for name, key in (("long", "long_factor"), ("short", "short_factor")):
+            tensor = f"rope_factors_{name}.weight"
+            info = gguf.tensors.get(tensor)
+            if info is None or info.type.name != "F32" or info.shape != (rope_dim // 2,):
+                raise GGUFError(
+                    f"{gguf.path}: tensor {tensor!r} must be F32 with {rope_dim // 2} values"
+                )
+            rope[key] = np.frombuffer(gguf.data(tensor), dtype="<f4").tolist()
+        rope["original_max_position_embeddings"] = _int(
+            gguf, p + "rope.scaling.original_context_length"
+        )
+        factor = gguf.get(p + "rope.scaling.attn_factor")
+        if factor is not None:
+            rope["attention_factor"] = _float(gguf, p + "rope.scaling.attn_factor")
+    hf["rope_parameters"] = rope
 
 
 def _rope_scaling(gguf: GGUFFile, p: str) -> dict[str, Any] | None:

@@ -79,11 +79,38 @@ _LLAMA_GLOBAL = {
     "model.norm": "output_norm",
     "lm_head": "output",
 }
+# Gemma's four norms per block and OLMo 2's two post-norms.
+_GEMMA_LAYER = {
+    **_LLAMA_LAYER,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+_OLMO2_LAYER = {
+    **{k: v for k, v in _LLAMA_LAYER.items() if k != "input_layernorm"},
+    "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+# Phi-3 stores q/k/v and gate/up fused, as its checkpoints do.
+_PHI3_LAYER = {
+    "self_attn.qkv_proj": "attn_qkv",
+    "self_attn.o_proj": "attn_output",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 # general.architecture -> (global names, per-layer names, the layers' prefix in fastllm)
 _NAMES: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
     "llama": (_LLAMA_GLOBAL, _LLAMA_LAYER, "model.layers"),
     "qwen2": (_LLAMA_GLOBAL, _LLAMA_LAYER, "model.layers"),
     "qwen3": (_LLAMA_GLOBAL, _LLAMA_LAYER, "model.layers"),
+    "granite": (_LLAMA_GLOBAL, _LLAMA_LAYER, "model.layers"),
+    "smollm3": (_LLAMA_GLOBAL, _LLAMA_LAYER, "model.layers"),
+    "olmo2": (_LLAMA_GLOBAL, _OLMO2_LAYER, "model.layers"),
+    "gemma2": (_LLAMA_GLOBAL, _GEMMA_LAYER, "model.layers"),
+    "gemma3": (_LLAMA_GLOBAL, _GEMMA_LAYER, "model.layers"),
+    "phi3": (_LLAMA_GLOBAL, _PHI3_LAYER, "model.layers"),
     "phi2": (
         {
             "model.embed_tokens": "token_embd",
@@ -119,7 +146,9 @@ _NAMES: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
         "transformer.h",
     ),
 }
-_PERMUTED_ARCHS = ("llama",)
+# llama.cpp's converter permutes these families' q/k rows into its
+# interleaved rotary layout (the others rotate neox-style, rows as stored).
+_PERMUTED_ARCHS = ("llama", "granite", "smollm3")
 
 
 def gguf_name(arch: str, name: str) -> str | None:
@@ -232,7 +261,8 @@ def _blocks(gguf: GGUFFile, info: TensorInfo, heads: int | None) -> torch.Tensor
     the file's mapping (read-only) unless its rows were reordered."""
     data = gguf.data(info.name)
     if heads is not None:
-        rows = data.reshape(info.rows, -1)[_unpermute_rows(info.rows, heads)]
+        n = info.shape[0] if len(info.shape) == 1 else info.rows  # a bias: one value a row
+        rows = data.reshape(n, -1)[_unpermute_rows(n, heads)]
         data = rows.reshape(-1)
     return readonly_tensor(data)
 
