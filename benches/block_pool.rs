@@ -20,7 +20,7 @@ fn fill(pool: &mut BlockPool, tokens: &[u32]) -> Vec<BlockId> {
     let mut ids: Vec<BlockId> = Vec::new();
     for chunk in tokens.chunks_exact(BLOCK_SIZE) {
         let id = pool.allocate().unwrap();
-        pool.register_full_block(id, ids.last().copied(), chunk)
+        pool.register_full_block(id, ids.last().copied(), chunk, 0)
             .unwrap();
         ids.push(id);
     }
@@ -52,7 +52,7 @@ fn churn(c: &mut Criterion) {
         b.iter(|| {
             let id = pool.allocate().unwrap();
             chunk[0] = chunk[0].wrapping_add(1);
-            pool.register_full_block(id, None, &chunk).unwrap();
+            pool.register_full_block(id, None, &chunk, 0).unwrap();
             pool.free(id).unwrap();
         })
     });
@@ -72,19 +72,19 @@ fn prefix_lookup(c: &mut Criterion) {
     }
     c.bench_function("block_pool/match_prefix_2048_hit", |b| {
         b.iter(|| {
-            let hit = pool.match_prefix(black_box(&tokens));
+            let hit = pool.match_prefix(black_box(&tokens), 0);
             assert_eq!(hit.len(), PROMPT_TOKENS / BLOCK_SIZE);
             hit
         })
     });
     let miss = prompt(12345);
     c.bench_function("block_pool/match_prefix_2048_miss", |b| {
-        b.iter(|| pool.match_prefix(black_box(&miss)))
+        b.iter(|| pool.match_prefix(black_box(&miss), 0))
     });
     // The engine's hit path: lookup, then take a reference to every hit.
     c.bench_function("block_pool/match_incref_free_2048", |b| {
         b.iter(|| {
-            let hit = pool.match_prefix(black_box(&tokens));
+            let hit = pool.match_prefix(black_box(&tokens), 0);
             for &id in &hit {
                 pool.incref(id).unwrap();
             }
@@ -105,7 +105,7 @@ fn register(c: &mut Criterion) {
             |mut pool| {
                 let mut parent = None;
                 for (&id, chunk) in ids.iter().zip(tokens.chunks_exact(BLOCK_SIZE)) {
-                    pool.register_full_block(id, parent, chunk).unwrap();
+                    pool.register_full_block(id, parent, chunk, 0).unwrap();
                     parent = Some(id);
                 }
                 pool

@@ -155,7 +155,9 @@ def write_gguf(
     if cfg.get("sliding_window") and cfg.get("use_sliding_window", True):
         w.add_sliding_window(cfg["sliding_window"])
         layer_types = cfg.get("layer_types")
-        if layer_types and kind in ("gemma3", "olmo2", "smollm3"):
+        # OLMo 2's converter writes one flag per layer; Gemma 3's writes no
+        # pattern (llama.cpp assumes 6) unless the config gives a period.
+        if layer_types and kind in ("olmo2", "smollm3"):
             w.add_sliding_window_pattern([t == "sliding_attention" for t in layer_types])
         elif cfg.get("sliding_window_pattern"):  # a period, as older Gemma 3 configs give it
             w.add_sliding_window_pattern(int(cfg["sliding_window_pattern"]))

@@ -351,3 +351,15 @@ def test_interrupted_generation_returns_blocks_cut_off_from_their_sequence(llama
     assert engine.kv.num_free_blocks == total
     assert not engine.has_unfinished_requests()
     assert llama.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs
+
+
+def test_prompt_longer_than_a_step_alone(make_model):
+    """A prompt longer than max_num_batched_tokens, alone: its first steps
+    prefill chunks and sample nothing; the tokens equal one-step prefill."""
+    folder = make_model("llama")
+    ids = list(range(5, 300))
+    whole = LLM(folder, dtype="float32", device="cpu")
+    chunked = LLM(folder, dtype="float32", device="cpu", max_num_batched_tokens=64, max_num_seqs=4)
+    want = whole.generate([{"prompt_token_ids": ids}], greedy(6), use_tqdm=False)
+    got = chunked.generate([{"prompt_token_ids": ids}], greedy(6), use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids

@@ -81,10 +81,15 @@ def _gguf_configs() -> dict[str, object]:
     hold: Gemma's query scale is the head size (llama.cpp infers it; only
     the 27B models differ), Granite's head size is hidden / heads (the
     converter drops ``head_dim``), SmolLM3 drops every 4th layer's rotary
-    embedding (llama.cpp's fixed rule) and has no window."""
+    embedding (llama.cpp's fixed rule) and has no window, Gemma 3 has six
+    layers, the last one global (the converter writes no layer pattern and
+    llama.cpp assumes that one)."""
     c = {n: copy.deepcopy(CONFIGS[n]) for n in NAMES}
     for name in ("gemma2", "gemma3"):
         c[name].query_pre_attn_scalar = c[name].head_dim
+    g3 = c["gemma3"]
+    g3.num_hidden_layers = 6
+    g3.layer_types = ["sliding_attention"] * 5 + ["full_attention"]
     c["granite"].head_dim = c["granite"].hidden_size // c["granite"].num_attention_heads
     c["olmo2"].bos_token_id, c["olmo2"].eos_token_id = 1, 2  # ids inside the tiny vocabulary
     smol = c["smollm3"]

@@ -61,12 +61,18 @@ class BlockPool:
         """Drops one reference; at zero a cached block becomes evictable, any other free."""
     def ref_count(self, block_id: int) -> int:
         """The block's reference count."""
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Ids of the longest run of cached full blocks matching the start of ``token_ids``."""
+    def match_prefix(self, token_ids: Sequence[int], group: int = 0) -> list[int]:
+        """Ids of the longest run of cached full blocks matching the start of
+        ``token_ids`` in layer group ``group``'s chain."""
     def register_full_block(
-        self, block_id: int, parent_block_id: int | None, token_ids: Sequence[int]
+        self,
+        block_id: int,
+        parent_block_id: int | None,
+        token_ids: Sequence[int],
+        group: int = 0,
     ) -> None:
-        """Registers a referenced full block holding ``token_ids`` after ``parent_block_id``."""
+        """Registers a referenced full block holding ``token_ids`` after
+        ``parent_block_id`` (None: the first block of layer group ``group``'s chain)."""
     def copy_on_write(self, block_id: int) -> int:
         """A private copy target for a shared block (new id, old one decref'd), else the block itself."""
     def is_cached(self, block_id: int) -> bool:

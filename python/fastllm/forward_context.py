@@ -29,6 +29,17 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]: cumulative query lengths
     max_query_len: int
     max_seq_len: int
+    # Models whose layers keep one block table per layer group
+    # (``KVCacheManager``): each group's slot mapping and block tables (group
+    # 0's are the two above); None when every layer shares them.
+    group_slot_mappings: list[torch.Tensor] | None = None
+    group_block_tables: list[torch.Tensor] | None = None
+
+    def for_group(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot_mapping, block_tables) of the layers of ``group``."""
+        if group == 0 or self.group_slot_mappings is None or self.group_block_tables is None:
+            return self.slot_mapping, self.block_tables
+        return self.group_slot_mappings[group], self.group_block_tables[group]
 
 
 _CONTEXT: AttentionMetadata | None = None

@@ -15,8 +15,15 @@ use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 pub(crate) struct ChainHash(pub u64, pub u64);
 
 impl ChainHash {
-    /// The "parent" of the first block of every sequence.
+    /// The "parent" of the first block of every sequence (of group 0).
     pub const ROOT: ChainHash = ChainHash(0, 0);
+
+    /// The "parent" of the first block of a sequence's table in layer group
+    /// `group` (``ROOT`` for group 0): the groups' chains never meet, so
+    /// one pool caches the same tokens once per group, each with its own KV.
+    pub fn root(group: u32) -> ChainHash {
+        ChainHash(0, u64::from(group))
+    }
 }
 
 /// Computes chained hashes with this pool's random keys.

@@ -231,17 +231,18 @@ impl BlockPool {
     }
 
     /// Ids of the longest run of cached full blocks whose tokens equal
-    /// `tokens[..k * block_size]`, starting from the first block. Reference
+    /// `tokens[..k * block_size]`, starting from the first block of layer
+    /// group `group`'s chain (see `register_full_block`). Reference
     /// counts are not changed; `queries` grows by the number of full blocks in
     /// `tokens` and `hits` by the length of the result.
-    pub fn match_prefix(&mut self, tokens: &[u32]) -> Vec<BlockId> {
+    pub fn match_prefix(&mut self, tokens: &[u32], group: u32) -> Vec<BlockId> {
         if !self.prefix_caching {
             return Vec::new();
         }
         let bs = self.block_size;
         let full = tokens.len() / bs;
         let mut out = Vec::new();
-        let mut parent = ChainHash::ROOT;
+        let mut parent = ChainHash::root(group);
         for chunk in tokens.chunks_exact(bs) {
             let hash = self.hasher.hash(parent, chunk);
             let Some(&id) = self.cache.get(&hash) else {
@@ -264,12 +265,16 @@ impl BlockPool {
     /// block) after `parent` (`None` for a sequence's first block). If an
     /// identical block is already cached, that entry is kept and `id` stays
     /// out of the cache (though children may still name `id` as parent).
-    /// A no-op when prefix caching is disabled.
+    /// A first block starts the chain of layer group `group`: models whose
+    /// layers keep separate block tables (sliding-window and full layers)
+    /// cache each group's blocks under its own chain. A no-op when prefix
+    /// caching is disabled.
     pub fn register_full_block(
         &mut self,
         id: BlockId,
         parent: Option<BlockId>,
         tokens: &[u32],
+        group: u32,
     ) -> CoreResult<()> {
         let i = self.check_id(id)?;
         if let Some(p) = parent {
@@ -291,7 +296,7 @@ impl BlockPool {
             )));
         }
         let parent_hash = match parent {
-            None => ChainHash::ROOT,
+            None => ChainHash::root(group),
             Some(p) => self.blocks[p as usize].hash.ok_or_else(|| {
                 CoreError::invalid(format!(
                     "cannot register block {id}: its parent block {p} is not registered"
@@ -453,7 +458,7 @@ mod tests {
         let mut ids = Vec::new();
         for chunk in tokens.chunks_exact(bs) {
             let id = pool.allocate().unwrap();
-            pool.register_full_block(id, ids.last().copied(), chunk)
+            pool.register_full_block(id, ids.last().copied(), chunk, 0)
                 .unwrap();
             ids.push(id);
         }
@@ -515,7 +520,8 @@ mod tests {
             pool.ref_count(7),
             pool.is_cached(7).map(u32::from),
             pool.copy_on_write(7),
-            pool.register_full_block(7, None, &[1, 2, 3, 4]).map(|_| 0),
+            pool.register_full_block(7, None, &[1, 2, 3, 4], 0)
+                .map(|_| 0),
         ] {
             assert!(msg(r).contains("unknown block id 7: the pool has 2 blocks"));
         }
@@ -532,14 +538,14 @@ mod tests {
         let b = pool.allocate().unwrap();
         let c = pool.allocate().unwrap();
         pool.free(c).unwrap();
-        assert!(msg(pool.register_full_block(a, None, &[1, 2, 3])).contains("got 3"));
-        assert!(msg(pool.register_full_block(c, None, &[1, 2, 3, 4])).contains("not referenced"));
-        assert!(msg(pool.register_full_block(b, Some(a), &[1, 2, 3, 4]))
+        assert!(msg(pool.register_full_block(a, None, &[1, 2, 3], 0)).contains("got 3"));
+        assert!(msg(pool.register_full_block(c, None, &[1, 2, 3, 4], 0)).contains("not referenced"));
+        assert!(msg(pool.register_full_block(b, Some(a), &[1, 2, 3, 4], 0))
             .contains("parent block 0 is not registered"));
-        assert!(msg(pool.register_full_block(b, Some(9), &[1, 2, 3, 4])).contains("unknown"));
-        pool.register_full_block(a, None, &[1, 2, 3, 4]).unwrap();
-        pool.register_full_block(a, None, &[1, 2, 3, 4]).unwrap(); // idempotent
-        assert!(msg(pool.register_full_block(a, None, &[1, 2, 3, 5])).contains("already"));
+        assert!(msg(pool.register_full_block(b, Some(9), &[1, 2, 3, 4], 0)).contains("unknown"));
+        pool.register_full_block(a, None, &[1, 2, 3, 4], 0).unwrap();
+        pool.register_full_block(a, None, &[1, 2, 3, 4], 0).unwrap(); // idempotent
+        assert!(msg(pool.register_full_block(a, None, &[1, 2, 3, 5], 0)).contains("already"));
         assert_eq!(pool.stats().cached_blocks, 1);
         pool.check_invariants();
     }
@@ -558,12 +564,12 @@ mod tests {
         assert_eq!(pool.stats().cached_blocks, 3);
         pool.check_invariants();
 
-        assert_eq!(pool.match_prefix(&prompt), ids);
-        assert_eq!(pool.match_prefix(&[5, 6, 7, 8, 0, 0]), ids[..2].to_vec());
-        assert_eq!(pool.match_prefix(&[5, 6, 7]), ids[..1].to_vec());
-        assert_eq!(pool.match_prefix(&[6, 5, 7, 8]), Vec::<BlockId>::new());
+        assert_eq!(pool.match_prefix(&prompt, 0), ids);
+        assert_eq!(pool.match_prefix(&[5, 6, 7, 8, 0, 0], 0), ids[..2].to_vec());
+        assert_eq!(pool.match_prefix(&[5, 6, 7], 0), ids[..1].to_vec());
+        assert_eq!(pool.match_prefix(&[6, 5, 7, 8], 0), Vec::<BlockId>::new());
         // A block matches only after its own parent: [7, 8] alone is no hit.
-        assert_eq!(pool.match_prefix(&[7, 8]), Vec::<BlockId>::new());
+        assert_eq!(pool.match_prefix(&[7, 8], 0), Vec::<BlockId>::new());
         let s = pool.stats();
         assert_eq!((s.queries, s.hits), (3 + 3 + 1 + 2 + 1, 3 + 2 + 1));
 
@@ -595,7 +601,7 @@ mod tests {
         assert_eq!(pool.allocate().unwrap(), b[0]);
         assert_eq!(pool.stats().evictions, 1);
         assert!(!pool.is_cached(b[0]).unwrap());
-        assert_eq!(pool.match_prefix(&[2]), Vec::<BlockId>::new());
+        assert_eq!(pool.match_prefix(&[2], 0), Vec::<BlockId>::new());
         // A hit moves `a` out of the LRU list; freeing it puts it at the MRU end.
         pool.incref(a[0]).unwrap();
         pool.free(a[0]).unwrap();
@@ -613,19 +619,19 @@ mod tests {
         let first = fill(&mut pool, &[1, 2, 3, 4]);
         // A second sequence computed the same prompt before it was cached.
         let d0 = pool.allocate().unwrap();
-        pool.register_full_block(d0, None, &[1, 2]).unwrap();
+        pool.register_full_block(d0, None, &[1, 2], 0).unwrap();
         assert!(!pool.is_cached(d0).unwrap());
         let d1 = pool.allocate().unwrap();
-        pool.register_full_block(d1, Some(d0), &[3, 4]).unwrap();
+        pool.register_full_block(d1, Some(d0), &[3, 4], 0).unwrap();
         assert!(!pool.is_cached(d1).unwrap());
         let d2 = pool.allocate().unwrap();
-        pool.register_full_block(d2, Some(d1), &[5, 6]).unwrap();
+        pool.register_full_block(d2, Some(d1), &[5, 6], 0).unwrap();
         assert!(
             pool.is_cached(d2).unwrap(),
             "a new block after a duplicate is cached"
         );
         assert_eq!(
-            pool.match_prefix(&[1, 2, 3, 4, 5, 6]),
+            pool.match_prefix(&[1, 2, 3, 4, 5, 6], 0),
             vec![first[0], first[1], d2]
         );
         assert_eq!(pool.stats().cached_blocks, 3);
@@ -643,9 +649,26 @@ mod tests {
         // ones it is looked up with. The lookup must stop, not return it.
         let start = ids[1] as usize * 2;
         pool.tokens[start] = 99;
-        assert_eq!(pool.match_prefix(&[1, 2, 3, 4]), vec![ids[0]]);
+        assert_eq!(pool.match_prefix(&[1, 2, 3, 4], 0), vec![ids[0]]);
         pool.blocks[ids[0] as usize].parent_hash = ChainHash(1, 1);
-        assert_eq!(pool.match_prefix(&[1, 2, 3, 4]), Vec::<BlockId>::new());
+        assert_eq!(pool.match_prefix(&[1, 2, 3, 4], 0), Vec::<BlockId>::new());
+    }
+
+    #[test]
+    fn layer_groups_cache_the_same_tokens_separately() {
+        let mut pool = BlockPool::new(8, 2, true).unwrap();
+        let a = pool.allocate().unwrap();
+        let b = pool.allocate().unwrap();
+        pool.register_full_block(a, None, &[1, 2], 0).unwrap();
+        assert_eq!(pool.match_prefix(&[1, 2], 1), Vec::<BlockId>::new());
+        pool.register_full_block(b, None, &[1, 2], 1).unwrap();
+        assert_eq!(pool.match_prefix(&[1, 2], 0), vec![a]);
+        assert_eq!(pool.match_prefix(&[1, 2], 1), vec![b]);
+        let c = pool.allocate().unwrap();
+        pool.register_full_block(c, Some(b), &[3, 4], 1).unwrap();
+        assert_eq!(pool.match_prefix(&[1, 2, 3, 4], 1), vec![b, c]);
+        assert_eq!(pool.match_prefix(&[1, 2, 3, 4], 0), vec![a]);
+        pool.check_invariants();
     }
 
     #[test]
@@ -682,7 +705,7 @@ mod tests {
         assert!(pool.reset_prefix_cache());
         let s = pool.stats();
         assert_eq!((s.cached_blocks, s.free_blocks, s.evictions), (0, 4, 0));
-        assert_eq!(pool.match_prefix(&[1, 2]), Vec::<BlockId>::new());
+        assert_eq!(pool.match_prefix(&[1, 2], 0), Vec::<BlockId>::new());
         pool.check_invariants();
     }
 
@@ -690,10 +713,10 @@ mod tests {
     fn disabled_prefix_caching_caches_nothing() {
         let mut pool = BlockPool::new(2, 2, false).unwrap();
         let a = pool.allocate().unwrap();
-        pool.register_full_block(a, None, &[1, 2]).unwrap();
+        pool.register_full_block(a, None, &[1, 2], 0).unwrap();
         assert!(!pool.is_cached(a).unwrap());
         pool.free(a).unwrap();
-        assert_eq!(pool.match_prefix(&[1, 2]), Vec::<BlockId>::new());
+        assert_eq!(pool.match_prefix(&[1, 2], 0), Vec::<BlockId>::new());
         assert_eq!(
             pool.stats(),
             PoolStats {
@@ -701,7 +724,7 @@ mod tests {
                 ..PoolStats::default()
             }
         );
-        assert!(msg(pool.register_full_block(a, None, &[1])).contains("got 1"));
+        assert!(msg(pool.register_full_block(a, None, &[1], 0)).contains("got 1"));
         pool.check_invariants();
     }
 
@@ -725,7 +748,7 @@ mod tests {
                             .copied()
                             .filter(|&p| pool.blocks[p as usize].hash.is_some());
                         let toks = [next(3) as u32, next(3) as u32];
-                        let _ = pool.register_full_block(id, parent, &toks);
+                        let _ = pool.register_full_block(id, parent, &toks, 0);
                         held.push(id);
                     }
                 }
@@ -735,7 +758,7 @@ mod tests {
                 }
                 4 => {
                     let q: Vec<u32> = (0..6).map(|_| next(3) as u32).collect();
-                    for id in pool.match_prefix(&q) {
+                    for id in pool.match_prefix(&q, 0) {
                         pool.incref(id).unwrap();
                         held.push(id);
                     }

@@ -100,24 +100,29 @@ impl PyBlockPool {
         Ok(self.inner.ref_count(self.id(block_id)?)?)
     }
 
-    /// Ids of the longest run of cached full blocks matching the start of `token_ids`.
-    fn match_prefix(&mut self, token_ids: Vec<i64>) -> PyResult<Vec<BlockId>> {
-        Ok(self.inner.match_prefix(&token_ids_arg(token_ids)?))
+    /// Ids of the longest run of cached full blocks matching the start of
+    /// `token_ids` in layer group `group`'s chain.
+    #[pyo3(signature = (token_ids, group = 0))]
+    fn match_prefix(&mut self, token_ids: Vec<i64>, group: u32) -> PyResult<Vec<BlockId>> {
+        Ok(self.inner.match_prefix(&token_ids_arg(token_ids)?, group))
     }
 
-    /// Registers a referenced full block holding `token_ids` after `parent_block_id`.
-    #[pyo3(signature = (block_id, parent_block_id, token_ids))]
+    /// Registers a referenced full block holding `token_ids` after
+    /// `parent_block_id` (None: the first block of layer group `group`'s chain).
+    #[pyo3(signature = (block_id, parent_block_id, token_ids, group = 0))]
     fn register_full_block(
         &mut self,
         block_id: i64,
         parent_block_id: Option<i64>,
         token_ids: Vec<i64>,
+        group: u32,
     ) -> PyResult<()> {
         let tokens = token_ids_arg(token_ids)?;
         Ok(self.inner.register_full_block(
             self.id(block_id)?,
             parent_block_id.map(|p| self.id(p)).transpose()?,
             &tokens,
+            group,
         )?)
     }
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 logger = logging.getLogger("fastllm")
@@ -34,6 +35,7 @@ class CachePlan:
     block_bytes: int
     max_model_len: int  # the longest sequence (maybe lowered to fit, see plan_kv_cache)
     budget_from: str  # what set the budget, in words
+    layout: str = ""  # how layers share blocks (``KVLayout.describe``), for the log
 
     @property
     def num_bytes(self) -> int:
@@ -50,7 +52,7 @@ class CachePlan:
         return (
             f"{self.num_blocks} blocks of {self.block_size} tokens, "
             f"{self.num_bytes / 2**20:.1f} MiB, {self.num_tokens} tokens in all; "
-            f"longest sequence {self.max_model_len} tokens ({self.budget_from})"
+            f"longest sequence {self.max_model_len} tokens ({self.budget_from}){self.layout}"
         )
 
 
@@ -93,17 +95,27 @@ def plan_kv_cache(
     max_num_seqs: int,
     kv_cache_memory_bytes: int | None,
     gpu_memory_utilization: float,
+    seq_blocks: Callable[[int], int] | None = None,
+    layout: str = "",
 ) -> CachePlan:
     """The cache for this engine; a ``ValueError`` naming the settings to change
-    when even one sequence cannot fit."""
+    when even one sequence cannot fit. ``seq_blocks(n)``: the blocks a
+    sequence of ``n`` tokens holds at most (default: one per ``block_size``
+    tokens; fewer where windowed layers free theirs, ``KVLayout``)."""
     if kv_cache_memory_bytes is not None:
         budget, source = kv_cache_memory_bytes, f"kv_cache_memory_bytes={kv_cache_memory_bytes}"
     else:
         budget, source = _budget(device, gpu_memory_utilization)
-    blocks_per_seq = -(-max_model_len // block_size)
+    per_seq = seq_blocks or (lambda n: -(-n // block_size))
+    blocks_per_seq = per_seq(max_model_len)
     wanted = blocks_per_seq * max_num_seqs + 1
     num_blocks = max(0, min(wanted, budget // block_bytes))
-    fits = num_blocks * block_size
+    # The longest sequence that fits (per_seq grows with n).
+    lo, hi = 0, max_model_len
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if per_seq(mid) <= num_blocks else (lo, mid - 1)
+    fits = lo
     if num_blocks < blocks_per_seq:
         if (
             max_model_len_is_explicit
@@ -125,4 +137,4 @@ def plan_kv_cache(
             fits,
         )
         max_model_len = fits
-    return CachePlan(num_blocks, block_size, block_bytes, max_model_len, source)
+    return CachePlan(num_blocks, block_size, block_bytes, max_model_len, source, layout)

@@ -59,7 +59,10 @@ class LLMEngine:
         self.eos_token_ids = eos
         self._build_runner(config, loaded)
         self.kv = KVCacheManager(
-            self.cache.num_blocks, config.block_size, config.enable_prefix_caching
+            self.cache.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            self.runner.layout.windows,
         )
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, eos
@@ -94,14 +97,17 @@ class LLMEngine:
         import torch
 
         from fastllm.engine.cache_size import plan_kv_cache
+        from fastllm.engine.kv_cache_manager import KVLayout
         from fastllm.engine.model_runner import ModelRunner
         from fastllm.layers.rotary import limit_positions
 
         mc, bs = loaded.model_config, config.block_size
+        layout = KVLayout.of([layer.sliding_window for layer in loaded.model.attention_layers()])
+        step = self.max_num_batched_tokens
         self.cache = plan_kv_cache(
             device=loaded.device,
             block_bytes=ModelRunner.block_bytes(
-                mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, bs, loaded.dtype
+                layout.layers_per_block, mc.num_key_value_heads, mc.head_dim, bs, loaded.dtype
             ),
             block_size=bs,
             max_model_len=self.max_model_len,
@@ -109,6 +115,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
             gpu_memory_utilization=config.gpu_memory_utilization,
+            seq_blocks=lambda n: layout.blocks_per_seq(n, bs, step),
+            layout=layout.describe(),
         )
         self.max_model_len = self.cache.max_model_len
         limit_positions(loaded.model, self.max_model_len)
@@ -124,6 +132,7 @@ class LLMEngine:
             device=torch.device(loaded.device),
             vocab_size=mc.vocab_size,
             fuse_decoder=loaded.fuse_decoder,
+            layout=layout,
         )
 
     def require_tokenizer(self) -> Tokenizer:

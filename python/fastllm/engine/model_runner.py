@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from fastllm import _core
+from fastllm.engine.kv_cache_manager import KVLayout
 from fastllm.engine.scheduler import SampledToken, SchedulerOutput, StepResult
 from fastllm.engine.sequence import Sequence
 from fastllm.engine.structured import GrammarMasks
@@ -36,6 +37,7 @@ class ModelRunner:
         device: torch.device,
         vocab_size: int | None = None,
         fuse_decoder: bool = False,
+        layout: KVLayout | None = None,
     ) -> None:
         self.model = model
         # Grammar masks overlap the forward pass when it runs on the GPU (the CPU is
@@ -58,13 +60,19 @@ class ModelRunner:
         layers = model.attention_layers()
         if len(layers) != num_layers:
             raise ValueError(f"model has {len(layers)} attention layers, config says {num_layers}")
+        self.layout = layout or KVLayout.of([layer.sliding_window for layer in layers])
+        # One K and one V tensor per layer slot of a block (``KVLayout``):
+        # layer slot s of every group lives in tensor s, at its group's block ids.
         # Uninitialised: a slot is always written before it is read, and on the
         # CPU the pages of blocks never used are never committed.
-        self.k_caches = [torch.empty(shape, dtype=dtype, device=device) for _ in layers]
-        self.v_caches = [torch.empty(shape, dtype=dtype, device=device) for _ in layers]
-        for layer, k, v in zip(layers, self.k_caches, self.v_caches):
-            layer.k_cache = k
-            layer.v_cache = v
+        slots = self.layout.layers_per_block
+        self.k_caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(slots)]
+        self.v_caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(slots)]
+        for i, layer in enumerate(layers):
+            group, slot = self.layout.place(i)
+            layer.kv_group = group
+            layer.k_cache = self.k_caches[slot]
+            layer.v_cache = self.v_caches[slot]
         # The loader decided whether the decoder layers run as one fused call
         # per step (``loading.load``); the fusion needs the caches made above.
         self.fused_layers = bool(fuse_decoder and model.fuse_decoder_layers())
@@ -73,12 +81,14 @@ class ModelRunner:
     def block_bytes(
         num_layers: int, num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype
     ) -> int:
-        """Bytes of K and V one block takes across all layers."""
+        """Bytes of K and V one block takes across ``num_layers`` layers (the
+        layers a block holds: ``KVLayout.layers_per_block``)."""
         elem = torch.empty(0, dtype=dtype).element_size()
         return 2 * num_layers * num_kv_heads * head_size * block_size * elem
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copies KV blocks (src -> dst) in every layer, for copy-on-write."""
+        """Copies KV blocks (src -> dst) in every layer slot, for copy-on-write
+        (a block belongs to one group; the other groups never read it)."""
         if not copies:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
@@ -138,12 +148,13 @@ class ModelRunner:
         n_tokens = sched.num_tokens
         input_ids = np.empty(n_tokens, dtype=np.int64)
         positions = np.empty(n_tokens, dtype=np.int64)
-        slots = np.empty(n_tokens, dtype=np.int64)
         num_seqs = len(sched.scheduled)
         seq_lens = np.empty(num_seqs, dtype=np.int32)
         qsl = np.zeros(num_seqs + 1, dtype=np.int32)
+        num_groups = self.layout.num_groups
         max_blocks = max(len(e.seq.block_table) for e in sched.scheduled)
-        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        block_tables = np.zeros((num_groups, num_seqs, max_blocks), dtype=np.int32)
+        group_slots = np.empty((num_groups, n_tokens), dtype=np.int64)
         bs = self.block_size
         max_q = 0
         for i, entry in enumerate(sched.scheduled):
@@ -153,20 +164,25 @@ class ModelRunner:
             input_ids[off : off + n] = seq.token_ids[start:end]
             pos = np.arange(start, end, dtype=np.int64)
             positions[off : off + n] = pos
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            slots[off : off + n] = table[pos // bs] * bs + pos % bs
-            block_tables[i, : len(table)] = table
+            for g in range(num_groups):
+                table = np.asarray(seq.block_tables[g], dtype=np.int64)
+                group_slots[g, off : off + n] = table[pos // bs] * bs + pos % bs
+                block_tables[g, i, : len(table)] = table
             seq_lens[i] = end
             qsl[i + 1] = off + n
             max_q = max(max_q, n)
         dev = self.device
+        tables = [torch.from_numpy(block_tables[g]).to(dev) for g in range(num_groups)]
+        mappings = [torch.from_numpy(group_slots[g]).to(dev) for g in range(num_groups)]
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
+            slot_mapping=mappings[0],
+            block_tables=tables[0],
             seq_lens=torch.from_numpy(seq_lens).to(dev),
             query_start_loc=torch.from_numpy(qsl).to(dev),
             max_query_len=max_q,
             max_seq_len=int(seq_lens.max()),
+            group_slot_mappings=mappings if num_groups > 1 else None,
+            group_block_tables=tables if num_groups > 1 else None,
         )
         logit_rows = [e.row + e.num_new_tokens - 1 for e in sched.sampled]
         set_context(meta)
@@ -177,7 +193,9 @@ class ModelRunner:
                 )
             finally:
                 set_context(None)
-            logits = self.model.compute_logits(hidden[torch.as_tensor(logit_rows, device=dev)])
+            # int64 even when empty: a step of prompt chunks alone samples nothing.
+            rows = torch.as_tensor(logit_rows, dtype=torch.long, device=dev)
+            logits = self.model.compute_logits(hidden[rows])
             extra: dict[int, torch.Tensor] = {}
             for idx, entry in enumerate(sched.scheduled):
                 if entry.prompt_logprobs:

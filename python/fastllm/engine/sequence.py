@@ -45,8 +45,13 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
-        self.block_table: list[int] = []
-        self.num_registered_blocks = 0  # leading full blocks entered in the prefix cache
+        # One block table per layer group (``KVCacheManager``; empty before
+        # the first allocation), with per group the leading full blocks
+        # entered in the prefix cache and the leading blocks freed (out of a
+        # window: their entries are 0 and never read).
+        self.block_tables: list[list[int]] = []
+        self.num_registered: list[int] = []
+        self.num_freed: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None  # "stop", "length" or "abort"
@@ -68,6 +73,11 @@ class Sequence:
         if self.grammar is not None:
             child.grammar = self.grammar.fork()
         return child
+
+    @property
+    def block_table(self) -> list[int]:
+        """The block table of layer group 0 (every layer's, in most models)."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def prompt_token_ids(self) -> list[int]:

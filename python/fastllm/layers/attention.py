@@ -46,9 +46,11 @@ class PagedAttention(Module):
         self.sliding_window = sliding_window
         #: Gemma 2's soft-cap of the scaled scores: ``c * tanh(s / c)`` (None: none).
         self.logit_softcap = logit_softcap
-        # Assigned by the model runner: [num_blocks, num_kv_heads, block_size, head_size].
+        # Assigned by the model runner: [num_blocks, num_kv_heads, block_size, head_size],
+        # and the layer group whose block table this layer reads (``KVLayout``).
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.kv_group = 0
         self.ops = TORCH_OPS  # the model's op table (``layers/ops.py``), bound at load
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ class PagedLayer(Protocol):
     scale: float
     sliding_window: int | None
     logit_softcap: float | None
+    kv_group: int
     k_cache: torch.Tensor | None
     v_cache: torch.Tensor | None
 
@@ -36,14 +37,15 @@ def attend(
     k_cache, v_cache = layer.k_cache, layer.v_cache
     assert k_cache is not None and v_cache is not None
     block_size = k_cache.shape[2]
-    slots = meta.slot_mapping.to(torch.long)
+    slots, tables = meta.for_group(layer.kv_group)
+    slots = slots.to(torch.long)
     blocks, offsets = slots // block_size, slots % block_size
     # Advanced indices around a slice put the token dim first: [T, kv_heads, head].
     k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
     v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
     if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0]:
-        return _decode(layer, q, meta)
-    return _prefill(layer, q, meta)
+        return _decode(layer, q, meta, tables)
+    return _prefill(layer, q, meta, tables)
 
 
 def _gather(
@@ -57,14 +59,16 @@ def _gather(
     return rows[:, :length]
 
 
-def _decode(layer: PagedLayer, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+def _decode(
+    layer: PagedLayer, q: torch.Tensor, meta: AttentionMetadata, block_tables: torch.Tensor
+) -> torch.Tensor:
     """One query token per sequence: the whole batch in one padded SDPA call."""
     k_cache, v_cache = layer.k_cache, layer.v_cache
     assert k_cache is not None and v_cache is not None
     num_seqs = q.shape[0]
     block_size = k_cache.shape[2]
     max_blocks = (meta.max_seq_len + block_size - 1) // block_size
-    tables = meta.block_tables[:, :max_blocks].to(torch.long)  # [S, nb]
+    tables = block_tables[:, :max_blocks].to(torch.long)  # [S, nb]
     length = max_blocks * block_size
 
     def gather(cache: torch.Tensor) -> torch.Tensor:
@@ -85,10 +89,15 @@ def _decode(layer: PagedLayer, q: torch.Tensor, meta: AttentionMetadata) -> torc
     return out.squeeze(2)
 
 
-def _prefill(layer: PagedLayer, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """Sequence by sequence: new tokens attend to their cached prefix and causally."""
+def _prefill(
+    layer: PagedLayer, q: torch.Tensor, meta: AttentionMetadata, block_tables: torch.Tensor
+) -> torch.Tensor:
+    """Sequence by sequence: new tokens attend to their cached prefix and
+    causally; with a window, from the first block any of them sees (earlier
+    entries of the table may be freed)."""
     k_cache, v_cache = layer.k_cache, layer.v_cache
     assert k_cache is not None and v_cache is not None
+    block_size = k_cache.shape[2]
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
@@ -96,9 +105,13 @@ def _prefill(layer: PagedLayer, q: torch.Tensor, meta: AttentionMetadata) -> tor
         start, end = starts[i], starts[i + 1]
         if end == start:
             continue
-        keys = _gather(layer, k_cache, meta.block_tables[i], seq_len)
-        values = _gather(layer, v_cache, meta.block_tables[i], seq_len)
-        mask = _mask(layer, end - start, seq_len, q.device)
+        skip = 0
+        if layer.sliding_window:
+            skip = max(0, seq_len - (end - start) + 1 - layer.sliding_window) // block_size
+        table = block_tables[i, skip:]
+        keys = _gather(layer, k_cache, table, seq_len - skip * block_size)
+        values = _gather(layer, v_cache, table, seq_len - skip * block_size)
+        mask = _mask(layer, end - start, seq_len, q.device)[:, skip * block_size :]
         qi = q[start:end].transpose(0, 1)  # [H, n, hd]
         out[start:end] = _sdpa(layer, qi, keys, values, mask).transpose(0, 1)
     return out

@@ -146,16 +146,15 @@ def attention_rust(
     layer: PagedLayer, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata
 ) -> Tensor:
     """The Rust cache write and paged attention, reading the torch tensors in place."""
-    _core.reshape_and_cache(
-        k.contiguous(), v.contiguous(), layer.k_cache, layer.v_cache, meta.slot_mapping
-    )
+    slots, tables = meta.for_group(layer.kv_group)
+    _core.reshape_and_cache(k.contiguous(), v.contiguous(), layer.k_cache, layer.v_cache, slots)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     _core.paged_attention(
         out,
         q.contiguous(),
         layer.k_cache,
         layer.v_cache,
-        meta.block_tables,
+        tables,
         meta.seq_lens,
         meta.query_start_loc,
         layer.scale,
@@ -210,16 +209,17 @@ def attention_cuda(
     from fastllm.layers import cuda_ops
 
     k_cache, v_cache = layer.k_cache, layer.v_cache
+    slots, tables = meta.for_group(layer.kv_group)
     if (
         cuda_ops.enabled()
         and q.dtype == k_cache.dtype
-        and cuda_ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        and cuda_ops.reshape_and_cache(k, v, k_cache, v_cache, slots)
     ):
         out = cuda_ops.paged_attention(
             q,
             k_cache,
             v_cache,
-            meta.block_tables,
+            tables,
             meta.seq_lens,
             meta.query_start_loc,
             layer.scale,

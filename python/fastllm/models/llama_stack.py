@@ -65,6 +65,8 @@ def why_not(model) -> str | None:
             return f"layer {i}'s activation is not SiLU"
         if attn.attn.k_cache is None or attn.attn.v_cache is None:
             return f"layer {i} has no KV cache"
+        if attn.attn.kv_group != 0:
+            return f"layer {i} keeps its own block table (windowed and full layers mixed)"
         dtype = attn.attn.k_cache.dtype
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         norms += [n for n in (attn.q_norm, attn.k_norm) if n is not None]
