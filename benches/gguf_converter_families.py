@@ -2,13 +2,19 @@
 for the newer families: Gemma 2/3, Phi-3, Granite, OLMo 2 and SmolLM3.
 
     PYTHONPATH=python python benches/gguf_converter_families.py [OUT_DIR] [--llama-dir DIR]
+        [--pylib DIR] [--families gemma2,gemma3,...]
 
 Each tiny random model of ``tests/test_gguf.py::GGUF_CONFIGS`` is saved with a
 512-token byte-level BPE tokenizer (``tests/conftest.py``) and converted by the
-real converter, one subprocess per file, to F32 and to Q8_0. fastllm reads each
-file (``hf_config`` + ``load_gguf_model``, paged prefill) and its logits over
-random sequences of 9, 17 and 33 tokens are compared with transformers'
-(float32, eager attention) on the original folder:
+real converter, one subprocess per file, to F32 and to Q8_0. Gemma 2's converter
+reads only a SentencePiece ``tokenizer.model``: its folder gets instead a
+512-piece SentencePiece BPE model trained here (``train_sentencepiece``: byte
+fallback and, as Gemma's, identity normalization, no dummy prefix, spaces kept)
+on the lines of the same standard-library sources, and its config takes that
+model's bos/eos/pad ids (1/2/3). fastllm reads each file (``hf_config`` +
+``load_gguf_model``, paged prefill) and its logits over random sequences of 9,
+17 and 33 tokens are compared with transformers' (float32, eager attention) on
+the original folder:
 
 * F32: max |ours - ref| / max|ref| and whether the argmax of every position
   (teacher-forced greedy tokens) is the reference's;
@@ -17,18 +23,22 @@ random sequences of 9, 17 and 33 tokens are compared with transformers'
   a fraction of that position's max|logit| (small margins: near ties that the
   int8 rounding decides, not a defect);
 * tok: the file's tokenizer (``fastllm.gguf.load_tokenizer``) encodes a sample
-  text as the folder's tokenizer does.
+  text as the folder's tokenizer does (for Gemma 2: as SentencePiece itself
+  encodes it, without and with the BOS the file asks for).
 
 llama.cpp's source (the converter, ``conversion/`` and ``gguf-py/``) is taken
 from ``--llama-dir`` or ``$LLAMA_DIR`` (default: the llama-cpp-python sdist that
-``benches/build_llama_cpp.sh fetch`` unpacks). Gemma 2's converter reads only a
-SentencePiece ``tokenizer.model``: that family is skipped without sentencepiece.
-No network is used.
+``benches/build_llama_cpp.sh fetch`` unpacks). sentencepiece, for Gemma 2, is
+imported from this environment or else from ``--pylib`` (default: the ``pylib``
+folder that ``benches/build_llama_cpp.sh convert`` installs it in, next to
+``src/``), which is also on the converter's ``PYTHONPATH``; without it that family
+is skipped. No network is used.
 """
 
 import argparse
 import copy
 import importlib.util
+import io
 import json
 import math
 import os
@@ -43,7 +53,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import test_models as tm  # noqa: E402
-from conftest import train_byte_level_bpe  # noqa: E402
+from conftest import _corpus, train_byte_level_bpe  # noqa: E402
 from fastllm.config import ModelConfig  # noqa: E402
 from fastllm.gguf import load_tokenizer  # noqa: E402
 from fastllm.gguf.config import hf_config  # noqa: E402
@@ -85,9 +95,73 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def make_folder(name: str, folder: str, tokenizer) -> torch.nn.Module:
-    """The family's tiny random model saved in ``folder`` with the 512-token tokenizer."""
+def default_pylib(llama: str) -> str:
+    """``<LLAMA_DIR>/pylib`` for ``<LLAMA_DIR>/src/llama_cpp_python-*/vendor/llama.cpp``."""
+    return os.path.normpath(os.path.join(os.path.abspath(llama), "..", "..", "..", "..", "pylib"))
+
+
+def train_sentencepiece(vocab_size: int) -> bytes:
+    """A SentencePiece BPE model (serialized) of ``vocab_size`` pieces, trained on
+    the lines of the standard-library sources that ``train_byte_level_bpe`` reads.
+
+    Byte fallback and, as Gemma's tokenizer.model has them, identity
+    normalization, whitespace kept as it is (runs of spaces too) and no dummy
+    prefix. Gemma's converter writes ``add_space_prefix = False``, which fastllm
+    (as llama.cpp) honours by prepending no ``▁``: a model trained without
+    ``add_dummy_prefix`` makes SentencePiece's own ``encode`` do the same, so the
+    two encodings are like for like. BPE, not unigram: the file keeps only
+    pieces and scores, from which fastllm (as llama.cpp) rebuilds BPE merges."""
+    import sentencepiece as spm
+
+    lines = [ln for text in _corpus() for ln in text.splitlines() if ln.strip()]
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=buf,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        add_dummy_prefix=False,
+        remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True,
+        character_coverage=1.0,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=3,
+        num_threads=1,
+        minloglevel=2,
+    )
+    return buf.getvalue()
+
+
+def make_folder(name: str, folder: str, tokenizer, sp_model: bytes | None) -> torch.nn.Module:
+    """The family's tiny random model saved in ``folder`` with the 512-token tokenizer
+    (``sp_model``, a SentencePiece model, for Gemma 2)."""
     cfg = copy.deepcopy(GGUF_CONFIGS[name])
+    if name == "gemma2":
+        import sentencepiece as spm
+
+        sp = spm.SentencePieceProcessor(model_proto=sp_model)
+        # The converter pads the vocabulary to the config's size with unused [PADn].
+        assert sp.vocab_size() <= cfg.vocab_size, (sp.vocab_size(), cfg.vocab_size)
+        cfg.bos_token_id, cfg.eos_token_id = sp.bos_id(), sp.eos_id()
+        cfg.pad_token_id = sp.pad_id()
+        model = tm._build(name, folder, config=cfg)
+        with open(os.path.join(folder, "tokenizer.model"), "wb") as f:
+            f.write(sp_model)
+        # No tokenizer.json: the converter would not read it. Gemma adds a BOS.
+        with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+            json.dump(
+                {
+                    "tokenizer_class": "GemmaTokenizer",
+                    "add_bos_token": True,
+                    "add_eos_token": False,
+                },
+                f,
+            )
+        return model
     cfg.eos_token_id = cfg.pad_token_id = 0  # the tokenizer's <|endoftext|>
     if not 0 <= (cfg.bos_token_id or 0) < tm.VOCAB:
         cfg.bos_token_id = 0
@@ -100,8 +174,9 @@ def make_folder(name: str, folder: str, tokenizer) -> torch.nn.Module:
     return model
 
 
-def convert(llama: str, folder: str, out: str, outtype: str) -> None:
-    env = {**os.environ, "PYTHONPATH": f"{llama}:{os.path.join(llama, 'gguf-py')}"}
+def convert(llama: str, pylib: str, folder: str, out: str, outtype: str) -> None:
+    path = [llama, os.path.join(llama, "gguf-py")] + ([pylib] if os.path.isdir(pylib) else [])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     cmd = [sys.executable, "-c", CONVERT, os.path.join(llama, "convert_hf_to_gguf.py"), folder]
     cmd += ["--outtype", outtype, "--outfile", out]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -161,16 +236,33 @@ def compare(ours: list[torch.Tensor], refs: list[torch.Tensor]) -> dict:
     return {"err": err, "same": same, "total": total, "margins": margins}
 
 
-def run_family(name: str, args, tokenizer, seqs, failures: list) -> dict:
+def tokens_match(path: str, tokenizer, sp_model: bytes | None) -> str:
+    """ "same" when the file's tokenizer encodes ``SAMPLE`` as the folder's does."""
+    ours = load_tokenizer(path)
+    ids = list(ours.encode(SAMPLE, add_special_tokens=False))
+    if sp_model is None:
+        return "same" if ids == tokenizer.encode(SAMPLE).ids else "DIFF"
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_proto=sp_model)
+    want = sp.encode(SAMPLE)
+    with_bos = list(ours.encode(SAMPLE, add_special_tokens=True))
+    if ids != want:
+        return "DIFF"
+    return "same" if with_bos == [sp.bos_id(), *want] else "DIFF (BOS)"
+
+
+def run_family(name: str, args, tokenizer, sp_model: bytes | None, seqs, failures: list) -> dict:
     """Converts the family's folder to F32 and Q8_0 and measures fastllm on both."""
     folder = os.path.join(args.out, name)
-    ref_model = make_folder(name, folder, tokenizer)
+    sp_model = sp_model if name == "gemma2" else None
+    ref_model = make_folder(name, folder, tokenizer, sp_model)
     refs = tm._reference(ref_model, seqs)
     row = {"family": name}
     for outtype in ("f32", "q8_0"):
         path = os.path.join(folder, f"{name}-{outtype}.gguf")
         try:
-            convert(args.llama_dir, folder, path, outtype)
+            convert(args.llama_dir, args.pylib, folder, path, outtype)
         except RuntimeError as e:
             failures.append(f"{name} {outtype} (convert): {e}")
             continue
@@ -183,8 +275,7 @@ def run_family(name: str, args, tokenizer, seqs, failures: list) -> dict:
         if outtype == "f32":
             row["diff"] = config_diff(hf, ref_model.config)
             try:
-                ids = load_tokenizer(path).encode(SAMPLE, add_special_tokens=False)
-                row["tok"] = "same" if list(ids) == tokenizer.encode(SAMPLE).ids else "DIFF"
+                row["tok"] = tokens_match(path, tokenizer, sp_model)
             except Exception as e:  # noqa: BLE001
                 row["tok"] = f"error: {type(e).__name__}: {e}"
     return row
@@ -225,8 +316,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out", nargs="?", default="/tmp/gguf-families")
     ap.add_argument("--llama-dir", default=os.environ.get("LLAMA_DIR", DEFAULT_LLAMA))
+    ap.add_argument(
+        "--pylib",
+        default=None,
+        help="folder holding sentencepiece (default: LLAMA_DIR's pylib, "
+        "see benches/build_llama_cpp.sh)",
+    )
     ap.add_argument("--families", default=",".join(FAMILIES))
     args = ap.parse_args()
+    args.pylib = args.pylib or default_pylib(args.llama_dir)
     if not os.path.isfile(os.path.join(args.llama_dir, "convert_hf_to_gguf.py")):
         sys.exit(
             f"llama.cpp source not found: {args.llama_dir}/convert_hf_to_gguf.py is missing; "
@@ -242,14 +340,19 @@ def main() -> None:
         f"({sum(LENGTHS)} positions); converter: {args.llama_dir}"
     )
     rows, notes = [], []
+    sp_model = None
     for name in args.families.split(","):
-        if name == "gemma2" and importlib.util.find_spec("sentencepiece") is None:
-            notes.append(
-                "SKIPPED gemma2: its converter reads only a SentencePiece "
-                "tokenizer.model, and sentencepiece is not installed"
-            )
-            continue
-        rows.append(run_family(name, args, tokenizer, seqs, notes))
+        if name == "gemma2" and sp_model is None:
+            if importlib.util.find_spec("sentencepiece") is None and os.path.isdir(args.pylib):
+                sys.path.append(args.pylib)
+            if importlib.util.find_spec("sentencepiece") is None:
+                notes.append(
+                    "SKIPPED gemma2: its converter reads only a SentencePiece tokenizer.model, "
+                    f"and sentencepiece is neither installed nor in {args.pylib}"
+                )
+                continue
+            sp_model = train_sentencepiece(tm.VOCAB)
+        rows.append(run_family(name, args, tokenizer, sp_model, seqs, notes))
     report(rows, [n if n.startswith("SKIPPED") else "FAILED " + n for n in notes])
 
 

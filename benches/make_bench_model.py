@@ -6,8 +6,16 @@
    (torch.manual_seed(0), default HF init), saved bf16 safetensors + tokenizer.
 3. llama-tiny-random: LlamaForCausalLM hidden 64, 2 layers, 4 heads, 2 kv heads,
    intermediate 128, vocab = tokenizer size, same tokenizer.
-Usage: python benches/make_bench_model.py [OUT_DIR]   (needs torch, transformers, tokenizers;
-`pip install "fastllm[bench]"` has them)
+4. With --models naming them (not built by default, they are large):
+   gemma3-1b-random, Gemma3ForCausalLM with Gemma 3 1B's shape (26 layers of
+   1152, 4 heads of 256 and 1 KV head, every 6th layer global, window 512,
+   vocab 262144); phi4-mini-random, Phi3ForCausalLM with Phi-4-mini's shape
+   (32 layers of 3072, 24 heads and 8 KV heads of 128, partial rotary 0.75,
+   LongRoPE over a 4096-token original context, vocab 200064, tied head).
+   Random weights in bf16, the same tokenizer.
+Usage: python benches/make_bench_model.py [OUT_DIR] [--models=qwen2,tiny,gemma3-1b,phi4-mini]
+(default qwen2,tiny; needs torch, transformers, tokenizers; `pip install "fastllm[bench]"`
+has them)
 """
 import ast
 import glob
@@ -19,17 +27,26 @@ import sysconfig
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
 
-ROOT = sys.argv[1] if len(sys.argv) > 1 else "bench-models"
+ARGS = [a for a in sys.argv[1:] if not a.startswith("--models")]
+ROOT = ARGS[0] if ARGS else "bench-models"
+MODELS = next(
+    (a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--models=")), "qwen2,tiny"
+).split(",")
 QWEN_DIR = os.path.join(ROOT, "qwen2-0.5b-random")
 TINY_DIR = os.path.join(ROOT, "llama-tiny-random")
+GEMMA3_DIR = os.path.join(ROOT, "gemma3-1b-random")
+PHI4_DIR = os.path.join(ROOT, "phi4-mini-random")
 TOK_VOCAB = 8192
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -73,12 +90,65 @@ def build_tokenizer():
     return fast
 
 
+def save_large(cfg, folder, tok, eos):
+    """A large random model built directly in bf16 (half the memory of an
+    fp32 build), saved with the tokenizer."""
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = AutoModelForCausalLM.from_config(cfg)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    model.config.dtype = torch.bfloat16
+    model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+                                               do_sample=False)
+    print(os.path.basename(folder), "params", sum(p.numel() for p in model.parameters()))
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    del model
+
+
+def gemma3_1b(V, eos):
+    return Gemma3TextConfig(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
+        sliding_window=512, sliding_window_pattern=6, query_pre_attn_scalar=256,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        rms_norm_eps=1e-6, tie_word_embeddings=True,
+        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+    )
+
+
+def phi4_mini(V, eos):
+    half = int(128 * 0.75) // 2  # one LongRoPE factor per rotary frequency
+    return Phi3Config(
+        vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+        num_attention_heads=24, num_key_value_heads=8, partial_rotary_factor=0.75,
+        max_position_embeddings=131072, original_max_position_embeddings=4096,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": [1.0 + i / half for i in range(half)],
+                         "long_factor": [1.0 + 30 * i / half for i in range(half)]},
+        rms_norm_eps=1e-5, tie_word_embeddings=True, sliding_window=None,
+        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+    )
+
+
 def main():
     os.makedirs(ROOT, exist_ok=True)
     tok = build_tokenizer()
     V = len(tok)
     eos = tok.convert_tokens_to_ids("<|endoftext|>")
     print("tokenizer size", V, "eos id", eos)
+    built = []
+    for name, folder, make in (("gemma3-1b", GEMMA3_DIR, gemma3_1b),
+                               ("phi4-mini", PHI4_DIR, phi4_mini)):
+        if name in MODELS:
+            save_large(make(V, eos), folder, tok, eos)
+            built.append(folder)
+    if "qwen2" not in MODELS and "tiny" not in MODELS:
+        _plain_tokenizer_class(built)
+        return
 
     # ---- bench model: Qwen2.5-0.5B shape ----
     cfg = Qwen2Config(
@@ -113,13 +183,18 @@ def main():
     print("tiny params", sum(p.numel() for p in tiny.parameters()))
     tiny.save_pretrained(TINY_DIR, safe_serialization=True)
     tok.save_pretrained(TINY_DIR)
+    _plain_tokenizer_class([QWEN_DIR, TINY_DIR, *built])
+
+
+def _plain_tokenizer_class(folders):
     # transformers 5 writes tokenizer_class "TokenizersBackend", unknown to transformers 4.x;
-    # "PreTrainedTokenizerFast" loads in both (plain tokenizer.json-backed fast tokenizer).
-    for d in (QWEN_DIR, TINY_DIR):
+    # "PreTrainedTokenizerFast" loads in both (plain tokenizer.json-backed fast tokenizer);
+    # Phi-3's converter reads a byte-level vocabulary only under "GPT2Tokenizer".
+    for d in folders:
         p = os.path.join(d, "tokenizer_config.json")
         with open(p, encoding="utf-8") as f:
             c = json.load(f)
-        c["tokenizer_class"] = "PreTrainedTokenizerFast"
+        c["tokenizer_class"] = "GPT2Tokenizer" if d == PHI4_DIR else "PreTrainedTokenizerFast"
         with open(p, "w", encoding="utf-8") as f:
             json.dump(c, f, indent=2)
 
