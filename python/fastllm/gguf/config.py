@@ -128,43 +128,7 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     head_size = hf.get("head_dim", hidden // heads)
 
     if arch in _LLAMA_LIKE:
-        hf["rms_norm_eps"] = _float(gguf, p + "attention.layer_norm_rms_epsilon", 1e-5)
-        hf["rope_theta"] = _float(gguf, p + "rope.freq_base", 10000.0)
-        rope_dim = gguf.get(p + "rope.dimension_count")
-        if rope_dim is not None and _int(gguf, p + "rope.dimension_count") != head_size:
-            raise GGUFError(
-                f"{gguf.path}: {p}rope.dimension_count ({rope_dim}) differs from the head size "
-                f"({head_size}): partial rotary is not supported for {arch}"
-            )
-        scaling = _rope_scaling(gguf, p)
-        if scaling is not None:
-            hf["rope_scaling"] = scaling
-        window = gguf.get(p + "attention.sliding_window")
-        if window:
-            hf["sliding_window"] = _int(gguf, p + "attention.sliding_window")
-        if arch in ("llama", "granite", "smollm3"):
-            hf["attention_bias"] = "blk.0.attn_q.bias" in tensors
-            hf["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
-        elif arch in ("qwen2", "qwen3"):
-            hf["use_sliding_window"] = bool(window)
-            if arch == "qwen3":
-                hf["attention_bias"] = "blk.0.attn_q.bias" in tensors
-        if window:
-            _layer_types(gguf, p, hf, None)
-        if arch == "granite":
-            for key, name in (
-                ("embedding_scale", "embedding_multiplier"),
-                ("attention.scale", "attention_multiplier"),
-                ("residual_scale", "residual_multiplier"),
-                ("logit_scale", "logits_scaling"),
-            ):
-                if gguf.get(p + key) is not None:
-                    hf[name] = _float(gguf, p + key)
-        elif arch == "smollm3":
-            # llama.cpp's rule for SmolLM3: every 4th layer has no rotary embedding.
-            hf["no_rope_layer_interval"] = 4
-        elif arch == "olmo2":
-            hf["attention_bias"] = "blk.0.attn_q.bias" in tensors
+        _llama_like(gguf, arch, p, hf, head_size)
     elif arch in ("gemma2", "gemma3"):
         _gemma(gguf, arch, p, hf, head_size)
     elif arch == "phi3":
@@ -209,6 +173,49 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     if dtype is not None:
         hf["torch_dtype"] = dtype
     return hf
+
+
+def _llama_like(gguf: GGUFFile, arch: str, p: str, hf: dict[str, Any], head_size: int) -> None:
+    """The Llama-style families: norm epsilon, rotary base and scaling, the
+    window, biases, and Granite's multipliers / SmolLM3's NoPE rule."""
+    tensors = gguf.tensors
+    hf["rms_norm_eps"] = _float(gguf, p + "attention.layer_norm_rms_epsilon", 1e-5)
+    hf["rope_theta"] = _float(gguf, p + "rope.freq_base", 10000.0)
+    rope_dim = gguf.get(p + "rope.dimension_count")
+    if rope_dim is not None and _int(gguf, p + "rope.dimension_count") != head_size:
+        raise GGUFError(
+            f"{gguf.path}: {p}rope.dimension_count ({rope_dim}) differs from the head size "
+            f"({head_size}): partial rotary is not supported for {arch}"
+        )
+    scaling = _rope_scaling(gguf, p)
+    if scaling is not None:
+        hf["rope_scaling"] = scaling
+    window = gguf.get(p + "attention.sliding_window")
+    if window:
+        hf["sliding_window"] = _int(gguf, p + "attention.sliding_window")
+    if arch in ("llama", "granite", "smollm3"):
+        hf["attention_bias"] = "blk.0.attn_q.bias" in tensors
+        hf["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
+    elif arch in ("qwen2", "qwen3"):
+        hf["use_sliding_window"] = bool(window)
+        if arch == "qwen3":
+            hf["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    if window:
+        _layer_types(gguf, p, hf, None)
+    if arch == "granite":
+        for key, name in (
+            ("embedding_scale", "embedding_multiplier"),
+            ("attention.scale", "attention_multiplier"),
+            ("residual_scale", "residual_multiplier"),
+            ("logit_scale", "logits_scaling"),
+        ):
+            if gguf.get(p + key) is not None:
+                hf[name] = _float(gguf, p + key)
+    elif arch == "smollm3":
+        # llama.cpp's rule for SmolLM3: every 4th layer has no rotary embedding.
+        hf["no_rope_layer_interval"] = 4
+    elif arch == "olmo2":
+        hf["attention_bias"] = "blk.0.attn_q.bias" in tensors
 
 
 def _layer_types(gguf: GGUFFile, p: str, hf: dict[str, Any], pattern: int | None) -> None:
