@@ -602,3 +602,25 @@ def test_gemma3_file_without_layer_flags(tmp_path, period):
     seqs = _sequences(17, [14, 6])
     for i, (ours, ref) in enumerate(zip(_logits(model, seqs), _reference(ref_model, seqs))):
         _assert_close_f32(ours, ref, f"gemma3 period {period} sequence {i}")
+
+
+def test_vocabulary_is_the_embedding_rows(saved, tmp_path):
+    """llama.cpp's Gemma 3 converter cuts the embedding to the tokenizer's
+    tokens but may keep the config's larger vocab_size in the metadata: the
+    embedding's rows are the model's vocabulary."""
+    import json
+
+    folder, ref_model = saved["gemma3"]
+    copy_dir = tmp_path / "g3"
+    shutil.copytree(folder, copy_dir)
+    cfg = json.load(open(copy_dir / "config.json"))
+    cfg["vocab_size"] = 262144  # the metadata's, not the rows'
+    (copy_dir / "config.json").write_text(json.dumps(cfg))
+    path = write_gguf(str(copy_dir), str(tmp_path / "m.gguf"), "gemma3", "F32")
+    with GGUFFile(path) as g:
+        assert g.get("gemma3.vocab_size") == 262144
+        assert hf_config(g)["vocab_size"] == 512
+    model, _ = _load_gguf(path)
+    seqs = _sequences(18, [11])
+    for ours, ref in zip(_logits(model, seqs), _reference(ref_model, seqs), strict=True):
+        _assert_close_f32(ours, ref, "gemma3 with a larger vocab_size key")

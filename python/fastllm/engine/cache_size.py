@@ -36,6 +36,7 @@ class CachePlan:
     max_model_len: int  # the longest sequence (maybe lowered to fit, see plan_kv_cache)
     budget_from: str  # what set the budget, in words
     layout: str = ""  # how layers share blocks (``KVLayout.describe``), for the log
+    groups: int = 1  # block tables per sequence (``KVLayout.num_groups``)
 
     @property
     def num_bytes(self) -> int:
@@ -44,8 +45,9 @@ class CachePlan:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens the cache holds in all."""
-        return self.num_blocks * self.block_size
+        """Tokens the cache holds in all (of short sequences, which take a
+        block in every group; long ones free their windowed groups' blocks)."""
+        return self.num_blocks * self.block_size // self.groups
 
     def describe(self) -> str:
         """One line for the log and the server's startup block."""
@@ -97,6 +99,7 @@ def plan_kv_cache(
     gpu_memory_utilization: float,
     seq_blocks: Callable[[int], int] | None = None,
     layout: str = "",
+    groups: int = 1,
 ) -> CachePlan:
     """The cache for this engine; a ``ValueError`` naming the settings to change
     when even one sequence cannot fit. ``seq_blocks(n)``: the blocks a
@@ -137,4 +140,4 @@ def plan_kv_cache(
             fits,
         )
         max_model_len = fits
-    return CachePlan(num_blocks, block_size, block_bytes, max_model_len, source, layout)
+    return CachePlan(num_blocks, block_size, block_bytes, max_model_len, source, layout, groups)

@@ -117,6 +117,7 @@ class LLMEngine:
             gpu_memory_utilization=config.gpu_memory_utilization,
             seq_blocks=lambda n: layout.blocks_per_seq(n, bs, step),
             layout=layout.describe(),
+            groups=layout.num_groups,
         )
         self.max_model_len = self.cache.max_model_len
         limit_positions(loaded.model, self.max_model_len)

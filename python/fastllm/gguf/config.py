@@ -93,9 +93,10 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     tensors = gguf.tensors
     if "token_embd.weight" not in tensors:
         raise GGUFError(f"{gguf.path}: tensor 'token_embd.weight' is missing")
-    tokens = gguf.get("tokenizer.ggml.tokens")
-    vocab = gguf.get(p + "vocab_size") or (len(tokens) if tokens is not None else None)
-    vocab = vocab or tensors["token_embd.weight"].shape[0]
+    # The embedding's rows are the model's vocabulary: llama.cpp's Gemma 3
+    # converter cuts the rows past the tokenizer's tokens but may keep the
+    # config's larger vocab_size in the metadata.
+    vocab = tensors["token_embd.weight"].shape[0]
     hidden = _int(gguf, p + "embedding_length")
     heads = _int(gguf, p + "attention.head_count")
     kv_heads = _int(gguf, p + "attention.head_count_kv", heads)
