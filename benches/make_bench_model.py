@@ -8,8 +8,9 @@
    intermediate 128, vocab = tokenizer size, same tokenizer.
 4. With --models naming them (not built by default, they are large):
    gemma3-1b-random, Gemma3ForCausalLM with Gemma 3 1B's shape (26 layers of
-   1152, 4 heads of 256 and 1 KV head, every 6th layer global, window 512,
-   vocab 262144); phi4-mini-random, Phi3ForCausalLM with Phi-4-mini's shape
+   1152, 4 heads of 256 and 1 KV head, every 6th layer global, window 512;
+   its vocabulary is the tokenizer's, as llama.cpp's Gemma 3 converter cuts
+   the embedding to the tokenizer, not Gemma's 262144); phi4-mini-random, Phi3ForCausalLM with Phi-4-mini's shape
    (32 layers of 3072, 24 heads and 8 KV heads of 128, partial rotary 0.75,
    LongRoPE over a 4096-token original context, vocab 200064, tied head).
    Random weights in bf16, the same tokenizer.
@@ -110,7 +111,7 @@ def save_large(cfg, folder, tok, eos):
 
 def gemma3_1b(V, eos):
     return Gemma3TextConfig(
-        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+        vocab_size=V, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
         num_attention_heads=4, num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
         sliding_window=512, sliding_window_pattern=6, query_pre_attn_scalar=256,
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
