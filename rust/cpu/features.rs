@@ -81,6 +81,31 @@ pub fn features() -> CpuFeatures {
     *FEATURES.get_or_init(detect)
 }
 
+/// Whether the CPU is Intel's (CPUID vendor "GenuineIntel"): some memory-bound
+/// kernels choose their access pattern by vendor, where the same code streams
+/// at very different rates (see `gemm::tile`).
+pub fn is_intel() -> bool {
+    static INTEL: OnceLock<bool> = OnceLock::new();
+    *INTEL.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::__cpuid_count;
+            // SAFETY: CPUID leaf 0 exists on every x86_64 CPU.
+            #[allow(unused_unsafe)]
+            let r = unsafe { __cpuid_count(0, 0) };
+            let mut vendor = [0u8; 12];
+            vendor[..4].copy_from_slice(&r.ebx.to_le_bytes());
+            vendor[4..8].copy_from_slice(&r.edx.to_le_bytes());
+            vendor[8..].copy_from_slice(&r.ecx.to_le_bytes());
+            &vendor == b"GenuineIntel"
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
 #[cfg(target_arch = "x86_64")]
 fn detect() -> CpuFeatures {
     use std::arch::x86_64::__cpuid_count;

@@ -374,6 +374,35 @@ mod tests {
     }
 
     #[test]
+    fn one_row_bf16_matches_reference_segmented_or_not() {
+        use std::sync::atomic::Ordering;
+        let mut rng = Rng(11);
+        for &(n, k) in &[(33, 17), (70, 600), (40, 2601), (5, 3)] {
+            let x: Vec<f32> = (0..k).map(|_| rng.f32()).collect();
+            let w: Vec<f32> = (0..n * k).map(|_| rng.f32()).collect();
+            let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+            let wr: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
+            let packed = PackedWeight::pack(Src::Bf16(&wb), None, n, k).unwrap();
+            let (want, _) = reference(&x, &wr, None, 1, n, k);
+            for mode in [1u8, 2] {
+                tile::SEGMENTS.store(mode, Ordering::Relaxed);
+                for path in available_paths() {
+                    let mut out = vec![0f32; n];
+                    gemm_with_path(path, Dst::F32(&mut out), Src::F32(&x), &packed, 1).unwrap();
+                    for (i, (&o, &r)) in out.iter().zip(&want).enumerate() {
+                        let tol = 1e-5 * (k as f64).sqrt() + 1e-6 * r.abs();
+                        assert!(
+                            (o as f64 - r).abs() <= tol,
+                            "{path:?} mode {mode} {n}x{k} [{i}]"
+                        );
+                    }
+                }
+            }
+            tile::SEGMENTS.store(0, Ordering::Relaxed);
+        }
+    }
+
+    #[test]
     fn bf16_output_is_rounded_sum() {
         let (m, n, k) = (3, 40, 8);
         let x: Vec<bf16> = (0..m * k)

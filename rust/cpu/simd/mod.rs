@@ -50,7 +50,8 @@ pub trait Simd: Copy + 'static {
     /// f32 lanes per vector.
     const LANES: usize;
     /// Whether a one-row GEMM tile streams its panel as four segments (more
-    /// lines in flight, see `gemm::tile`). Only the AVX-512 kernel does.
+    /// lines in flight, see `gemm::tile`). Only the AVX-512 kernel does, on
+    /// Intel's CPUs.
     const SEGMENTED_ROW: bool;
     /// The GEMM tile covers the panel's 32 features at once up to this many
     /// rows; taller tiles (up to `gemm`'s rows for the path) cover it as
