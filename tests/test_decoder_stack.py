@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(
     not should_pack("cpu", torch.float32), reason="the stack runs packed CPU models"
 )
 
-NAMES = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3"]
+NAMES = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "phi3"]
 
 
 @pytest.fixture(scope="module")

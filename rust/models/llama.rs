@@ -1,4 +1,4 @@
-//! The decoder layers of the Llama family (Llama, Mistral, Qwen2, Qwen3) in
+//! The decoder layers of the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3) in
 //! one call per step: the Rust twin of `python/fastllm/models/llama.py`
 //! (`models/llama_stack.py` hands it the weights; `tests/test_decoder_stack.py`
 //! checks both paths agree on every Llama-family config).

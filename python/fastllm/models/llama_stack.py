@@ -38,7 +38,15 @@ def _packed(linear) -> object | None:
 # A family added to ``models/llama.py`` runs layer by layer until it is added
 # here and there.
 FUSED_ARCHITECTURES = frozenset(
-    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        # Phi-3 / Phi-4-mini: the Llama layers with partial rotary (the stack's
+        # rotary_dim) and LongRoPE (in the cos/sin tables the model makes).
+        "Phi3ForCausalLM",
+    }
 )
 
 
