@@ -27,11 +27,14 @@ from fastllm.engine.sequence import Sequence
 from fastllm.sampling_params import SamplingParams
 
 
-def _decoding_seq(token_ids: list[int], computed: int, block_table: list[int]) -> Sequence:
-    """A sequence whose first ``computed`` tokens are in the cache, in ``block_table``."""
+def _decoding_seq(token_ids: list[int], computed: int, tables: list[list[int]]) -> Sequence:
+    """A sequence whose first ``computed`` tokens are in the cache, in one
+    block table per layer group (``KVLayout``)."""
     seq = Sequence("bench", token_ids, SamplingParams(temperature=0), seed=0)
     seq.num_computed_tokens = computed
-    seq.block_table = block_table
+    seq.block_tables = tables
+    seq.num_registered = [0] * len(tables)
+    seq.num_freed = [0] * len(tables)
     return seq
 
 
@@ -50,9 +53,11 @@ def main() -> None:
     llm = LLM(args.model, dtype=args.dtype, device="cpu", max_model_len=longest, max_num_seqs=1)
     engine = llm.llm_engine
     mc, bs = engine.model_config, engine.config.block_size
+    layout = engine.runner.layout
+    groups = layout.num_groups
     blocks_per_seq = -(-longest // bs)
     per_block = ModelRunner.block_bytes(
-        mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, bs, engine.dtype
+        layout.layers_per_block, mc.num_key_value_heads, mc.head_dim, bs, engine.dtype
     )
     # A runner whose cache holds every sequence of the batch at the longest context.
     runner = ModelRunner(
@@ -60,16 +65,18 @@ def main() -> None:
         num_layers=mc.num_hidden_layers,
         num_kv_heads=mc.num_key_value_heads,
         head_size=mc.head_dim,
-        num_blocks=args.batch * blocks_per_seq,
+        num_blocks=args.batch * blocks_per_seq * groups,
         block_size=bs,
         dtype=engine.dtype,
         device=torch.device("cpu"),
         fuse_decoder=engine.loaded.fuse_decoder,
+        layout=layout,
     )
     for cache in runner.k_caches + runner.v_caches:
         cache.zero_()  # "prefilled" contexts: zeros, whatever the allocator gave
     print(
-        f"batch {args.batch}, KV cache {args.batch * blocks_per_seq * per_block / 1e9:.2f} GB, "
+        f"batch {args.batch}, KV cache "
+        f"{args.batch * blocks_per_seq * groups * per_block / 1e9:.2f} GB, "
         f"dtype {engine.dtype}"
     )
     vocab = mc.vocab_size
@@ -79,7 +86,10 @@ def main() -> None:
             _decoding_seq(
                 [(7 * i + j) % vocab for j in range(ctx + args.steps + 1)],
                 ctx - 1,
-                list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
+                [
+                    list(range(b0, b0 + blocks_per_seq))
+                    for b0 in ((i * groups + g) * blocks_per_seq for g in range(groups))
+                ],
             )
             for i in range(args.batch)
         ]
