@@ -25,10 +25,11 @@ _GPT2_NAMES = {
 }
 
 
-# Multimodal checkpoints whose text part fastllm runs: the ``text_config``
-# becomes the model's config (fields it leaves out take the text model's
-# defaults below), and the weights are found under the text model's prefix.
-TEXT_PART_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# Multimodal checkpoints whose text part fastllm runs, with the text model's
+# ``model_type``: the ``text_config`` becomes the model's config (fields it
+# leaves out take the text model's defaults below), and the weights are found
+# under the text model's prefix.
+TEXT_PART_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3_text"}
 
 # Defaults of fields a config may leave out, by ``model_type``: the values
 # the family's reference configuration class uses (Gemma 3's multimodal
@@ -74,7 +75,7 @@ def _text_part(hf: dict[str, Any], path: str) -> dict[str, Any]:
         if not isinstance(text, dict):
             raise ValueError(f"{path}: {archs[0]} needs a 'text_config' object")
         merged = dict(text)
-        merged.setdefault("model_type", "gemma3_text")
+        merged.setdefault("model_type", TEXT_PART_ARCHITECTURES[archs[0]])
         for key in ("eos_token_id", "bos_token_id", "pad_token_id", "dtype", "torch_dtype"):
             if merged.get(key) is None and hf.get(key) is not None:
                 merged[key] = hf[key]
@@ -346,7 +347,7 @@ def _rope_parameters(hf: dict[str, Any], path: str) -> tuple[float, dict[str, An
         raise ValueError(f"{path}: field 'rope_parameters' must be an object, got {params!r}")
     if params is not None and isinstance(params.get("full_attention"), dict):
         # One set per layer type (Gemma 3): the full-attention layers' here;
-        # ``ModelConfig.rope_of`` reads the others.
+        # ``rope_of_layer_type`` reads the others.
         params = params["full_attention"]
     params = dict(params or {})
     legacy = hf.get("rope_scaling")

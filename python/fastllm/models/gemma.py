@@ -11,7 +11,7 @@
   attention kernels) and both soft-cap the final logits
   (``final_logit_softcapping``).
 * Layers alternate between a sliding window and full attention
-  (``ModelConfig.layer_types``: Gemma 2 alternates, Gemma 3 has five local
+  (``ModelConfig.layer_attention_types``: Gemma 2 alternates, Gemma 3 has five local
   layers per global one); Gemma 3 normalises q and k per head and rotates its
   local layers with their own base frequency (``rope_local_base_freq``)
   while only the global layers take the rope scaling.
