@@ -597,7 +597,8 @@ def test_gemma3_file_without_layer_flags(tmp_path, period):
     json.dump(cfg, open(cfg_path, "w"))
     path = write_gguf(folder, str(tmp_path / "m.gguf"), "gemma3", "F32")
     with GGUFFile(path) as g:
-        assert hf_config(g)["layer_types"] == config.layer_types
+        read = ModelConfig.from_dict(hf_config(g), path=path)
+    assert read.layer_attention_types() == config.layer_types
     model, _ = _load_gguf(path)
     seqs = _sequences(17, [14, 6])
     for i, (ours, ref) in enumerate(zip(_logits(model, seqs), _reference(ref_model, seqs))):

@@ -202,7 +202,7 @@ def _llama_like(gguf: GGUFFile, arch: str, p: str, hf: dict[str, Any], head_size
         if arch == "qwen3":
             hf["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if window:
-        _layer_types(gguf, p, hf, None)
+        _layer_types(gguf, p, hf)
     if arch == "granite":
         for key, name in (
             ("embedding_scale", "embedding_multiplier"),
@@ -219,61 +219,55 @@ def _llama_like(gguf: GGUFFile, arch: str, p: str, hf: dict[str, Any], head_size
         hf["attention_bias"] = "blk.0.attn_q.bias" in tensors
 
 
-def _layer_types(gguf: GGUFFile, p: str, hf: dict[str, Any], pattern: int | None) -> None:
+def _layer_types(gguf: GGUFFile, p: str, hf: dict[str, Any]) -> None:
     """``layer_types`` from ``{arch}.attention.sliding_window_pattern``: one
-    flag per layer, or a period (the last layer of each period is global),
-    or ``pattern`` where the file has neither (None: every layer local)."""
+    flag per layer, or a period (the last layer of each period is global).
+    Without it the family's default holds (``ModelConfig.layer_attention_types``:
+    Gemma 2 alternates, Gemma 3 has a period of 6, as llama.cpp assumes; the
+    others window every layer)."""
     n = hf["num_hidden_layers"]
     key = p + "attention.sliding_window_pattern"
     value = gguf.get(key)
-    if isinstance(value, np.ndarray) or isinstance(value, list):
+    if value is None:
+        return
+    if isinstance(value, (np.ndarray, list)):
         flags = [bool(v) for v in np.asarray(value).reshape(-1).tolist()]
         if len(flags) != n:
             raise GGUFError(
                 f"{gguf.path}: metadata key {key!r} has {len(flags)} entries for {n} layers"
             )
     else:
-        period = _int(gguf, key) if value is not None else pattern
-        if period is None:
-            return
+        period = _int(gguf, key)
         flags = [(i % period) < period - 1 for i in range(n)]
     hf["layer_types"] = ["sliding_attention" if f else "full_attention" for f in flags]
 
 
 def _gemma(gguf: GGUFFile, arch: str, p: str, hf: dict[str, Any], head_size: int) -> None:
     """Gemma 2 / 3: soft-caps, windows, the query scale llama.cpp infers, the
-    local layers' rotary base. The converter stores the norms as ``1 + w``;
-    the loader reads GGUF norms as stored."""
+    local layers' rotary base; what the file leaves out takes the family's
+    defaults (``config._FAMILY_DEFAULTS``, llama.cpp's too). The converter
+    stores the norms as ``1 + w``; the loader reads GGUF norms as stored."""
     hf["rms_norm_eps"] = _float(gguf, p + "attention.layer_norm_rms_epsilon", 1e-6)
     hf["rope_theta"] = _float(gguf, p + "rope.freq_base", 10000.0)
     hf["head_dim"] = head_size
-    hf["hidden_activation"] = "gelu_pytorch_tanh"
-    window = gguf.get(p + "attention.sliding_window")
-    if arch == "gemma2":
-        hf["sliding_window"] = _int(gguf, p + "attention.sliding_window", 4096)
-        hf["attn_logit_softcapping"] = _float(gguf, p + "attn_logit_softcapping", 50.0)
-        hf["final_logit_softcapping"] = _float(gguf, p + "final_logit_softcapping", 30.0)
-        _layer_types(gguf, p, hf, 2)
-    else:
-        final = gguf.get(p + "final_logit_softcapping")
-        hf["final_logit_softcapping"] = (
-            _float(gguf, p + "final_logit_softcapping") if final else None
-        )
-        if window:
-            hf["sliding_window"] = _int(gguf, p + "attention.sliding_window")
-            _layer_types(gguf, p, hf, 6)
-        else:  # no window: every layer global
-            hf["sliding_window"] = None
-            hf["layer_types"] = ["full_attention"] * hf["num_hidden_layers"]
-        scaling = _rope_scaling(gguf, p)
-        global_rope = {"rope_type": "default", "rope_theta": hf["rope_theta"]}
+    for key, name in (
+        ("attn_logit_softcapping", "attn_logit_softcapping"),
+        ("final_logit_softcapping", "final_logit_softcapping"),
+        ("attention.sliding_window", "sliding_window"),
+        ("rope.freq_base_swa", "rope_local_base_freq"),
+    ):
+        if gguf.get(p + key):
+            hf[name] = _float(gguf, p + key)
+    if "sliding_window" in hf:
+        hf["sliding_window"] = _int(gguf, p + "attention.sliding_window")
+        _layer_types(gguf, p, hf)
+    elif arch == "gemma3":  # no window: every layer global
+        hf["sliding_window"] = None
+    if arch == "gemma3":
+        hf["final_logit_softcapping"] = hf.get("final_logit_softcapping")
+        scaling = _rope_scaling(gguf, p)  # the global layers' (legacy fields)
         if scaling is not None:
-            global_rope.update(scaling)
-        local_theta = _float(gguf, p + "rope.freq_base_swa", 10000.0)
-        hf["rope_parameters"] = {
-            "full_attention": global_rope,
-            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
-        }
+            hf["rope_scaling"] = scaling
     if hf["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]:
         hf["query_pre_attn_scalar"] = hf["hidden_size"] // hf["num_attention_heads"]
     else:

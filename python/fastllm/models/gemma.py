@@ -33,7 +33,7 @@ from fastllm.config import ModelConfig, rope_of_layer_type
 from fastllm.layers import Module
 from fastllm.layers.norm import RMSNorm
 from fastllm.layers.rotary import RotaryEmbedding
-from fastllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from fastllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, positive_number
 from fastllm.models.weights import WeightSpec
 
 logger = logging.getLogger("fastllm")
@@ -46,16 +46,7 @@ class GemmaDecoderLayer(Module):
         super().__init__()
         hf = config.hf
         eps = float(hf.get("rms_norm_eps", 1e-6))
-        self.self_attn = LlamaAttention(
-            config,
-            layer,
-            flags["qkv_bias"],
-            flags["o_bias"],
-            flags["qk_norm"],
-            eps,
-            scale=flags["attention_scale"],
-            logit_softcap=flags["logit_softcap"],
-        )
+        self.self_attn = LlamaAttention.of(config, layer, flags, eps)
         act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, act, False)
         h = config.hidden_size
@@ -70,16 +61,6 @@ class GemmaDecoderLayer(Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-def _positive(hf: dict[str, Any], name: str) -> float | None:
-    """A positive number of the config, or None where it is absent or null."""
-    value = hf.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"config.json: {name} must be a positive number or null, got {value!r}")
-    return float(value)
-
-
 class Gemma2ForCausalLM(LlamaForCausalLM):
     """Gemma 2: alternating local and global layers, soft-capped attention scores and logits."""
 
@@ -89,7 +70,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
-        self.final_logit_softcap = _positive(config.hf, "final_logit_softcapping")
+        self.final_logit_softcap = positive_number(config.hf, "final_logit_softcapping")
         self.embed_scale = config.hidden_size**0.5
         types = config.layer_attention_types() or ["full_attention"] * config.num_hidden_layers
         #: Layers rotated by ``rotary_local`` (None: every layer by ``rotary``).
@@ -108,7 +89,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     def _flags(cls, config: ModelConfig) -> dict[str, Any]:
         hf = config.hf
         bias = bool(hf.get("attention_bias", False))
-        scalar = _positive(hf, "query_pre_attn_scalar") or float(config.head_dim)
+        scalar = positive_number(hf, "query_pre_attn_scalar") or float(config.head_dim)
         return {
             "qkv_bias": bias,
             "o_bias": bias,
@@ -119,7 +100,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def _attention_softcap(config: ModelConfig) -> float | None:
-        return _positive(config.hf, "attn_logit_softcapping")
+        return positive_number(config.hf, "attn_logit_softcapping")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] of the step's packed tokens."""

@@ -31,6 +31,17 @@ from fastllm.models import llama_stack
 from fastllm.models.weights import WeightSpec
 
 
+def positive_number(hf: dict[str, Any], name: str) -> float | None:
+    """The config's field ``name`` as a positive float, None where it is absent
+    or null; a ValueError naming it otherwise."""
+    value = hf.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"config.json: {name} must be a positive number, got {value!r}")
+    return float(value)
+
+
 class LlamaAttention(Module):
     """Self-attention with fused q/k/v, rotary positions and a paged KV cache."""
 
@@ -65,6 +76,25 @@ class LlamaAttention(Module):
             self.head_dim**-0.5 if scale is None else scale,
             config.layer_sliding_window(layer),
             logit_softcap,
+        )
+
+    @classmethod
+    def of(
+        cls, config: ModelConfig, layer: int, flags: dict[str, Any], eps: float
+    ) -> LlamaAttention:
+        """The attention of decoder layer ``layer`` as the family's flags set it
+        (``LlamaForCausalLM._flags``)."""
+        rope_layers = flags.get("rope_layers")
+        return cls(
+            config,
+            layer,
+            flags["qkv_bias"],
+            flags["o_bias"],
+            flags["qk_norm"],
+            eps,
+            scale=flags.get("attention_scale"),
+            use_rope=True if rope_layers is None else bool(rope_layers[layer]),
+            logit_softcap=flags.get("logit_softcap"),
         )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -113,19 +143,8 @@ class LlamaDecoderLayer(Module):
 
     def __init__(self, config: ModelConfig, layer: int, flags: dict[str, Any]) -> None:
         super().__init__()
-        hf = config.hf
-        eps = float(hf.get("rms_norm_eps", 1e-6))
-        rope_layers = flags.get("rope_layers")
-        self.self_attn = LlamaAttention(
-            config,
-            layer,
-            flags["qkv_bias"],
-            flags["o_bias"],
-            flags["qk_norm"],
-            eps,
-            scale=flags.get("attention_scale"),
-            use_rope=True if rope_layers is None else bool(rope_layers[layer]),
-        )
+        eps = float(config.hf.get("rms_norm_eps", 1e-6))
+        self.self_attn = LlamaAttention.of(config, layer, flags, eps)
         #: Granite's factor on each residual branch (None: plain sums).
         self.residual_multiplier: float | None = flags.get("residual_multiplier")
         self.mlp = LlamaMLP.of(config, flags["mlp_bias"])
@@ -321,10 +340,8 @@ class GraniteForCausalLM(LlamaForCausalLM):
         bias = bool(hf.get("attention_bias", False))
 
         def number(name: str, default: float) -> float:
-            value = hf.get(name, default)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"config.json: {name} must be a positive number, got {value!r}")
-            return float(value)
+            value = positive_number(hf, name)
+            return default if value is None else value
 
         return {
             "qkv_bias": bias,
