@@ -196,6 +196,16 @@ def write_gguf(
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rope["factor"]))
+    elif rope.get("rope_type") == "yarn":  # the converter's keys
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        if rope.get("attention_factor") is not None:
+            w.add_rope_scaling_yarn_attn_factor(float(rope["attention_factor"]))
+        if rope.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(float(rope["beta_fast"]))
+        if rope.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(float(rope["beta_slow"]))
     w.add_vocab_size(cfg["vocab_size"])
     if not tokenizer:  # otherwise the tokenizer's keys carry them
         if cfg.get("bos_token_id") is not None:

@@ -175,14 +175,19 @@ def test_bf16_file_equals_the_folder_in_bf16(name, saved, tmp_path):
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("name", ["llama3-rope", "llama-linear-rope"])
+@pytest.mark.parametrize("name", ["llama3-rope", "llama-linear-rope", "qwen3-yarn"])
 def test_rope_scaling_from_the_file(name, tmp_path_factory):
-    """Llama 3's scaling (a rope_freqs.weight tensor) and linear scaling (metadata)."""
+    """Llama 3's scaling (a rope_freqs.weight tensor), linear scaling and
+    YaRN (metadata, as the converter writes Qwen3's long-context configs)."""
     folder = str(tmp_path_factory.mktemp(name))
     ref_model = _build(name, folder)
-    path = write_gguf(folder, os.path.join(folder, "m.gguf"), "llama", "F32")
+    kind = "qwen3" if name == "qwen3-yarn" else "llama"
+    path = write_gguf(folder, os.path.join(folder, "m.gguf"), kind, "F32")
     with GGUFFile(path) as g:
         assert ("rope_freqs.weight" in g.tensors) == (name == "llama3-rope")
+        read = ModelConfig.from_dict(hf_config(g), path=path).rope_scaling
+    want = {"llama3-rope": "freq_factors", "llama-linear-rope": "linear", "qwen3-yarn": "yarn"}
+    assert read["rope_type"] == want[name]
     model, _ = _load_gguf(path)
     seqs = _sequences(7, [40, 9])  # long enough for the scaled frequencies to matter
     for i, (ours, ref) in enumerate(zip(_logits(model, seqs), _reference(ref_model, seqs))):

@@ -304,7 +304,8 @@ def _phi3(gguf: GGUFFile, p: str, hf: dict[str, Any], head_size: int) -> None:
 
 
 def _rope_scaling(gguf: GGUFFile, p: str) -> dict[str, Any] | None:
-    """rope scaling from ``{arch}.rope.scaling.*`` and a ``rope_freqs.weight`` tensor."""
+    """rope scaling from ``{arch}.rope.scaling.*`` (linear, YaRN) and a
+    ``rope_freqs.weight`` tensor."""
     kind = gguf.get(p + "rope.scaling.type")
     factor = gguf.get(p + "rope.scaling.factor")
     if "rope_freqs.weight" in gguf.tensors:
@@ -320,9 +321,25 @@ def _rope_scaling(gguf: GGUFFile, p: str) -> dict[str, Any] | None:
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": _float(gguf, p + "rope.scaling.factor")}
+    if kind == "yarn":  # Qwen2.5 / Qwen3 long context, as the converter writes it
+        scaling: dict[str, Any] = {
+            "rope_type": "yarn",
+            "factor": _float(gguf, p + "rope.scaling.factor"),
+            "original_max_position_embeddings": _int(
+                gguf, p + "rope.scaling.original_context_length"
+            ),
+        }
+        for key, name in (
+            ("yarn_beta_fast", "beta_fast"),
+            ("yarn_beta_slow", "beta_slow"),
+            ("yarn_attn_factor", "attention_factor"),
+        ):
+            if gguf.get(p + "rope.scaling." + key) is not None:
+                scaling[name] = _float(gguf, p + "rope.scaling." + key)
+        return scaling
     raise GGUFError(
-        f"{gguf.path}: {p}rope.scaling.type {kind!r} is not supported; supported: none, linear "
-        "(and Llama 3 rope_freqs)"
+        f"{gguf.path}: {p}rope.scaling.type {kind!r} is not supported; supported: none, linear, "
+        "yarn (and Llama 3 rope_freqs)"
     )
 
 
