@@ -630,3 +630,24 @@ def test_vocabulary_is_the_embedding_rows(saved, tmp_path):
     seqs = _sequences(18, [11])
     for ours, ref in zip(_logits(model, seqs), _reference(ref_model, seqs), strict=True):
         _assert_close_f32(ours, ref, "gemma3 with a larger vocab_size key")
+
+
+def test_gemma2_27b_query_scale_from_the_layer_count(tmp_path):
+    """A GGUF file has no query_pre_attn_scalar: llama.cpp scales Gemma 2's
+    queries by hidden / heads for its 46-layer (27B) model and by the head
+    size otherwise, and fastllm reads the file the same way: a 46-layer model
+    whose scalar is hidden / heads (not the head size) equals transformers."""
+    config = copy.deepcopy(GGUF_CONFIGS["gemma2"])
+    config.num_hidden_layers = 46
+    config.layer_types = ["sliding_attention", "full_attention"] * 23
+    config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+    assert config.query_pre_attn_scalar != config.head_dim
+    folder = str(tmp_path / "g2-27b")
+    ref_model = _build("gemma2", folder, config=config)
+    path = write_gguf(folder, str(tmp_path / "m.gguf"), "gemma2", "F32")
+    with GGUFFile(path) as g:
+        assert hf_config(g)["query_pre_attn_scalar"] == config.query_pre_attn_scalar
+    model, _ = _load_gguf(path)
+    seqs = _sequences(19, [13, 5])
+    for i, (ours, ref) in enumerate(zip(_logits(model, seqs), _reference(ref_model, seqs))):
+        _assert_close_f32(ours, ref, f"gemma2 46 layers sequence {i}")
