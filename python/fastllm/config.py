@@ -404,6 +404,10 @@ class EngineConfig:
     trust_remote_code: bool = False
     enforce_eager: bool = False  # accepted for vLLM scripts: fastllm has no graphs to capture
     skip_tokenizer_init: bool = False
+    # how replies mark their thinking (fastllm.reasoning: "qwen3", "deepseek_r1");
+    # needed by thinking_token_budget, by structured outputs that apply to the
+    # answer after the thinking, and by the reasoning_content split
+    reasoning_parser: str | None = None
 
     def validate(self) -> None:
         """Checks every field, naming the field in the error."""
@@ -426,6 +430,9 @@ class EngineConfig:
         from fastllm.layers.quantization import resolve_quantization
 
         resolve_quantization(self.quantization)
+        from fastllm.reasoning import reasoning_parser
+
+        reasoning_parser(self.reasoning_parser)
         if self.task not in ("generate", "auto"):
             raise ValueError(
                 f"task={self.task!r} is not supported: fastllm generates text (task='generate')"

@@ -126,6 +126,13 @@ def add_engine_settings(g: Any) -> None:
         help="accepted for vLLM command lines: fastllm runs only its own model code",
     )
     g.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=["qwen3", "deepseek_r1"],
+        help="how the model marks its thinking: replies carry it apart as "
+        "reasoning_content, and thinking_token_budget and structured outputs apply",
+    )
+    g.add_argument(
         "--enforce-eager",
         action="store_true",
         help="accepted for vLLM command lines; no effect (fastllm captures no graphs)",
@@ -145,6 +152,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "tokenizer_mode": args.tokenizer_mode,
         "trust_remote_code": args.trust_remote_code,
         "enforce_eager": args.enforce_eager,
+        "reasoning_parser": args.reasoning_parser,
     }
 
 

@@ -78,28 +78,65 @@ def truncate(ids: list[int], params: SamplingParams) -> list[int]:
     return ids[-k:] if k is not None and len(ids) > k else ids
 
 
+# Template variables the renderer sets itself; chat_template_kwargs may not replace them.
+_RESERVED_TEMPLATE_VARS = ("messages", "add_generation_prompt", "tools", "documents")
+
+
 def render_chat(
     tokenizer: Any,
     messages: Sequence[dict[str, Any]],
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
+    *,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    continue_final_message: bool = False,
+    documents: list[dict[str, Any]] | None = None,
 ) -> str:
     """A conversation as the chat template writes it (with the request's
-    ``tools`` when it offers the model any); a ValueError when the template
-    cannot render it."""
+    ``tools`` when it offers the model any, ``documents`` for templates that
+    take them, and ``chat_template_kwargs`` as extra template variables, such
+    as Qwen3's ``enable_thinking``). ``continue_final_message``: the text ends
+    inside the last message (an assistant reply to continue), not after it.
+    A ValueError names the problem when the template cannot render it."""
     from jinja2.exceptions import TemplateError
 
-    extra = {"tools": tools} if tools else {}
+    kwargs = dict(chat_template_kwargs or {})
+    for name in _RESERVED_TEMPLATE_VARS:
+        if name in kwargs:
+            raise ValueError(
+                f"chat_template_kwargs may not set {name!r}; it has its own argument"
+            )
+    if tools:
+        kwargs["tools"] = tools
+    if documents:
+        kwargs["documents"] = documents
+    if continue_final_message:
+        if add_generation_prompt:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be true"
+            )
+        if not messages or not isinstance(messages[-1].get("content"), str):
+            raise ValueError("continue_final_message needs a last message with text content")
     try:
-        return tokenizer.apply_chat_template(
+        text = tokenizer.apply_chat_template(
             list(messages),
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
-            **extra,
+            **kwargs,
         )
     except TemplateError as e:
         raise ValueError(str(e)) from e
+    if continue_final_message:
+        final = messages[-1]["content"].strip()
+        end = text.rfind(final) if final else -1
+        if end < 0:
+            raise ValueError(
+                "continue_final_message: the template does not write the last message's "
+                "text as it is, so the reply cannot continue it"
+            )
+        text = text[: end + len(final)]
+    return text
 
 
 def chat_prompt(
@@ -108,10 +145,11 @@ def chat_prompt(
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
+    **options: Any,
 ) -> Prompt:
     """A conversation's text and token ids (the template writes the special
-    tokens, so none are added)."""
-    text = render_chat(tokenizer, messages, chat_template, add_generation_prompt, tools)
+    tokens, so none are added); ``options`` are render_chat's keywords."""
+    text = render_chat(tokenizer, messages, chat_template, add_generation_prompt, tools, **options)
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -19,6 +19,7 @@ from fastllm.inputs import (  # noqa: F401 - TextPrompt, TokensPrompt: vLLM's na
     truncate,
 )
 from fastllm.outputs import RequestOutput
+from fastllm.reasoning import ReasoningStream
 from fastllm.sampling_params import RequestOutputKind, SamplingParams
 from fastllm.tokenizer import HFCompatibleTokenizer, Tokenizer
 
@@ -60,6 +61,7 @@ class LLM:
         trust_remote_code: bool = False,
         enforce_eager: bool = False,
         skip_tokenizer_init: bool = False,
+        reasoning_parser: str | None = None,
     ) -> None:
         if model is None:
             from fastllm.demo import demo_model_path
@@ -90,6 +92,7 @@ class LLM:
             trust_remote_code=trust_remote_code,
             enforce_eager=enforce_eager,
             skip_tokenizer_init=skip_tokenizer_init,
+            reasoning_parser=reasoning_parser,
         )
         self.llm_engine = LLMEngine(self.config)
 
@@ -132,15 +135,33 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generates the assistant's reply to one conversation or a list of them."""
+        """Generates the assistant's reply to one conversation or a list of them.
+
+        vLLM's keywords: ``tools`` and ``documents`` reach the template as
+        those variables, ``chat_template_kwargs`` as extra variables (Qwen3's
+        ``{"enable_thinking": False}``), and ``continue_final_message`` ends
+        the prompt inside the last message so the reply continues it. With a
+        ``reasoning_parser``, each output's ``reasoning_content`` and
+        ``content`` hold the thinking and the answer apart."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self._tokenizer()
+        options = {
+            "chat_template_kwargs": chat_template_kwargs,
+            "continue_final_message": continue_final_message,
+            "documents": documents,
+        }
         items = []
         for i, conv in enumerate(convs):
             if not isinstance(conv, list):
                 raise ValueError(f"messages[{i}] must be a list of message dicts")
-            items.append(chat_prompt(tok, conv, chat_template, add_generation_prompt))
+            items.append(
+                chat_prompt(tok, conv, chat_template, add_generation_prompt, tools, **options)
+            )
         params = [
             chat_stop(p, tok, chat_template)
             for p in self._normalize_params(sampling_params, len(items))
@@ -159,12 +180,25 @@ class LLM:
         self._check_idle()
         item = (item[0], truncate(item[1], params))
         engine.validate_request(item[1], params, "prompt 0")
+        parser = engine.reasoning
+        splits: dict[int, ReasoningStream] = {}
         with self._owned_requests() as ids:
             rid = self._add(ids, item, params.clone(output_kind=RequestOutputKind.DELTA))
             while engine.has_unfinished_requests():
                 for out in engine.step():
-                    if out.request_id == rid:
-                        yield out
+                    if out.request_id != rid:
+                        continue
+                    if parser is not None:
+                        for c in out.outputs:
+                            s = splits.get(c.index)
+                            if s is None:
+                                s = splits[c.index] = parser.stream(self._prompt_text(out))
+                            r, t = s.add(c.text)
+                            if c.finish_reason is not None:
+                                r2, t2 = s.finish()
+                                r, t = r + r2, t + t2
+                            c.reasoning_content, c.content = r, t
+                    yield out
 
     # ---- helpers --------------------------------------------------------
 
@@ -254,7 +288,23 @@ class LLM:
         finally:
             if progress is not None:
                 progress.close()
-        return [r for r in results if r is not None]
+        outs = [r for r in results if r is not None]
+        parser = engine.reasoning
+        if parser is not None:
+            for out in outs:
+                prompt = self._prompt_text(out)
+                for c in out.outputs:
+                    c.reasoning_content, c.content = parser.split(c.text, prompt)
+        return outs
+
+    def _prompt_text(self, out: RequestOutput) -> str | None:
+        """A request's prompt as text (token prompts decoded), for the reasoning split."""
+        if out.prompt is not None:
+            return out.prompt
+        tok = self.llm_engine.tokenizer
+        if tok is None:
+            return None
+        return tok.decode(out.prompt_token_ids, skip_special_tokens=False)
 
 
 class _Progress:

@@ -49,6 +49,10 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None
+    # With the LLM's reasoning_parser: ``text`` split into the thinking and
+    # the answer (each None when empty); both None without a parser.
+    reasoning_content: str | None = None
+    content: str | None = None
 
     def finished(self) -> bool:
         """Whether this sequence has finished."""

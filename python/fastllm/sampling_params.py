@@ -178,6 +178,10 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # The most tokens the reply may spend thinking: the engine then writes the
+    # end of the thinking block and the reply goes on with its answer (needs
+    # the engine's reasoning_parser). None: no limit.
+    thinking_token_budget: int | None = None
     # Filled in by the engine: the stop strings as a list, for quick checks.
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -232,6 +236,8 @@ class SamplingParams:
             raise bad("seed", "None or an integer in [0, 2**64)", self.seed)
         if self.max_tokens is not None and integer("max_tokens") < 1:
             raise bad("max_tokens", "None or at least 1", self.max_tokens)
+        if self.thinking_token_budget is not None and integer("thinking_token_budget") < 0:
+            raise bad("thinking_token_budget", "None or at least 0", self.thinking_token_budget)
         if integer("min_tokens") < 0:
             raise bad("min_tokens", "at least 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

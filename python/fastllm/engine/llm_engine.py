@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING
 from fastllm.config import EngineConfig, ModelConfig
 from fastllm.engine.output_processor import OutputProcessor
 from fastllm.engine.request import Request
+from fastllm.engine.thinking import THINK, ThinkingState, ThinkingTags
 from fastllm.logs import configure_logging
 from fastllm.outputs import RequestOutput
+from fastllm.reasoning import reasoning_parser
 from fastllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -69,6 +71,10 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured = StructuredOutputs(self.tokenizer, eos, mc.vocab_size)
+        #: how replies mark their thinking (EngineConfig.reasoning_parser), and its
+        #: tags as token ids (encoded on first use)
+        self.reasoning = reasoning_parser(config.reasoning_parser)
+        self._thinking_tags: ThinkingTags | None = None
         self._request_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
@@ -190,6 +196,14 @@ class LLMEngine:
                     f"or `--max-logprobs`)",
                     name,
                 )
+        if params.thinking_token_budget is not None and (
+            self.reasoning is None or self.tokenizer is None
+        ):
+            raise RequestError(
+                f"{where}: thinking_token_budget needs a reasoning parser, which this engine "
+                "does not have (start it with reasoning_parser=... or --reasoning-parser)",
+                "thinking_token_budget",
+            )
         if params.structured_outputs is not None:
             try:
                 self.structured.check()
@@ -222,11 +236,36 @@ class LLMEngine:
         )
         if params.bad_words:
             req.seqs[0].bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        seq = req.seqs[0]
         if params.structured_outputs is not None:
-            req.seqs[0].grammar = self.structured.start(params.structured_outputs)
+            seq.grammar = self.structured.start(params.structured_outputs)
+        if self.reasoning is not None and self.tokenizer is not None and (
+            seq.grammar is not None or params.thinking_token_budget is not None
+        ):
+            seq.thinking = ThinkingState.start(
+                self.thinking_tags,
+                seq.prompt_token_ids,
+                params.thinking_token_budget,
+                self.reasoning.implicit_start,
+            )
+            if seq.thinking.phase == THINK:
+                # the grammar applies to the answer, once the thinking is over
+                seq.thinking.grammar, seq.grammar = seq.grammar, None
         self.output_processor.add_request(req)
         self.scheduler.add(req.seqs[0])
         return req
+
+    @property
+    def thinking_tags(self) -> ThinkingTags:
+        """The reasoning parser's tags as token ids."""
+        if self._thinking_tags is None:
+            assert self.reasoning is not None and self.tokenizer is not None
+            enc = self.tokenizer.encode
+            self._thinking_tags = ThinkingTags(
+                enc(self.reasoning.start, add_special_tokens=False),
+                enc(self.reasoning.end, add_special_tokens=False),
+            )
+        return self._thinking_tags
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word as tokens, written alone and after a space (as it appears

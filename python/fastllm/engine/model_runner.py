@@ -227,6 +227,13 @@ class ModelRunner:
         for i, toks in enumerate(suppress):
             if toks:
                 logits[i, toks] = float("-inf")
+        for i, seq in enumerate(seqs):
+            if seq.thinking is not None and seq.thinking.forced:
+                # the thinking budget is spent: the block's closing tag comes next
+                forced = seq.thinking.forced[0]
+                value = logits[i, forced].clone()
+                logits[i] = float("-inf")
+                logits[i, forced] = value if torch.isfinite(value) else 0.0
         logits = logits.contiguous()
         (masks if masks is not None else GrammarMasks(seqs)).apply(logits)
         batch = sampling_batch(seqs, seeds)

@@ -12,6 +12,7 @@ from functools import cached_property
 
 from fastllm.engine.kv_cache_manager import KVCacheManager
 from fastllm.engine.sequence import Sequence, SequenceStatus
+from fastllm.engine.thinking import ANSWER, OPEN
 from fastllm.outputs import Logprob
 
 
@@ -257,7 +258,17 @@ class Scheduler:
         p = seq.params
         n_out = seq.num_output_tokens
         ends = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
-        if seq.grammar is not None and not (ends and n_out >= p.min_tokens):
+        thinking = seq.thinking
+        in_thinking = False  # the grammar does not see the thinking's tokens
+        if thinking is not None:
+            was_open = thinking.phase == OPEN
+            in_thinking = thinking.on_token(token, seq.output_token_ids)
+            if was_open and in_thinking:
+                # the reply opened a block: its grammar waits for the answer
+                thinking.grammar, seq.grammar = seq.grammar, None
+            elif thinking.phase == ANSWER and thinking.grammar is not None:
+                seq.grammar, thinking.grammar = thinking.grammar, None
+        if seq.grammar is not None and not in_thinking and not (ends and n_out >= p.min_tokens):
             try:
                 seq.grammar.consume(token)
             except ValueError:

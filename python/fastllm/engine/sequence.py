@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     from fastllm import _core
+    from fastllm.engine.thinking import ThinkingState
     from fastllm.sampling_params import SamplingParams
 
 
@@ -63,6 +64,9 @@ class Sequence:
         # tokens, so preemption by recompute keeps it as it is.
         self.grammar: _core.GrammarMatcher | None = None
         self.grammar_complete = False  # ended because its grammar allows nothing more
+        # Where the reply is relative to its thinking block (set by the engine when
+        # it has a reasoning parser and the request a budget or a grammar).
+        self.thinking: ThinkingState | None = None
 
     def fork(self, index: int, seed: int) -> Sequence:
         """A sibling completion of the same prompt (no blocks yet: ``KVCacheManager.fork``)."""
@@ -72,6 +76,8 @@ class Sequence:
         child.bad_words_token_ids = self.bad_words_token_ids
         if self.grammar is not None:
             child.grammar = self.grammar.fork()
+        if self.thinking is not None:
+            child.thinking = self.thinking.fork()
         return child
 
     @property

@@ -104,11 +104,16 @@ class GrammarMasks:
             return
         raw = self._future.result() if self._future is not None else None
         # Stop tokens of rows whose grammar accepts keep their logits.
+        # So does the token that opens a thinking block, while a reply may open one.
         keep = []
         for i, m in zip(self.rows, self.matchers):
-            stops = self.seqs[i].params.stop_token_ids
-            if stops and m.is_accepting():
-                ids = torch.tensor(stops, device=logits.device)
+            seq = self.seqs[i]
+            ids_kept = list(seq.params.stop_token_ids) if m.is_accepting() else []
+            opening = seq.thinking.opening_token if seq.thinking is not None else None
+            if opening is not None:
+                ids_kept.append(opening)
+            if ids_kept:
+                ids = torch.tensor(ids_kept, device=logits.device)
                 keep.append((i, ids, logits[i, ids].clone()))
         vocab = logits.shape[1]
         if raw is not None or logits.is_cuda or bitmask:

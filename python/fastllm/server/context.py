@@ -87,6 +87,16 @@ class RouteContext:
                 )
             raise APIError(msg, 400, param=param) from e
 
+    def tool_format(self, template: str) -> str:
+        """The tool-call format of replies rendered with ``template``: the
+        server's --tool-call-parser, else the one the template defines."""
+        from fastllm.server.tools import call_format
+
+        configured = getattr(self.state, "tool_call_parser", None)
+        if configured and configured != "auto":
+            return configured
+        return call_format(template)
+
     def chat_template(self, requested: str | None) -> str:
         """The template a chat request renders with: its own, else the server's
         (--chat-template), else the model's; a 400 when there is none."""

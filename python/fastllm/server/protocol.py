@@ -56,6 +56,14 @@ def validation_error(err: ValidationError) -> APIError:
     """A 400 APIError naming the first invalid field of a pydantic ValidationError."""
     first = err.errors()[0]
     loc = [str(p) for p in first.get("loc", ())]
+    if first.get("type") == "extra_forbidden" and loc:
+        # A field this server does not know is never silently dropped.
+        field = ".".join(loc)
+        return APIError(
+            f"unknown field {field!r}: fastllm does not implement it (remove it from the request)",
+            400,
+            param=field,
+        )
     # Union members add their type name to the location; keep only real fields.
     field = ".".join(p for p in loc if not _TYPE_TAG.match(p)) or None
     where = f"{field}: " if field else ""
@@ -82,15 +90,16 @@ def sampling_error(err: ValueError, rename: dict[str, str] | None = None) -> API
 class StreamOptions(BaseModel):
     """``stream_options`` of a streaming request."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions. A field not listed
+    here is a 400 naming it (``extra="forbid"``), never silently dropped."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     n: int = 1
@@ -113,6 +122,10 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # the most tokens a reply may think before the engine closes its thinking
+    # (needs --reasoning-parser; vLLM's name)
+    thinking_token_budget: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and
@@ -196,6 +209,8 @@ class _Common(BaseModel):
             "stop_token_ids": self.stop_token_ids,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
+            "thinking_token_budget": self.thinking_token_budget,
             "logit_bias": self.logit_bias or None,
             "allowed_token_ids": self.allowed_token_ids,
             "bad_words": self.bad_words,
@@ -297,10 +312,28 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
     echo: bool = False
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's reasoning_effort reaches the template as the variable of that name
+    reasoning_effort: str | None = None
+    # vLLM's: whether a reply with --reasoning-parser carries reasoning_content
+    include_reasoning: bool = True
+
+    def template_options(self) -> dict[str, Any]:
+        """render_chat's keywords of this request."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return {
+            "chat_template_kwargs": kwargs,
+            "continue_final_message": self.continue_final_message,
+            "documents": self.documents,
+        }
 
     def prompt(self, tokenizer: Any, chat_template: str | None) -> tuple[str, list[int]]:
         """The conversation as the template renders it, and its token ids: what
@@ -309,7 +342,12 @@ class ChatCompletionRequest(_Common):
         cannot render the conversation."""
         tools = self.tools if self.tools and self.tool_choice != "none" else None
         return messages_prompt(
-            tokenizer, self.messages, chat_template, self.add_generation_prompt, tools
+            tokenizer,
+            self.messages,
+            chat_template,
+            self.add_generation_prompt,
+            tools,
+            **self.template_options(),
         )
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
@@ -352,25 +390,34 @@ class ChatCompletionRequest(_Common):
 class TokenizeRequest(BaseModel):
     """Body of ``POST /tokenize``: a prompt, or messages rendered with the chat template."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
 
     def prompt_of_messages(self, tokenizer: Any, chat_template: str) -> tuple[str, list[int]]:
-        """``messages`` rendered as a chat request renders them (without tools)."""
+        """``messages`` rendered as a chat request renders them."""
         return messages_prompt(
-            tokenizer, self.messages or [], chat_template, self.add_generation_prompt
+            tokenizer,
+            self.messages or [],
+            chat_template,
+            self.add_generation_prompt,
+            self.tools,
+            chat_template_kwargs=self.chat_template_kwargs,
+            continue_final_message=self.continue_final_message,
         )
 
 
 class DetokenizeRequest(BaseModel):
     """Body of ``POST /detokenize``."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     tokens: list[int]
@@ -382,14 +429,26 @@ def messages_prompt(
     chat_template: str | None,
     add_generation_prompt: bool,
     tools: list[dict[str, Any]] | None = None,
+    **options: Any,
 ) -> tuple[str, list[int]]:
-    """A request's conversation through ``inputs.chat_prompt``; a 400 naming
-    ``messages`` when the template cannot render it."""
+    """A request's conversation through ``inputs.chat_prompt`` (``options``:
+    render_chat's keywords); a 400 naming the field when the template cannot
+    render it."""
     from fastllm.inputs import chat_prompt
 
     try:
         return chat_prompt(
-            tokenizer, [m.as_dict() for m in messages], chat_template, add_generation_prompt, tools
+            tokenizer,
+            [m.as_dict() for m in messages],
+            chat_template,
+            add_generation_prompt,
+            tools,
+            **options,
         )
     except ValueError as e:
-        raise APIError(f"cannot apply the chat template: {e}", 400, param="messages") from e
+        msg = str(e)
+        param = "messages"
+        for name in ("chat_template_kwargs", "continue_final_message"):
+            if msg.startswith(name):
+                param = name
+        raise APIError(f"cannot apply the chat template: {msg}", 400, param=param) from e
