@@ -259,9 +259,44 @@ fn tokenizer_env(
             "vocabulary: EOS token id {bad} is outside the tokenizer's vocabulary [0, {n_tok})"
         )));
     }
+    let text_added = text_added_tokens(&json, n_tok);
+    if !text_added.is_empty() {
+        // The trie builder takes every added token written `<...>` for a
+        // special one, so a grammar's text `<tool_call>` could be forced as
+        // that token and then refused: tokens the tokenizer declares
+        // non-special (Qwen's <think>, <tool_call>, ...) are text here.
+        let mut words = bt.token_bytes();
+        for (id, content) in text_added {
+            words[id] = content.into_bytes();
+        }
+        while words.len() < vocab_size {
+            let mut name = format!(".<[{}]>", words.len()).into_bytes();
+            name[0] = TokTrie::SPECIAL_TOKEN_MARKER;
+            words.push(name);
+        }
+        let info = TokRxInfo::new(vocab_size as u32, eos_token_ids[0]);
+        return guarded("vocabulary", || -> TokEnv {
+            let trie = TokTrie::from(&info, &words).with_eos_tokens(eos_token_ids);
+            Arc::new(ApproximateTokEnv::new(trie))
+        });
+    }
     bt.set_eos_tokens(eos_token_ids);
     guarded("tokenizer.json", || bt.into_tok_env(Some(vocab_size)))?
         .map_err(|e| CoreError::invalid(format!("tokenizer.json: {e}")))
+}
+
+/// The added tokens of a `tokenizer.json` that are written `<...>` but are
+/// not special (`"special": false`): (id, text), ids below `n_tok`.
+fn text_added_tokens(json: &Value, n_tok: usize) -> Vec<(usize, String)> {
+    let Some(added) = json["added_tokens"].as_array() else {
+        return Vec::new();
+    };
+    added
+        .iter()
+        .filter(|t| t["special"].as_bool() == Some(false))
+        .filter_map(|t| Some((t["id"].as_u64()? as usize, t["content"].as_str()?.to_string())))
+        .filter(|(id, c)| *id < n_tok && c.starts_with('<') && c.ends_with('>'))
+        .collect()
 }
 
 /// One tokenizer's token trie and grammar compiler, with its compiled grammars.

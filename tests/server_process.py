@@ -97,3 +97,40 @@ def package_env() -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([pkg_root, os.environ.get("PYTHONPATH", "")]))
     env.pop("FASTLLM_API_KEY", None)
     return env
+
+
+@contextlib.contextmanager
+def app_server(
+    model: str, max_model_len: int, chat_template: str | None = None, **engine
+) -> Iterator[tuple]:
+    """create_app(...) served by uvicorn on a thread of this process:
+    (app, (host, port)); the app's engine is reachable for inspection.
+    ``engine``: EngineConfig fields, or create_app's own keywords
+    (``tool_call_parser``, ``served_model_name``, ``api_key``)."""
+    import threading
+
+    import uvicorn
+
+    from fastllm.config import EngineConfig
+    from fastllm.server.app import create_app
+
+    app_keys = ("tool_call_parser", "served_model_name", "api_key")
+    app_kw = {k: engine.pop(k) for k in app_keys if k in engine}
+    config = EngineConfig(
+        model=model, dtype="float32", device="cpu", max_model_len=max_model_len, **engine
+    )
+    app = create_app(config, chat_template=chat_template, **app_kw)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not srv.started:
+        if not thread.is_alive() or time.time() > deadline:
+            pytest.fail("the in-process server did not start")
+        time.sleep(0.05)
+    try:
+        yield app, ("127.0.0.1", port)
+    finally:
+        srv.should_exit = True
+        thread.join(30)

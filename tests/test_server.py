@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from server_process import free_port, package_env, running_server, serve_command
+from server_process import app_server, free_port, package_env, running_server, serve_command
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -600,35 +600,9 @@ PLAIN_TEMPLATE = (
 )
 
 
-@contextlib.contextmanager
 def _app_server(model: str, chat_template: str | None = None, **engine):
-    """create_app(...) served by uvicorn on a thread of this process:
-    (app, (host, port)); the app's engine is reachable for inspection."""
-    import threading
-
-    import uvicorn
-
-    from fastllm.config import EngineConfig
-    from fastllm.server.app import create_app
-
-    config = EngineConfig(
-        model=model, dtype="float32", device="cpu", max_model_len=MAX_LEN, **engine
-    )
-    app = create_app(config, chat_template=chat_template)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not srv.started:
-        if not thread.is_alive() or time.time() > deadline:
-            pytest.fail("the in-process server did not start")
-        time.sleep(0.05)
-    try:
-        yield app, ("127.0.0.1", port)
-    finally:
-        srv.should_exit = True
-        thread.join(30)
+    """create_app(...) served on a thread of this process (server_process.app_server)."""
+    return app_server(model, MAX_LEN, chat_template, **engine)
 
 
 def _record_params(app) -> list[SamplingParams]:

@@ -9,6 +9,8 @@ import argparse
 import os
 from typing import Any
 
+from fastllm.reasoning import REASONING_PARSERS
+
 
 class HelpFormatter(argparse.HelpFormatter):
     """Shows an option's default unless its help already says it or it is a flag."""
@@ -128,7 +130,7 @@ def add_engine_settings(g: Any) -> None:
     g.add_argument(
         "--reasoning-parser",
         default=None,
-        choices=["qwen3", "deepseek_r1"],
+        choices=sorted(REASONING_PARSERS),
         help="how the model marks its thinking: replies carry it apart as "
         "reasoning_content, and thinking_token_budget and structured outputs apply",
     )
