@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pytest
 from hypothesis import given, settings
@@ -311,9 +310,7 @@ def served(qwen3_dir):
     """The model served in this process with --reasoning-parser qwen3: (app, (host, port))."""
     from server_process import app_server
 
-    with app_server(
-        qwen3_dir, 256, reasoning_parser="qwen3", served_model_name="x"
-    ) as running:
+    with app_server(qwen3_dir, 256, reasoning_parser="qwen3", served_model_name="x") as running:
         yield running
 
 

@@ -5,7 +5,6 @@ runs of the same requests."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import http.client
 import json
 import socket
