@@ -447,3 +447,16 @@ def test_unknown_fields_are_named(served):
         addr, "/v1/chat/completions", {**chat, "chat_template_kwargs": {"messages": []}}
     )
     assert status == 400 and answer["error"]["param"] == "chat_template_kwargs", answer
+
+
+def test_docs_example_runs(qwen3_dir, capsys):
+    """docs/reasoning.md's Python example, run as written on the tiny model."""
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "reasoning.md"), encoding="utf-8") as f:
+        (code,) = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    exec(compile(code, "docs/reasoning.md", "exec"), {"MODEL": qwen3_dir})
+    printed = capsys.readouterr().out
+    assert "thought:" in printed
+    assert printed.rstrip().splitlines()[-1] in ("answer: yes", "answer: no")
