@@ -115,6 +115,7 @@ def add_serve_parser(sub: Any) -> None:
     add_chat_template_arg(
         p, "default template of /v1/chat/completions (a request's own chat_template still wins)"
     )
+    add_tool_call_parser_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=8000, help="port to bind")
     p.add_argument(
@@ -176,6 +177,31 @@ def add_serve_parser(sub: Any) -> None:
         "holds it, through a router deployment (--no-prefix-routing: Serve's own routing)",
     )
     p.set_defaults(func=cmd_serve)
+
+
+# fastllm.server.tools.TOOL_CALL_PARSERS (a test keeps them equal), not imported:
+# that module needs pydantic, which building the command line does not.
+TOOL_CALL_PARSERS = (
+    "auto",
+    "hermes",
+    "llama3_json",
+    "mistral",
+    "qwen3_coder",
+    "granite",
+    "phi4_mini_json",
+    "json",
+)
+
+
+def add_tool_call_parser_arg(p: Any) -> None:
+    """Adds ``--tool-call-parser`` (vLLM's flag and names)."""
+    p.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=TOOL_CALL_PARSERS,
+        help="format of the model's tool calls in chat replies (auto: the one the chat "
+        "template writes)",
+    )
 
 
 def add_generate_parser(sub: Any) -> None:
@@ -248,6 +274,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             max_body_bytes=args.max_body_bytes,
             chat_template=read_chat_template(args.chat_template),
+            tool_call_parser=args.tool_call_parser,
         )
     except (ValueError, FileNotFoundError) as e:
         return _fail(str(e))
@@ -280,6 +307,7 @@ def _serve_on_ray(args: argparse.Namespace, api_key: str | None) -> int:
             api_key=api_key,
             max_body_bytes=args.max_body_bytes,
             chat_template=read_chat_template(args.chat_template),
+            tool_call_parser=args.tool_call_parser,
             prefix_routing=args.prefix_routing,
         )
         fastllm.ray.run(app, host=args.host, port=args.port, address=args.address)

@@ -104,18 +104,14 @@ def render_chat(
     kwargs = dict(chat_template_kwargs or {})
     for name in _RESERVED_TEMPLATE_VARS:
         if name in kwargs:
-            raise ValueError(
-                f"chat_template_kwargs may not set {name!r}; it has its own argument"
-            )
+            raise ValueError(f"chat_template_kwargs may not set {name!r}; it has its own argument")
     if tools:
         kwargs["tools"] = tools
     if documents:
         kwargs["documents"] = documents
     if continue_final_message:
         if add_generation_prompt:
-            raise ValueError(
-                "continue_final_message and add_generation_prompt cannot both be true"
-            )
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if not messages or not isinstance(messages[-1].get("content"), str):
             raise ValueError("continue_final_message needs a last message with text content")
     try:

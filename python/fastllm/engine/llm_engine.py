@@ -239,8 +239,10 @@ class LLMEngine:
         seq = req.seqs[0]
         if params.structured_outputs is not None:
             seq.grammar = self.structured.start(params.structured_outputs)
-        if self.reasoning is not None and self.tokenizer is not None and (
-            seq.grammar is not None or params.thinking_token_budget is not None
+        if (
+            self.reasoning is not None
+            and self.tokenizer is not None
+            and (seq.grammar is not None or params.thinking_token_budget is not None)
         ):
             seq.thinking = ThinkingState.start(
                 self.thinking_tags,

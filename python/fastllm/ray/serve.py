@@ -37,6 +37,7 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int | None = None,
     chat_template: str | None = None,
+    tool_call_parser: str | None = None,
     max_ongoing_requests: int | None = None,
     name: str = "fastllm",
     runtime_env: dict[str, Any] | None = None,
@@ -55,8 +56,8 @@ def build_app(
     CPUs it asked for, at least 1). Serve's health check of a replica is the
     engine's health (what ``/health`` answers); a replica that fails it, or
     dies, is replaced while the others keep answering. ``api_key``,
-    ``served_model_name``, ``chat_template`` and ``max_body_bytes`` mean what
-    they mean to ``fastllm serve``; ``max_model_len`` is ``engine_args``'.
+    ``served_model_name``, ``chat_template``, ``tool_call_parser`` and
+    ``max_body_bytes`` mean what they mean to ``fastllm serve``; ``max_model_len`` is ``engine_args``'.
     Run it with ``serve.run(app)`` or ``fastllm.ray.run``.
 
     With ``prefix_routing`` (the default) HTTP requests reach the engine
@@ -89,6 +90,7 @@ def build_app(
         "api_key": api_key,
         "max_body_bytes": max_body_bytes or DEFAULT_MAX_BODY_BYTES,
         "chat_template": chat_template,
+        "tool_call_parser": tool_call_parser,
     }
     replica = _replica_class(engine_args, app_kwargs, num_threads, prefix_routing)
     env = dict(runtime_env or {})

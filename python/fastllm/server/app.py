@@ -19,7 +19,7 @@ from fastllm.config import EngineConfig
 from fastllm.inputs import check_chat_template
 from fastllm.loading import describe_quantization
 from fastllm.logs import configure_logging
-from fastllm.server import chat, completions, metrics, tokenize
+from fastllm.server import chat, completions, messages, metrics, responses, tokenize
 from fastllm.server.context import RouteContext, ServerState
 from fastllm.server.engine_loop import AsyncEngine
 from fastllm.server.http import error_response, too_large
@@ -61,6 +61,7 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     chat_template: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """Loads the model and returns the FastAPI app serving it (the engine thread
     starts with the app's lifespan).
@@ -70,9 +71,14 @@ def create_app(
     as ``engine_args.model`` was given, by its folder or by its hub id.
     ``chat_template`` (a Jinja template) replaces the model's as the default of
     ``/v1/chat/completions``; a request's own ``chat_template`` still wins.
+    ``tool_call_parser`` (vLLM's ``--tool-call-parser`` names, ``tools.FORMATS``)
+    is the format of tool calls in replies; None or ``auto``: the one each
+    request's chat template writes.
     """
     from fastllm.engine.llm_engine import LLMEngine
+    from fastllm.server.tools import check_tool_call_parser
 
+    tool_call_parser = check_tool_call_parser(tool_call_parser)
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
     if isinstance(served_model_name, str):
@@ -102,6 +108,7 @@ def create_app(
         aliases=tuple(aliases),
         chat_template=chat_template,
         api_key_required=bool(api_key),
+        tool_call_parser=tool_call_parser,
     )
 
     @asynccontextmanager
@@ -117,7 +124,7 @@ def create_app(
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
     _add_error_handlers(app)
     ctx = RouteContext(state)
-    for routes in (tokenize, completions, chat, metrics):
+    for routes in (tokenize, completions, chat, responses, messages, metrics):
         routes.register(app, ctx)
     return app
 
@@ -146,16 +153,15 @@ class _Guard:
         headers = dict(scope.get("headers") or [])
         path = scope.get("path", "")
         if self.api_key is not None and path.startswith(_PROTECTED):
-            auth = headers.get(b"authorization", b"")
-            scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+            if not self._key_matches(headers):
                 err = APIError(
-                    "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                    "missing or invalid API key: send 'Authorization: Bearer <key>' "
+                    "(or 'x-api-key: <key>')",
                     401,
                     type="invalid_request_error",
                     code="invalid_api_key",
                 )
-                await error_response(err)(scope, receive, send)
+                await _error_response(path, err)(scope, receive, send)
                 return
         length = headers.get(b"content-length")
         if length is not None:
@@ -165,12 +171,28 @@ class _Guard:
                 n = -1
             if n < 0:
                 err = APIError("malformed Content-Length header", 400, param=None)
-                await error_response(err)(scope, receive, send)
+                await _error_response(path, err)(scope, receive, send)
                 return
             if n > self.max_body_bytes:
-                await error_response(too_large(self.max_body_bytes))(scope, receive, send)
+                await _error_response(path, too_large(self.max_body_bytes))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    def _key_matches(self, headers: dict[bytes, bytes]) -> bool:
+        """Whether the request carries the key: OpenAI's ``Authorization:
+        Bearer`` or Anthropic's ``x-api-key``."""
+        assert self.api_key is not None
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key):
+            return True
+        return hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.api_key)
+
+
+def _error_response(path: str, err: APIError) -> JSONResponse:
+    """The error in the format of the API ``path`` belongs to."""
+    if path.startswith("/v1/messages"):
+        return messages.anthropic_error_response(err)
+    return error_response(err)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -228,6 +250,7 @@ def startup_summary(app: FastAPI, host: str, port: int) -> str:
         ("max_model_len", str(state.max_model_len)),
         ("KV cache", llm.cache.describe()),
         ("chat template", chat),
+        ("tool calls", _tool_calls_summary(state, getattr(llm.tokenizer, "chat_template", None))),
         ("API key", "required" if state.api_key_required else "not required"),
         ("address", f"http://{shown_host}:{port}"),
     ]
@@ -235,6 +258,14 @@ def startup_summary(app: FastAPI, host: str, port: int) -> str:
     lines = [f"fastllm {_version()} server"]
     lines += [f"  {k.ljust(width)}  {v}" for k, v in rows]
     return "\n".join(lines)
+
+
+def _tool_calls_summary(state: ServerState, model_template: str | None) -> str:
+    """The format of tool calls in replies to the default chat template, and why."""
+    from fastllm.server.tools import call_format
+
+    fmt = call_format(state.chat_template or model_template, state.tool_call_parser)
+    return f"{fmt} ({'--tool-call-parser' if state.tool_call_parser != 'auto' else 'auto'})"
 
 
 def serve(
@@ -246,6 +277,7 @@ def serve(
     log_level: str = "info",
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     chat_template: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> None:
     """Loads the model, logs the startup summary and serves it with uvicorn
     until interrupted."""
@@ -258,6 +290,7 @@ def serve(
         api_key=api_key,
         max_body_bytes=max_body_bytes,
         chat_template=chat_template,
+        tool_call_parser=tool_call_parser,
     )
     logger.info("%s", startup_summary(app, host, port))
     uvicorn.run(

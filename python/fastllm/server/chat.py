@@ -31,6 +31,7 @@ from fastllm.server.tools import (
     Tool,
     ToolStream,
     forced_call_constraint,
+    needs_special_tokens,
     parse_reply,
     parse_tools,
     resolve_tool_choice,
@@ -83,6 +84,9 @@ def prepare_chat(
         "messages",
         {"max_tokens": field, "logprobs": "top_logprobs"},
     )
+    if choice != "none" and needs_special_tokens(fmt) and params.skip_special_tokens:
+        # the format's call marker is a special token: keep it in the text (as vLLM does)
+        params = params.clone(skip_special_tokens=False)
     if req.stream:
         params = params.clone(output_kind=RequestOutputKind.DELTA)
     return ChatSetup(

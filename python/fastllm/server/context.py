@@ -27,6 +27,8 @@ class ServerState:
     # default template of /v1/chat/completions (--chat-template); None: the model's
     chat_template: str | None = None
     api_key_required: bool = False
+    # format of tool calls in replies (--tool-call-parser); "auto": the chat template's
+    tool_call_parser: str = "auto"
 
     def routing_info(self) -> dict[str, Any]:
         """What a prefix-aware router needs to compute this server's prompt
@@ -92,10 +94,7 @@ class RouteContext:
         server's --tool-call-parser, else the one the template defines."""
         from fastllm.server.tools import call_format
 
-        configured = getattr(self.state, "tool_call_parser", None)
-        if configured and configured != "auto":
-            return configured
-        return call_format(template)
+        return call_format(template, self.state.tool_call_parser)
 
     def chat_template(self, requested: str | None) -> str:
         """The template a chat request renders with: its own, else the server's

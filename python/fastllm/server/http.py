@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -172,3 +173,27 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def sse_event(name: str, obj: Any) -> str:
+    """A named server-sent event: the Responses and Anthropic Messages streams
+    name each event (Anthropic's client skips events without a name)."""
+    return f"event: {name}\n{sse(obj)}"
+
+
+def renamed(err: APIError, names: dict[str, str]) -> APIError:
+    """``err`` with the chat fields it names said in another API's words, for
+    routes that translate to chat: a key names a top-level field
+    (``max_tokens`` → ``max_output_tokens``), or, starting with ``.``, a part
+    of a path (``.function.parameters`` → ``.input_schema``)."""
+    param, message = err.param or "", err.message
+    head = param.split("[")[0].split(".")[0]
+    if head in names:
+        message = re.sub(rf"(?<![\w/]){re.escape(head)}\b", names[head], message)
+        param = names[head] + param[len(head) :]
+    for ours, theirs in names.items():
+        if ours.startswith(".") and ours in param:
+            param, message = param.replace(ours, theirs), message.replace(ours, theirs)
+    if param == (err.param or "") and message == err.message:
+        return err
+    return APIError(message, err.status, param=param or None, type=err.type, code=err.code)
