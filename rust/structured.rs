@@ -294,7 +294,12 @@ fn text_added_tokens(json: &Value, n_tok: usize) -> Vec<(usize, String)> {
     added
         .iter()
         .filter(|t| t["special"].as_bool() == Some(false))
-        .filter_map(|t| Some((t["id"].as_u64()? as usize, t["content"].as_str()?.to_string())))
+        .filter_map(|t| {
+            Some((
+                t["id"].as_u64()? as usize,
+                t["content"].as_str()?.to_string(),
+            ))
+        })
         .filter(|(id, c)| *id < n_tok && c.starts_with('<') && c.ends_with('>'))
         .collect()
 }
