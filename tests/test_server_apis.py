@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import threading
-import time
 import urllib.request
 
 import pytest
 
-from server_process import free_port
+from server_process import app_server
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
@@ -70,31 +68,13 @@ CONVERSATION = [
 
 @contextlib.contextmanager
 def _served(model: str, template: str, **engine):
-    """create_app(...) with an API key, served by uvicorn on a thread of this
-    process: the base URL."""
-    import uvicorn
-
-    from fastllm.config import EngineConfig
-    from fastllm.server.app import create_app
-
-    config = EngineConfig(
-        model=model, dtype="float32", device="cpu", max_model_len=MAX_LEN, **engine
-    )
-    app = create_app(config, served_model_name=NAME, api_key=KEY, chat_template=template)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not srv.started:
-        if not thread.is_alive() or time.time() > deadline:
-            pytest.fail("the in-process server did not start")
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.should_exit = True
-        thread.join(30)
+    """create_app(...) with an API key, served on a thread of this process
+    (server_process.app_server): the base URL."""
+    with app_server(model, MAX_LEN, template, served_model_name=NAME, api_key=KEY, **engine) as (
+        _,
+        (host, port),
+    ):
+        yield f"http://{host}:{port}"
 
 
 @pytest.fixture(scope="module")
