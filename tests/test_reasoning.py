@@ -460,3 +460,18 @@ def test_docs_example_runs(qwen3_dir, capsys):
     printed = capsys.readouterr().out
     assert "thought:" in printed
     assert printed.rstrip().splitlines()[-1] in ("answer: yes", "answer: no")
+
+
+def test_non_special_added_tokens_are_text_to_grammars(qwen3_dir):
+    """Qwen's <think> and <tool_call> are added tokens the tokenizer declares
+    non-special: a grammar sees their text (a forced `<tool_call>` may use
+    them), while special tokens stay special."""
+    from fastllm import _core
+
+    with open(os.path.join(qwen3_dir, "tokenizer.json"), "rb") as f:
+        raw = f.read()
+    added = {t["content"]: t["id"] for t in json.loads(raw)["added_tokens"]}
+    vocab = _core.GrammarVocabulary(raw, [added["<|endoftext|>"]], max(added.values()) + 8)
+    for name in THINK_TOKENS:
+        assert vocab.token_bytes(added[name]) == name.encode()
+    assert vocab.token_bytes(added["<|im_end|>"]) == b"\xff<|im_end|>"
