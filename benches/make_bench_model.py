@@ -14,7 +14,14 @@
    (32 layers of 3072, 24 heads and 8 KV heads of 128, partial rotary 0.75,
    LongRoPE over a 4096-token original context, vocab 200064, tied head).
    Random weights in bf16, the same tokenizer.
-Usage: python benches/make_bench_model.py [OUT_DIR] [--models=qwen2,tiny,gemma3-1b,phi4-mini]
+5. Pooling models (with --models naming them): bert-base-random, BertModel
+   with BERT-base's shape (12 layers of 768, 12 heads, FFN 3072, 512
+   positions; the tokenizer's <|im_start|> / <|im_end|> as CLS / SEP;
+   sentence-transformers files: mean pooling, normalised); qwen3-embed-random,
+   a Qwen3 base model with Qwen3-Embedding-0.6B's shape (28 layers of 1024,
+   16 heads and 8 KV heads of 128, FFN 3072; last-token pooling, normalised),
+   saved without a head as Qwen3-Embedding is. float32 weights.
+Usage: python benches/make_bench_model.py [OUT_DIR] [--models=qwen2,tiny,gemma3-1b,phi4-mini,bert-base,qwen3-embed]
 (default qwen2,tiny; needs torch, transformers, tokenizers; `pip install "fastllm[bench]"`
 has them)
 """
@@ -48,6 +55,8 @@ QWEN_DIR = os.path.join(ROOT, "qwen2-0.5b-random")
 TINY_DIR = os.path.join(ROOT, "llama-tiny-random")
 GEMMA3_DIR = os.path.join(ROOT, "gemma3-1b-random")
 PHI4_DIR = os.path.join(ROOT, "phi4-mini-random")
+BERT_DIR = os.path.join(ROOT, "bert-base-random")
+QWEN3_EMBED_DIR = os.path.join(ROOT, "qwen3-embed-random")
 TOK_VOCAB = 8192
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -135,12 +144,66 @@ def phi4_mini(V, eos):
     )
 
 
+def write_sentence_transformers(folder, pooling, dim):
+    """modules.json, 1_Pooling/config.json and 2_Normalize, as sentence-transformers saves them."""
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    with open(os.path.join(folder, "modules.json"), "w") as f:
+        json.dump(modules, f)
+    os.makedirs(os.path.join(folder, "1_Pooling"), exist_ok=True)
+    os.makedirs(os.path.join(folder, "2_Normalize"), exist_ok=True)
+    modes = {"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": pooling == "mean",
+             "pooling_mode_lasttoken": pooling == "last"}
+    with open(os.path.join(folder, "1_Pooling", "config.json"), "w") as f:
+        json.dump({"word_embedding_dimension": dim, **modes}, f)
+
+
+def pooling_models(tok, V, eos):
+    """The BERT-base-shaped and Qwen3-Embedding-0.6B-shaped pooling models."""
+    from transformers import BertConfig, BertModel, Qwen3Config, Qwen3Model
+
+    if "bert-base" in MODELS:
+        cls, sep = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
+        btok = Tokenizer.from_str(tok.backend_tokenizer.to_str())
+        btok.post_processor = processors.TemplateProcessing(
+            single="<|im_start|> $A <|im_end|>",
+            pair="<|im_start|> $A <|im_end|> $B:1 <|im_end|>:1",
+            special_tokens=[("<|im_start|>", cls), ("<|im_end|>", sep)],
+        )
+        cfg = BertConfig(vocab_size=V, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                         intermediate_size=3072, max_position_embeddings=512, pad_token_id=eos)
+        torch.manual_seed(0)
+        model = BertModel(cfg, add_pooling_layer=False)
+        print("bert-base params", sum(p.numel() for p in model.parameters()))
+        model.save_pretrained(BERT_DIR, safe_serialization=True)
+        PreTrainedTokenizerFast(tokenizer_object=btok, pad_token="<|endoftext|>",
+                                cls_token="<|im_start|>", sep_token="<|im_end|>",
+                                model_max_length=512).save_pretrained(BERT_DIR)
+        write_sentence_transformers(BERT_DIR, "mean", 768)
+    if "qwen3-embed" in MODELS:
+        cfg = Qwen3Config(vocab_size=V, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                          num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                          max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True,
+                          bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+        torch.manual_seed(0)
+        model = Qwen3Model(cfg)
+        model.config.architectures = ["Qwen3ForCausalLM"]
+        print("qwen3-embed params", sum(p.numel() for p in model.parameters()))
+        model.save_pretrained(QWEN3_EMBED_DIR, safe_serialization=True)
+        tok.save_pretrained(QWEN3_EMBED_DIR)
+        write_sentence_transformers(QWEN3_EMBED_DIR, "last", 1024)
+
+
 def main():
     os.makedirs(ROOT, exist_ok=True)
     tok = build_tokenizer()
     V = len(tok)
     eos = tok.convert_tokens_to_ids("<|endoftext|>")
     print("tokenizer size", V, "eos id", eos)
+    pooling_models(tok, V, eos)
     built = []
     for name, folder, make in (("gemma3-1b", GEMMA3_DIR, gemma3_1b),
                                ("phi4-mini", PHI4_DIR, phi4_mini)):

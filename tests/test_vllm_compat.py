@@ -58,7 +58,8 @@ def test_vllm_engine_arguments_are_accepted(make_model):
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        ({"task": "embed"}, "task"),
+        ({"task": "transcription"}, "task"),
+        ({"runner": "draft"}, "runner"),
         ({"quantization": "awq"}, "quantization"),
         ({"tokenizer_mode": "mistral"}, "tokenizer_mode"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),

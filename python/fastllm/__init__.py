@@ -22,6 +22,10 @@ _LAZY = {
     "StructuredOutputsParams": "fastllm.sampling_params",
     "RequestOutput": "fastllm.outputs",
     "CompletionOutput": "fastllm.outputs",
+    "PoolingParams": "fastllm.pooling.params",
+    "EmbeddingRequestOutput": "fastllm.outputs",
+    "ScoringRequestOutput": "fastllm.outputs",
+    "ClassificationRequestOutput": "fastllm.outputs",
     "probe": "fastllm.platform",
     "ProbeReport": "fastllm.platform",
     "DeviceInfo": "fastllm.platform",
@@ -34,8 +38,15 @@ __all__ = sorted([*_LAZY, "__version__"])
 if TYPE_CHECKING:  # pragma: no cover
     from fastllm.inputs import TextPrompt, TokensPrompt
     from fastllm.llm import LLM
-    from fastllm.outputs import CompletionOutput, RequestOutput
+    from fastllm.outputs import (
+        ClassificationRequestOutput,
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        RequestOutput,
+        ScoringRequestOutput,
+    )
     from fastllm.platform import DeviceInfo, ProbeReport, cuda_available, device_count, probe
+    from fastllm.pooling.params import PoolingParams
     from fastllm.sampling_params import (
         RequestOutputKind,
         SamplingParams,

@@ -43,6 +43,18 @@ class LatencyResult:
     decode_token_times_s: list[float] = field(default_factory=list)
 
 
+@dataclass
+class EmbedResult:
+    """Figures of one ``bench embed`` row: documents of one length in batches of one size."""
+
+    length: int
+    batch_size: int
+    num_docs: int
+    elapsed_s: float
+    docs_per_s: float
+    tokens_per_s: float
+
+
 def _peak_rss_mib() -> float:
     import resource  # Unix only; imported here so the CLI loads everywhere
 
@@ -233,6 +245,80 @@ def transformers_latency(args: Any) -> LatencyResult:
     )
 
 
+def _int_list(text: str, option: str) -> list[int]:
+    """A comma-separated list of positive integers (``--lengths 32,128``)."""
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"{option}: not a list of integers: {text!r}") from None
+    if not values or min(values) < 1:
+        raise SystemExit(f"{option}: give positive integers, got {text!r}")
+    return values
+
+
+def _pooling_engine(args: Any, max_len: int):
+    from fastllm.config import EngineConfig
+    from fastllm.engine_args import engine_settings
+    from fastllm.pooling.engine import PoolingEngine
+
+    settings = engine_settings(args) if hasattr(args, "gpu_memory_utilization") else {}
+    return PoolingEngine(
+        EngineConfig(
+            model=args.model,
+            runner="pooling",
+            dtype=args.dtype,
+            device=args.device,
+            load_format=args.load_format,
+            max_model_len=max_len,
+            **settings,
+        )
+    )
+
+
+def embed_documents(args: Any, engine: Any, length: int) -> list[list[int]] | list[str]:
+    """``--num-docs`` documents of ``length`` tokens: random token ids, or
+    (``--docs text``) the text those ids decode to, cut back to ``length``
+    tokens by the engine."""
+    vocab = engine.tokenizer.vocab_size
+    ids = random_prompts(args.num_docs, length, vocab, seed=length)
+    if args.docs == "ids":
+        return ids
+    return [engine.tokenizer.decode(doc) or "empty" for doc in ids]
+
+
+def fastllm_embed(args: Any, engine: Any, length: int, batch_size: int) -> EmbedResult:
+    """Embeds the documents in batches of ``batch_size`` (after one warm-up batch)."""
+    from fastllm.pooling.params import PoolingParams
+
+    docs = embed_documents(args, engine, length)
+    params = PoolingParams(truncate_prompt_tokens=length)
+    engine.embed(docs[:batch_size], params)
+    tokens = 0
+    start = time.perf_counter()
+    for i in range(0, len(docs), batch_size):
+        outs = engine.embed(docs[i : i + batch_size], params)
+        tokens += sum(len(o.prompt_token_ids) for o in outs)
+    elapsed = time.perf_counter() - start
+    return EmbedResult(
+        length, batch_size, len(docs), elapsed, len(docs) / elapsed, tokens / elapsed
+    )
+
+
+def run_embed(args: Any) -> int:
+    """``fastllm bench embed``: documents per second for each length and batch size."""
+    lengths = _int_list(args.lengths, "--lengths")
+    sizes = _int_list(args.batch_size, "--batch-size")
+    engine = _pooling_engine(args, max(lengths))
+    if "embed" not in engine.tasks:
+        raise SystemExit(f"{args.model} does not embed (it supports: {sorted(engine.tasks)})")
+    rows = [asdict(fastllm_embed(args, engine, n, b)) for n in lengths for b in sizes]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"mode": "embed", "model": args.model, "results": rows}, f, indent=2)
+    _print_table(rows, ["length", "batch_size", "docs_per_s", "tokens_per_s", "elapsed_s"])
+    return 0
+
+
 def weight_bytes_per_token(folder: str, args: Any) -> int | None:
     """Bytes of weights one decode step reads (every matrix once; embeddings only if tied)."""
     from fastllm.loading import is_gguf_file
@@ -288,6 +374,8 @@ def run(args: Any) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.mode == "embed":
+        return run_embed(args)
     results: list[Any] = []
     report: dict[str, Any] = {"mode": args.mode, "model": args.model}
     if args.mode == "throughput":
@@ -372,9 +460,19 @@ def plot(report: dict[str, Any], path: str) -> None:
 
 def add_arguments(parser: Any) -> None:
     """Adds ``fastllm bench``'s options to an argparse parser."""
-    parser.add_argument("mode", choices=["throughput", "latency"])
+    parser.add_argument("mode", choices=["throughput", "latency", "embed"])
     parser.add_argument("model", help="model folder (Hugging Face layout)")
     parser.add_argument("--num-prompts", type=int, default=64)
+    e = parser.add_argument_group("embed (a pooling model's documents per second)")
+    e.add_argument("--num-docs", type=int, default=256, help="documents per row")
+    e.add_argument("--lengths", default="32,128,512", help="document lengths in tokens")
+    e.add_argument("--batch-size", default="32", help="documents per embed call (a list: 1,32)")
+    e.add_argument(
+        "--docs",
+        choices=["ids", "text"],
+        default="ids",
+        help="random token ids, or the text they decode to (tokenized by the engine)",
+    )
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--batch", "--max-num-seqs", dest="batch", type=int, default=64)

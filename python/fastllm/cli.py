@@ -87,10 +87,11 @@ def add_bench_parser(sub: Any) -> None:
 
     p = sub.add_parser(
         "bench",
-        help="measure throughput or batch-1 latency (optionally against transformers)",
+        help="measure throughput, batch-1 latency or embedding speed",
         description="Offline throughput (random prompts, ignore_eos, one warm-up) or batch-1 "
         "latency (time to first token, prefill and decode tokens/s); --compare transformers "
-        "runs transformers.generate on the same folder and workload in the same invocation.",
+        "runs transformers.generate on the same folder and workload in the same invocation. "
+        "embed: a pooling model's documents per second for each of --lengths and --batch-size.",
         formatter_class=HelpFormatter,
     )
     benchmark.add_arguments(p)
@@ -108,7 +109,9 @@ def add_serve_parser(sub: Any) -> None:
         "serve",
         help="serve a model with an OpenAI-compatible HTTP API",
         description="Serve MODEL over an OpenAI-compatible HTTP API "
-        "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).",
+        "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics); with "
+        "--runner pooling, an embedding, reranker or classifier model (/v1/embeddings, "
+        "/v1/rerank, /score, /classify).",
         formatter_class=fmt,
     )
     add_engine_args(p, model_optional=True)

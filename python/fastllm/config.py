@@ -376,6 +376,10 @@ def _rope_parameters(hf: dict[str, Any], path: str) -> tuple[float, dict[str, An
     return float(theta), scaling, float(partial)
 
 
+# vLLM's task names that mean a pooling model.
+POOLING_TASKS = ("embed", "embedding", "score", "classify", "reward")
+
+
 @dataclass
 class EngineConfig:
     """Every setting of an LLM, as passed to ``LLM(...)`` (vLLM's names)."""
@@ -400,6 +404,10 @@ class EngineConfig:
     download_dir: str | None = None
     quantization: str | None = None
     task: str = "generate"
+    # "generate" (text) or "pooling" (embeddings, scores, classes: LLM.embed,
+    # score, classify); vLLM's older task="embed"/"score"/"classify"/"reward"
+    # mean "pooling"
+    runner: str = "auto"
     tokenizer_mode: str = "auto"
     trust_remote_code: bool = False
     enforce_eager: bool = False  # accepted for vLLM scripts: fastllm has no graphs to capture
@@ -433,10 +441,15 @@ class EngineConfig:
         from fastllm.reasoning import reasoning_parser
 
         reasoning_parser(self.reasoning_parser)
-        if self.task not in ("generate", "auto"):
+        if self.task not in ("generate", "auto", *POOLING_TASKS):
             raise ValueError(
-                f"task={self.task!r} is not supported: fastllm generates text (task='generate')"
+                f"task={self.task!r} is not supported: task must be 'generate', 'auto' or a "
+                f"pooling task ({', '.join(POOLING_TASKS)})"
             )
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
+        if self.runner == "generate" and self.task in POOLING_TASKS:
+            raise ValueError(f"task={self.task!r} needs runner='pooling', not runner='generate'")
         if self.tokenizer_mode not in ("auto", "hf", "slow"):
             raise ValueError(
                 f"tokenizer_mode must be 'auto', 'hf' or 'slow' (all read tokenizer.json), "
@@ -452,6 +465,11 @@ class EngineConfig:
                 "load_format must be one of 'auto', 'safetensors', 'dummy', 'gguf', "
                 f"got {self.load_format!r}"
             )
+
+    @property
+    def pooling(self) -> bool:
+        """Whether this engine pools (runner='pooling', or a pooling task)."""
+        return self.runner == "pooling" or self.task in POOLING_TASKS
 
 
 _DTYPE_NAMES = {

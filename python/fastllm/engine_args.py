@@ -9,6 +9,7 @@ import argparse
 import os
 from typing import Any
 
+from fastllm.config import POOLING_TASKS
 from fastllm.reasoning import REASONING_PARSERS
 
 
@@ -75,6 +76,21 @@ def add_engine_args(
         default="auto",
         choices=["auto", "safetensors", "dummy"],
         help="how to read the weights",
+    )
+    g.add_argument(
+        "--runner",
+        default="auto",
+        choices=["auto", "generate", "pooling"],
+        help="generate: text generation; pooling: an embedding, reranker or classifier model "
+        "(the server's /v1/embeddings, /v1/rerank, /score, /classify); auto: generate unless "
+        "--task names a pooling task",
+    )
+    g.add_argument(
+        "--task",
+        default="generate",
+        choices=["auto", "generate", *POOLING_TASKS],
+        help="vLLM's older spelling of --runner: a pooling task (embed, score, classify, "
+        "reward) means --runner pooling",
     )
     add_engine_settings(g)
 
@@ -221,6 +237,8 @@ def engine_config(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         load_format=args.load_format,
+        runner=getattr(args, "runner", "auto"),
+        task=getattr(args, "task", "generate"),
         **engine_settings(args),
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -18,7 +19,14 @@ from fastllm.inputs import (  # noqa: F401 - TextPrompt, TokensPrompt: vLLM's na
     parse_prompts,
     truncate,
 )
-from fastllm.outputs import RequestOutput
+from fastllm.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
+from fastllm.pooling.engine import PoolingEngine, is_pooling_folder
+from fastllm.pooling.params import PoolingParams
 from fastllm.reasoning import ReasoningStream
 from fastllm.sampling_params import RequestOutputKind, SamplingParams
 from fastllm.tokenizer import HFCompatibleTokenizer, Tokenizer
@@ -62,6 +70,7 @@ class LLM:
         enforce_eager: bool = False,
         skip_tokenizer_init: bool = False,
         reasoning_parser: str | None = None,
+        runner: str = "auto",
     ) -> None:
         if model is None:
             from fastllm.demo import demo_model_path
@@ -93,8 +102,16 @@ class LLM:
             enforce_eager=enforce_eager,
             skip_tokenizer_init=skip_tokenizer_init,
             reasoning_parser=reasoning_parser,
+            runner=runner,
         )
-        self.llm_engine = LLMEngine(self.config)
+        self.config.validate()
+        #: the pooling model (runner="pooling", or an encoder folder), else None
+        self.pooling_engine: PoolingEngine | None = None
+        if self.config.pooling or (runner == "auto" and is_pooling_folder(self.config)):
+            self.pooling_engine = PoolingEngine(self.config)
+            self.llm_engine: LLMEngine = _NoGeneration()  # type: ignore[assignment]
+        else:
+            self.llm_engine = LLMEngine(self.config)
 
     def get_tokenizer(self) -> HFCompatibleTokenizer:
         """The model's tokenizer, callable like a Hugging Face tokenizer
@@ -102,7 +119,64 @@ class LLM:
         return HFCompatibleTokenizer(self._tokenizer())
 
     def _tokenizer(self) -> Tokenizer:
+        if self.pooling_engine is not None:
+            return self.pooling_engine.tokenizer
         return self.llm_engine.require_tokenizer()
+
+    # ---- pooling ----------------------------------------------------------
+
+    def _pooling(self, what: str) -> PoolingEngine:
+        if self.pooling_engine is None:
+            raise ValueError(
+                f"LLM.{what} needs a pooling model: this LLM generates text; load an "
+                "embedding or cross-encoder model with LLM(model, runner='pooling')"
+            )
+        return self.pooling_engine
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``outputs.embedding``), in input order."""
+        engine = self._pooling("embed")
+        items = _pooling_prompts(prompts)
+        params = _with_truncation(pooling_params, truncate_prompt_tokens)
+        with _PoolingProgress(len(items), use_tqdm) as bar:
+            return engine.embed(items, params, bar.update)
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (``outputs.probs``), in input order."""
+        engine = self._pooling("classify")
+        items = _pooling_prompts(prompts)
+        params = _with_truncation(pooling_params, truncate_prompt_tokens)
+        with _PoolingProgress(len(items), use_tqdm) as bar:
+            return engine.classify(items, params, bar.update)
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """One score per (``data_1``, ``data_2``) pair, or of one query against
+        each document (``outputs.score``): a cross-encoder's relevance, or the
+        cosine similarity of an embedding model's vectors."""
+        engine = self._pooling("score")
+        params = _with_truncation(pooling_params, truncate_prompt_tokens)
+        n = 1 if isinstance(data_2, str) else len(data_2)
+        with _PoolingProgress(n, use_tqdm) as bar:
+            return engine.score(data_1, data_2, params, bar.update)
 
     def __repr__(self) -> str:
         from fastllm.loading import describe_weights
@@ -305,6 +379,58 @@ class LLM:
         if tok is None:
             return None
         return tok.decode(out.prompt_token_ids, skip_special_tokens=False)
+
+
+def _pooling_prompts(prompts: Any) -> list[Any]:
+    """One prompt or a list of them (texts, token-id lists, prompt dicts)."""
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]
+    return list(prompts)
+
+
+def _with_truncation(
+    params: PoolingParams | Sequence[PoolingParams] | None, truncate: int | None
+) -> Any:
+    """``params`` with vLLM's ``truncate_prompt_tokens`` keyword folded in."""
+    if truncate is None:
+        return params
+    if params is None or isinstance(params, PoolingParams):
+        return dataclasses.replace(params or PoolingParams(), truncate_prompt_tokens=truncate)
+    return [dataclasses.replace(p, truncate_prompt_tokens=truncate) for p in params]
+
+
+class _NoGeneration:
+    """``LLM.llm_engine`` of a pooling LLM: every generation call is a clear error."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise ValueError(
+            "this LLM holds a pooling model (runner='pooling'): it embeds, scores or "
+            "classifies (LLM.embed, LLM.score, LLM.classify) and does not generate text"
+        )
+
+
+class _PoolingProgress:
+    """A pooling call's progress bar (inputs done), or nothing without tqdm."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = None
+        if enabled and total:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc="Processed inputs", unit="input", dynamic_ncols=True)
+
+    def __enter__(self) -> _PoolingProgress:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
 
 
 class _Progress:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -108,3 +109,69 @@ def _short(ids: list[int], limit: int = 12) -> str:
     if len(ids) <= limit:
         return str(ids)
     return f"[{', '.join(map(str, ids[:limit]))}, ... ({len(ids)} tokens)]"
+
+
+# ---- pooling outputs (LLM.embed / score / classify; vLLM's names) -------------------
+
+
+@dataclass
+class EmbeddingOutput:
+    """One input's embedding."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        """The embedding's number of dimensions."""
+        return len(self.embedding)
+
+
+@dataclass
+class ScoringOutput:
+    """One (query, document) pair's score: a cross-encoder's relevance, or the
+    cosine similarity of an embedding model's two vectors."""
+
+    score: float
+
+
+@dataclass
+class ClassificationOutput:
+    """One input's class probabilities (the raw logits with ``activation=False``)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        """The number of classes."""
+        return len(self.probs)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The output of one pooling request: its prompt's tokens and its result."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: Any
+    finished: bool = True
+
+
+@dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """``LLM.embed``'s output: ``outputs.embedding``."""
+
+    outputs: EmbeddingOutput
+
+
+@dataclass
+class ScoringRequestOutput(PoolingRequestOutput):
+    """``LLM.score``'s output: ``outputs.score``."""
+
+    outputs: ScoringOutput
+
+
+@dataclass
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """``LLM.classify``'s output: ``outputs.probs``."""
+
+    outputs: ClassificationOutput

@@ -91,6 +91,13 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    def encode_with_types(self, text: str, pair: str | None = None) -> tuple[list[int], list[int]]:
+        """Token ids and token type ids of a text, or of a text pair joined by
+        the tokenizer's post-processor (BERT: ``[CLS] a [SEP] b [SEP]``, types
+        0 then 1), special tokens included."""
+        enc = self._tok.encode(text, pair, add_special_tokens=True)
+        return enc.ids, enc.type_ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of token ids."""
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -142,7 +142,11 @@ class KVCacheManager:
 
         At least one token is left to compute, so the step still yields logits.
         """
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+        if (
+            not self.enable_prefix_caching
+            or seq.params.prompt_logprobs is not None
+            or (seq.pooling is not None and seq.pooling.needs_every_position)
+        ):
             return
         usable = (seq.num_tokens - 1) // self.block_size * self.block_size
         if usable <= 0:

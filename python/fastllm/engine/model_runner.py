@@ -193,6 +193,11 @@ class ModelRunner:
                 )
             finally:
                 set_context(None)
+            for entry in sched.scheduled:
+                if entry.seq.pooling is not None:
+                    # a pooling request: its hidden states, as the prompt is computed
+                    rows = hidden[entry.row : entry.row + entry.num_prompt_tokens]
+                    entry.seq.pooling.add(rows, entry.start, entry.seq.num_prompt_tokens)
             # int64 even when empty: a step of prompt chunks alone samples nothing.
             rows = torch.as_tensor(logit_rows, dtype=torch.long, device=dev)
             logits = self.model.compute_logits(hidden[rows])

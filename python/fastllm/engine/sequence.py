@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from fastllm import _core
@@ -67,6 +67,9 @@ class Sequence:
         # Where the reply is relative to its thinking block (set by the engine when
         # it has a reasoning parser and the request a budget or a grammar).
         self.thinking: ThinkingState | None = None
+        # A pooling request's pooled hidden states (set by the pooling engine;
+        # fastllm.pooling.decoder.PoolState), filled in as the prompt runs.
+        self.pooling: Any = None
 
     def fork(self, index: int, seed: int) -> Sequence:
         """A sibling completion of the same prompt (no blocks yet: ``KVCacheManager.fork``)."""

@@ -258,6 +258,9 @@ class LlamaForCausalLM(Module):
 
     #: The decoder layer of this family.
     LAYER_CLASS: type = LlamaDecoderLayer
+    #: A base model's checkpoint (an embedder saved without its head, such as
+    #: Qwen3-Embedding) names the decoder's tensors without the ``model.`` prefix.
+    checkpoint_prefix_aliases = (("model.", ""),)
     #: The layer classes whose maths ``rust/models/llama.rs`` implements.
     FUSED_LAYER_TYPES = (LlamaDecoderLayer, LlamaAttention, LlamaMLP)
 

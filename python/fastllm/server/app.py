@@ -19,8 +19,8 @@ from fastllm.config import EngineConfig
 from fastllm.inputs import check_chat_template
 from fastllm.loading import describe_quantization
 from fastllm.logs import configure_logging
-from fastllm.server import chat, completions, messages, metrics, responses, tokenize
-from fastllm.server.context import RouteContext, ServerState
+from fastllm.server import chat, completions, messages, metrics, pooling, responses, tokenize
+from fastllm.server.context import RouteContext, ServerState, engine_folder
 from fastllm.server.engine_loop import AsyncEngine
 from fastllm.server.http import error_response, too_large
 from fastllm.server.protocol import APIError
@@ -29,7 +29,7 @@ logger = logging.getLogger("fastllm.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 # Paths a configured API key protects (health and metrics stay open, as in vLLM).
-_PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+_PROTECTED = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/rerank", "/score", "/classify")
 
 
 def default_model_name(model: str, folder: str) -> str:
@@ -87,18 +87,28 @@ def create_app(
         not served_model_name or not all(isinstance(n, str) and n for n in served_model_name)
     ):
         raise ValueError(f"served_model_name must be non-empty strings, got {served_model_name!r}")
-    llm = LLMEngine(engine_args)
-    if chat_template is not None:
-        check_chat_template(llm.tokenizer, chat_template, llm.folder)
+    if _serves_pooling(engine_args):
+        from fastllm.pooling.engine import PoolingEngine
+        from fastllm.server.pooling_loop import AsyncPooling
+
+        llm: Any = PoolingEngine(engine_args)
+        engine: Any = AsyncPooling(llm)
+        route_modules: tuple = (tokenize, pooling, metrics)
+    else:
+        llm = LLMEngine(engine_args)
+        if chat_template is not None:
+            check_chat_template(llm.tokenizer, chat_template, llm.folder)
+        engine = AsyncEngine(llm)
+        route_modules = (tokenize, completions, chat, responses, messages, metrics, pooling)
     aliases: list[str] = []
+    folder = engine_folder(llm)
     if served_model_name is None:
-        names = [default_model_name(engine_args.model, llm.folder)]
-        for alias in (engine_args.model, llm.folder, _hub_repo_id(llm.folder)):
+        names = [default_model_name(engine_args.model, folder)]
+        for alias in (engine_args.model, folder, _hub_repo_id(folder)):
             if alias and alias not in names and alias not in aliases:
                 aliases.append(alias)
     else:
         names = list(served_model_name)
-    engine = AsyncEngine(llm)
     state = ServerState(
         engine=engine,
         model_names=names,
@@ -124,9 +134,20 @@ def create_app(
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
     _add_error_handlers(app)
     ctx = RouteContext(state)
-    for routes in (tokenize, completions, chat, responses, messages, metrics):
+    for routes in route_modules:
         routes.register(app, ctx)
     return app
+
+
+def _serves_pooling(config: EngineConfig) -> bool:
+    """Whether the server serves a pooling model: ``runner="pooling"`` (or
+    vLLM's older pooling ``task``), or with ``runner="auto"`` an encoder
+    folder (the offline ``LLM``'s rule)."""
+    if config.pooling:
+        return True
+    from fastllm.pooling.engine import is_pooling_folder
+
+    return config.runner == "auto" and is_pooling_folder(config)
 
 
 def _version() -> str:
@@ -232,6 +253,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 def startup_summary(app: FastAPI, host: str, port: int) -> str:
     """The block ``serve`` logs once before it listens: what is served, how, and where."""
     state: ServerState = app.state.fastllm
+    if not isinstance(state.engine, AsyncEngine):
+        return pooling.startup_summary(state, _version(), host, port)
     llm = state.engine.engine
     quant = describe_quantization(llm.loaded, llm.config.quantization)
     if state.chat_template is not None:

@@ -10,6 +10,7 @@ from typing import Any
 from fastllm.engine.llm_engine import RequestError
 from fastllm.sampling_params import SamplingParams
 from fastllm.server.engine_loop import AsyncEngine
+from fastllm.server.pooling_loop import AsyncPooling
 from fastllm.server.protocol import APIError
 
 
@@ -17,7 +18,8 @@ from fastllm.server.protocol import APIError
 class ServerState:
     """What every route needs: the engine, the served names and the limits."""
 
-    engine: AsyncEngine
+    # AsyncPooling on a --runner pooling server (embeddings, rerank, score, classify)
+    engine: AsyncEngine | AsyncPooling
     model_names: list[str]
     max_model_len: int
     max_body_bytes: int
@@ -48,15 +50,34 @@ class ServerState:
         }
 
 
+def engine_folder(llm: Any) -> str:
+    """The model folder an engine serves: its ``folder``, else (an engine
+    without one) its config's model, resolved as the loader resolves it."""
+    folder = getattr(llm, "folder", None)
+    if folder:
+        return folder
+    from fastllm.loading import resolve_model_folder
+
+    cfg = llm.config
+    return resolve_model_folder(cfg.model, cfg.revision, cfg.download_dir)
+
+
 class RouteContext:
     """The state of one server as its routes use it."""
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self.engine = state.engine
-        #: The LLMEngine the engine thread runs.
-        self.llm = state.engine.engine
+        #: The LLMEngine the engine thread runs (a PoolingEngine on a pooling server).
+        self.llm: Any = state.engine.engine
         self.tok: Any = self.llm.tokenizer
+        #: The pooling worker; None on a generation server.
+        self.pooling = state.engine if isinstance(state.engine, AsyncPooling) else None
+
+    @property
+    def folder(self) -> str:
+        """The served model's folder."""
+        return engine_folder(self.llm)
 
     def model_name(self, requested: str | None) -> str:
         """The served name a request's ``model`` field means; a 404 for another."""

@@ -8,6 +8,7 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
 from fastllm.server.engine_loop import AsyncEngine, Histogram
+from fastllm.server.pooling_loop import AsyncPooling
 
 if TYPE_CHECKING:  # pragma: no cover
     from fastllm.server.context import RouteContext
@@ -18,10 +19,12 @@ def register(app: FastAPI, ctx: RouteContext) -> None:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(
-            prometheus(ctx.engine, ctx.state.model_names[0]),
-            media_type="text/plain; version=0.0.4; charset=utf-8",
-        )
+        name = ctx.state.model_names[0]
+        if ctx.pooling is not None:
+            text = pooling_prometheus(ctx.pooling, name)
+        else:
+            text = prometheus(ctx.engine, name)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 def prometheus(engine: AsyncEngine, model: str, replica: str | None = None) -> str:
@@ -107,6 +110,35 @@ def prometheus(engine: AsyncEngine, model: str, replica: str | None = None) -> s
         "fastllm_inter_token_latency_seconds",
         "Seconds between successive generated tokens of a request.",
         engine.itl,
+        label,
+    )
+    return "\n".join(lines) + "\n"
+
+
+def pooling_prometheus(pool: AsyncPooling, model: str) -> str:
+    """The /metrics page of a pooling server: requests by kind, prompt tokens,
+    engine calls (merged batches) and request latency."""
+    s = pool.stats
+    label = f'model_name="{_escape(model)}"'
+    lines: list[str] = []
+    for name, kind, help_, value in (
+        ("fastllm_num_requests_running", "gauge", "Requests in the running batch.", s.running),
+        ("fastllm_num_requests_waiting", "gauge", "Requests waiting to run.", s.waiting),
+        ("fastllm_prompt_tokens_total", "counter", "Input tokens pooled.", s.prompt_tokens),
+        ("fastllm_pooling_batches_total", "counter", "Pooling engine calls.", s.engine_calls),
+        ("fastllm_request_errors_total", "counter", "Requests that failed.", s.errors),
+    ):
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{{{label}}} {value}"]
+    name = "fastllm_pooling_requests_total"
+    lines.append(f"# HELP {name} Pooling requests served, by kind (embed, score, classify).")
+    lines.append(f"# TYPE {name} counter")
+    for kind, count in s.requests.items():
+        lines.append(f'{name}{{{label},kind="{kind}"}} {count}')
+    _histogram(
+        lines,
+        "fastllm_request_latency_seconds",
+        "Seconds from arrival to the result of a pooling request.",
+        pool.latency,
         label,
     )
     return "\n".join(lines) + "\n"

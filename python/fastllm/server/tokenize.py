@@ -23,17 +23,18 @@ def register(app: FastAPI, ctx: RouteContext) -> None:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        loaded = ctx.llm.loaded
+        # a pooling server's engine may not say how it loaded the weights
+        loaded = getattr(ctx.llm, "loaded", None)
         data = [
             {
                 "id": name,
                 "object": "model",
                 "created": ctx.state.created,
                 "owned_by": "fastllm",
-                "root": ctx.llm.folder,
+                "root": ctx.folder,
                 "max_model_len": ctx.state.max_model_len,
-                "quantization": quantization_name(loaded),
-                **({"gguf": loaded.gguf} if loaded.gguf else {}),
+                "quantization": quantization_name(loaded) if loaded is not None else None,
+                **({"gguf": loaded.gguf} if loaded is not None and loaded.gguf else {}),
             }
             for name in ctx.state.model_names
         ]
@@ -57,7 +58,8 @@ def register(app: FastAPI, ctx: RouteContext) -> None:
     async def detokenize(raw: Request) -> JSONResponse:
         req = await read_model(raw, DetokenizeRequest, ctx.state.max_body_bytes)
         ctx.model_name(req.model)
-        vocab = ctx.llm.model_config.vocab_size
+        model_config = getattr(ctx.llm, "model_config", None)
+        vocab = model_config.vocab_size if model_config is not None else ctx.tok.vocab_size
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(

@@ -1,0 +1,157 @@
+"""What the encoder models share: the packed batch, bidirectional attention
+over it, a LayerNorm whose bias is optional, and rotary embeddings.
+
+A batch of inputs runs as one packed [tokens, hidden] tensor with no padding:
+the linear layers see every input's rows at once, and attention runs input by
+input. Consecutive inputs of the same length attend in one batched call (a
+view of their rows, no copy). Measured side by side on a MiniLM-shaped BERT
+(384 wide, 6 layers, 2 cores): 32 inputs of 128 tokens took 438 ms this
+way, 506 ms with one call per input and 1878 ms with one call over the
+whole batch under a block-diagonal mask (which computes every pair of rows);
+at mixed lengths the first two tie and the mask is 2.5x slower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastllm.layers import Module
+
+
+@dataclass
+class PackedInputs:
+    """A batch of token-id lists packed into one row per token."""
+
+    #: [T] int64 token ids, the inputs one after another
+    ids: torch.Tensor
+    #: [T] int64 token type ids (None: all zeros)
+    type_ids: torch.Tensor | None
+    #: [T] int64 position of each token within its input (from 0)
+    positions: torch.Tensor
+    #: [B] int64 first row of each input
+    starts: torch.Tensor
+    #: [T] int64 index of the input each row belongs to
+    seq_index: torch.Tensor
+    #: each input's number of tokens
+    lengths: list[int]
+    #: (first row, inputs, length) of each run of consecutive equal-length inputs
+    runs: list[tuple[int, int, int]]
+
+    @classmethod
+    def from_batch(
+        cls, batch: list[tuple[list[int], list[int] | None]], device: str | torch.device = "cpu"
+    ) -> PackedInputs:
+        """Packs ``(ids, type_ids)`` pairs; type ids missing anywhere count as zeros."""
+        lengths = [len(ids) for ids, _ in batch]
+        flat = [t for ids, _ in batch for t in ids]
+        ids = torch.tensor(flat, dtype=torch.int64, device=device)
+        type_ids = None
+        if any(types is not None for _, types in batch):
+            flat_types = [
+                t for ids, types in batch for t in (types if types is not None else [0] * len(ids))
+            ]
+            type_ids = torch.tensor(flat_types, dtype=torch.int64, device=device)
+        lens = torch.tensor(lengths, dtype=torch.int64, device=device)
+        starts = torch.cumsum(lens, 0) - lens
+        seq_index = torch.repeat_interleave(torch.arange(len(lengths), device=device), lens)
+        positions = torch.arange(len(flat), device=device) - starts[seq_index]
+        runs: list[tuple[int, int, int]] = []
+        row = 0
+        for n in lengths:
+            if runs and runs[-1][2] == n:
+                first, count, _ = runs[-1]
+                runs[-1] = (first, count + 1, n)
+            else:
+                runs.append((row, 1, n))
+            row += n
+        return cls(ids, type_ids, positions, starts, seq_index, lengths, runs)
+
+    def first_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each input's first row ([B, hidden]: the CLS token)."""
+        return hidden.index_select(0, self.starts)
+
+    def last_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each input's last row ([B, hidden])."""
+        ends = self.starts + torch.tensor(self.lengths, device=self.starts.device) - 1
+        return hidden.index_select(0, ends)
+
+    def mean_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each input's mean row in float32 ([B, hidden])."""
+        sums = torch.zeros(len(self.lengths), hidden.shape[-1], device=hidden.device)
+        sums.index_add_(0, self.seq_index, hidden.float())
+        lens = torch.tensor(self.lengths, dtype=torch.float32, device=hidden.device)
+        return sums / lens[:, None]
+
+
+class EncoderAttention:
+    """Bidirectional attention of packed rows, input by input; ``window``: a
+    token sees only tokens at most ``window`` positions away (ModernBERT's
+    local layers: half of ``local_attention``)."""
+
+    def __init__(self, num_heads: int, head_dim: int, window: int | None = None) -> None:
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.window = window
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: PackedInputs
+    ) -> torch.Tensor:
+        """``q``, ``k``, ``v`` [T, heads, head_dim] (views are fine) → [T, heads * head_dim]."""
+        h, d = self.num_heads, self.head_dim
+        out = torch.empty(q.shape[0], h, d, dtype=q.dtype, device=q.device)
+        for first, count, length in inputs.runs:
+            rows = slice(first, first + count * length)
+            shape = (count, length, h, d)
+            qs, ks, vs = (x[rows].view(shape).transpose(1, 2) for x in (q, k, v))
+            mask = self._band(length, q.device)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
+            out[rows] = o.transpose(1, 2).reshape(count * length, h, d)
+        return out.view(q.shape[0], h * d)
+
+    def _band(self, length: int, device: torch.device) -> torch.Tensor | None:
+        """The window's mask for inputs of ``length`` tokens (None: every token sees all)."""
+        if self.window is None or length - 1 <= self.window:
+            return None
+        pos = torch.arange(length, device=device)
+        return (pos[:, None] - pos[None, :]).abs() <= self.window
+
+
+class EncoderLayerNorm(Module):
+    """Layer norm with a learned weight and, unless ``bias=False``, a bias
+    (ModernBERT's ``norm_bias``)."""
+
+    def __init__(self, hidden_size: int, eps: float, bias: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(hidden_size), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalises the last dimension of ``x``."""
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+def rotary_tables(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (cos, sin) [T, 1, head_dim] of the default rotary embedding at ``positions``."""
+    inv_freq = 1.0 / (
+        theta
+        ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    )
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates ``x`` [T, heads, head_dim] (the two halves of each head as pairs),
+    computed in float32 and returned in ``x``'s dtype."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
