@@ -63,7 +63,10 @@ def main() -> None:
     from fastllm.config import cpu_has_native_bf16
 
     rows = []
-    llm = LLM(args.folder, runner="pooling", dtype="float32")
+    # No prefix cache: every timed run embeds the same documents, and a decoder
+    # embedder would otherwise compute only their last tokens after the first.
+    cold = dict(runner="pooling", enable_prefix_caching=False)
+    llm = LLM(args.folder, dtype="float32", **cold)
     docs = documents(llm.get_tokenizer(), args.docs, args.min_tokens, args.max_tokens)
     ntok = sum(len(llm.get_tokenizer().encode(d)) for d in docs)
     print(f"{args.folder}: {len(docs)} documents, {ntok} tokens, torch threads {torch.get_num_threads()}")
@@ -78,7 +81,7 @@ def main() -> None:
     if cpu_has_native_bf16():
         variants.insert(0, ("bfloat16", dict(dtype="bfloat16")))
     for name, kw in variants:
-        m = LLM(args.folder, runner="pooling", **kw)
+        m = LLM(args.folder, **cold, **kw)
         rows.append((f"fastllm {name}", timed(fastllm_embed(m), docs)[0]))
         del m
     if not args.skip_st:

@@ -20,7 +20,7 @@
    sentence-transformers files: mean pooling, normalised); qwen3-embed-random,
    a Qwen3 base model with Qwen3-Embedding-0.6B's shape (28 layers of 1024,
    16 heads and 8 KV heads of 128, FFN 3072; last-token pooling, normalised),
-   saved without a head as Qwen3-Embedding is. float32 weights.
+   saved without a head as Qwen3-Embedding is (config: Qwen3Model). float32 weights.
 Usage: python benches/make_bench_model.py [OUT_DIR] [--models=qwen2,tiny,gemma3-1b,phi4-mini,bert-base,qwen3-embed]
 (default qwen2,tiny; needs torch, transformers, tokenizers; `pip install "fastllm[bench]"`
 has them)

@@ -31,6 +31,19 @@ _GPT2_NAMES = {
 # under the text model's prefix.
 TEXT_PART_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3_text"}
 
+
+def causal_lm_architecture(arch: str) -> str:
+    """The architecture a checkpoint runs as: a base model saved without its
+    head (``Qwen3Model``: an embedder such as Qwen3-Embedding) as its family's
+    ``...ForCausalLM``, when fastllm has that one; anything else as it is."""
+    from fastllm.models import ARCHITECTURES
+
+    if arch.endswith("Model") and arch not in ARCHITECTURES:
+        causal = arch[: -len("Model")] + "ForCausalLM"
+        if causal in ARCHITECTURES:
+            return causal
+    return arch
+
 # Defaults of fields a config may leave out, by ``model_type``: the values
 # the family's reference configuration class uses (Gemma 3's multimodal
 # checkpoints list only the text fields that differ from these).
@@ -251,7 +264,7 @@ class ModelConfig:
             if rope_scaling.get("factor") is None:  # a config that gives both lengths instead
                 rope_scaling["factor"] = max_pos / rope_scaling["original_max_position_embeddings"]
         return cls(
-            architecture=archs[0],
+            architecture=causal_lm_architecture(archs[0]),
             model_type=model_type,
             vocab_size=vocab_size,
             hidden_size=hidden_size,
