@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from fastllm import LLM, PoolingParams  # noqa: E402
+from tiny_models import tiny_qwen3_config, write_sentence_transformers  # noqa: E402
 
 TEXTS = [
     "x",
@@ -23,39 +24,6 @@ TEXTS = [
     "Unicode: naïve café, 日本語, emoji 🙂",
     "import os\nimport sys\n" * 6,
 ]
-
-
-def _write_st(out, pooling: str, dims: list[int] | None) -> None:
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {
-            "idx": 1,
-            "name": "1",
-            "path": "1_Pooling",
-            "type": "sentence_transformers.models.Pooling",
-        },
-        {
-            "idx": 2,
-            "name": "2",
-            "path": "2_Normalize",
-            "type": "sentence_transformers.models.Normalize",
-        },
-    ]
-    (out / "modules.json").write_text(json.dumps(modules))
-    (out / "1_Pooling").mkdir(exist_ok=True)
-    modes = {
-        "pooling_mode_cls_token": False,
-        "pooling_mode_mean_tokens": pooling == "mean",
-        "pooling_mode_lasttoken": pooling == "last",
-    }
-    (out / "1_Pooling" / "config.json").write_text(
-        json.dumps({"word_embedding_dimension": 64, **modes})
-    )
-    (out / "2_Normalize").mkdir(exist_ok=True)
-    st = {"prompts": {"query": "Instruct: find code\nQuery: "}}
-    if dims:
-        st["matryoshka_dimensions"] = dims
-    (out / "config_sentence_transformers.json").write_text(json.dumps(st))
 
 
 @pytest.fixture(scope="module", params=["last", "mean"])
@@ -68,20 +36,7 @@ def embed_dir(request, tmp_path_factory, tokenizer_dir):
 
     tok = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
     eos = tok.token_to_id("<|endoftext|>")
-    config = transformers.Qwen3Config(
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        initializer_range=0.1,
-        bos_token_id=eos,
-        eos_token_id=eos,
-        tie_word_embeddings=True,
-    )
+    config = tiny_qwen3_config(tok.get_vocab_size(), eos)
     torch.manual_seed(1)
     transformers.Qwen3Model(config).to(torch.float32).save_pretrained(out)
     cfg = json.loads((out / "config.json").read_text())
@@ -91,7 +46,8 @@ def embed_dir(request, tmp_path_factory, tokenizer_dir):
     (out / "config.json").write_text(json.dumps(cfg))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(tokenizer_dir, name), out / name)
-    _write_st(out, request.param, [16, 32])
+    prompts = {"query": "Instruct: find code\nQuery: "}
+    write_sentence_transformers(out, request.param, 64, [16, 32], prompts)
     return str(out), request.param
 
 

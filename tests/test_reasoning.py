@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastllm.reasoning import REASONING_PARSERS, reasoning_parser
+from tiny_models import tiny_qwen3_config
 
 THINK_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 # Qwen3's template in little: thinking on unless enable_thinking is false,
@@ -107,21 +108,7 @@ def qwen3_dir(tmp_path_factory, tokenizer_dir):
     cfg["chat_template"] = QWEN3_TEMPLATE
     (out / "tokenizer_config.json").write_text(json.dumps(cfg))
     eos = tok.token_to_id("<|endoftext|>")
-    config = tf.Qwen3Config(
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        initializer_range=0.1,
-        bos_token_id=eos,
-        eos_token_id=eos,
-        pad_token_id=eos,
-        tie_word_embeddings=True,
-    )
+    config = tiny_qwen3_config(tok.get_vocab_size(), eos)
     torch.manual_seed(0)
     tf.AutoModelForCausalLM.from_config(config).to(torch.float32).save_pretrained(out)
     return str(out)

@@ -18,6 +18,7 @@ import types
 import pytest
 
 from server_process import app_server
+from tiny_models import tiny_qwen3_config, write_sentence_transformers
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -546,47 +547,14 @@ def decoder_embedder_dir(tmp_path_factory, tokenizer_dir) -> str:
 
     out = tmp_path_factory.mktemp("qwen3-embedder")
     eos = Tokenizer.from_file(f"{tokenizer_dir}/tokenizer.json").token_to_id("<|endoftext|>")
-    config = tf.Qwen3Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        bos_token_id=eos,
-        eos_token_id=eos,
-        tie_word_embeddings=True,
-    )
+    config = tiny_qwen3_config(512, eos, max_position_embeddings=256, initializer_range=0.02)
     torch.manual_seed(3)
     tf.Qwen3Model(config).to(torch.float32).save_pretrained(out)
     cfg = json.loads((out / "config.json").read_text())
     cfg["architectures"] = ["Qwen3ForCausalLM"]
     (out / "config.json").write_text(json.dumps(cfg))
     _save_tokenizer(tokenizer_dir, out)
-    (out / "1_Pooling").mkdir()
-    pooling = {"word_embedding_dimension": 64, "pooling_mode_lasttoken": True}
-    (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {
-            "idx": 1,
-            "name": "1",
-            "path": "1_Pooling",
-            "type": "sentence_transformers.models.Pooling",
-        },
-        {
-            "idx": 2,
-            "name": "2",
-            "path": "2_Normalize",
-            "type": "sentence_transformers.models.Normalize",
-        },
-    ]
-    (out / "modules.json").write_text(json.dumps(modules))
-    (out / "2_Normalize").mkdir()
-    st = {"matryoshka_dimensions": [16, 32]}
-    (out / "config_sentence_transformers.json").write_text(json.dumps(st))
+    write_sentence_transformers(out, "last", 64, [16, 32])
     return str(out)
 
 
