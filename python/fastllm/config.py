@@ -44,6 +44,7 @@ def causal_lm_architecture(arch: str) -> str:
             return causal
     return arch
 
+
 # Defaults of fields a config may leave out, by ``model_type``: the values
 # the family's reference configuration class uses (Gemma 3's multimodal
 # checkpoints list only the text fields that differ from these).

@@ -50,14 +50,14 @@ def load_model(
     if load_format == "dummy":
         state = _dummy_state(model, dtype, device)
     else:
-        with _Checkpoint(folder) as ckpt:
+        with Checkpoint(folder) as ckpt:
             state = _checkpoint_state(model, ckpt, dtype, device)
     model.load_state_dict(state, strict=True, assign=True)
     bind_ops(model, select_ops(device, dtype))
     return model.eval()
 
 
-class _Checkpoint:
+class Checkpoint:
     """The safetensors file(s) of a folder, opened memory-mapped; a context manager."""
 
     def __init__(self, folder: str) -> None:
@@ -108,7 +108,7 @@ class _Checkpoint:
         )
         raise FileNotFoundError(f"no safetensors weights found in {folder}{hint}")
 
-    def __enter__(self) -> _Checkpoint:
+    def __enter__(self) -> Checkpoint:
         try:
             for path in self.files:
                 try:
@@ -151,7 +151,7 @@ class _Checkpoint:
             ) from None
 
 
-def _resolve(model: nn.Module, ckpt: _Checkpoint, name: str) -> str | None:
+def _resolve(model: nn.Module, ckpt: Checkpoint, name: str) -> str | None:
     """The checkpoint's name for ``name``, trying the model's prefix aliases."""
     if name in ckpt.location:
         return name
@@ -164,7 +164,7 @@ def _resolve(model: nn.Module, ckpt: _Checkpoint, name: str) -> str | None:
 
 
 def _plan(
-    model: nn.Module, ckpt: _Checkpoint
+    model: nn.Module, ckpt: Checkpoint
 ) -> list[tuple[str, torch.Size, WeightSpec, list[str]]]:
     """(param, shape, spec, resolved source names) for every parameter, all checked first."""
     specs: dict[str, WeightSpec] = model.weight_specs()
@@ -194,7 +194,7 @@ def _plan(
 
 
 def _checkpoint_state(
-    model: nn.Module, ckpt: _Checkpoint, dtype: torch.dtype, device: torch.device
+    model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device
 ) -> dict[str, torch.Tensor]:
     """Every parameter read, fused and converted; nothing is assigned here."""
     state: dict[str, torch.Tensor] = {}

@@ -10,18 +10,17 @@ padding and no KV cache (``encoder_layers.py``).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from fastllm.config import EngineConfig, ModelConfig, resolve_dtype
 from fastllm.layers import Module
 from fastllm.layers.linear import Linear
+from fastllm.models.loader import Checkpoint
 from fastllm.pooling.bert import BERT_ARCHITECTURES, BertEncoder
 from fastllm.pooling.encoder_layers import PackedInputs
 from fastllm.pooling.modernbert import MODERNBERT_ARCHITECTURES, ModernBertEncoder
@@ -236,8 +235,7 @@ def load_encoder_weights(
     """Reads every parameter of ``encoder`` from the folder's safetensors (the
     encoder's tensors under whichever prefix the checkpoint uses; fused
     parameters concatenated), checks every shape first, and assigns them all."""
-    files = _safetensors_files(folder)
-    with _Tensors(files) as tensors:
+    with Checkpoint(folder) as tensors:
         probe = encoder.checkpoint_probe()
         prefix = next((p for p in _PREFIXES if p + probe in tensors.location), None)
         if prefix is None:
@@ -245,7 +243,7 @@ def load_encoder_weights(
         sources = encoder.checkpoint_sources(prefix)
         plan = []
         for pname, param in encoder.named_parameters():
-            names = [tensors.resolve(n) for n in sources[pname]]
+            names = [_stored_name(tensors, n) for n in sources[pname]]
             shapes = [tensors.shape(n) for n in names]
             rows = sum(s[0] for s in shapes)
             if any(s[1:] != tuple(param.shape[1:]) for s in shapes) or rows != param.shape[0]:
@@ -264,64 +262,14 @@ def load_encoder_weights(
     encoder.load_state_dict(state, strict=True, assign=True)
 
 
-def _safetensors_files(folder: str) -> list[str]:
-    """The folder's safetensors files (an index's shards, or every file)."""
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        try:
-            with open(index, encoding="utf-8") as f:
-                names = sorted(set(json.load(f)["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"malformed safetensors index {index}: {e!r}") from None
-        return [os.path.join(folder, n) for n in names]
-    files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no safetensors weights found in {folder}")
-    return [os.path.join(folder, n) for n in files]
-
-
-class _Tensors:
-    """Tensors of safetensors files, opened memory-mapped; a context manager."""
-
-    def __init__(self, files: list[str]) -> None:
-        self.files = files
-        self.handles: dict[str, Any] = {}
-        self.location: dict[str, str] = {}
-
-    def __enter__(self) -> _Tensors:
-        for path in self.files:
-            try:
-                handle = safe_open(path, framework="pt", device="cpu")
-                names = list(handle.keys())
-            except Exception as e:  # safetensors raises its own error type
-                raise ValueError(f"corrupt or missing safetensors file {path}: {e}") from None
-            self.handles[path] = handle
-            for name in names:
-                self.location.setdefault(name, path)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.handles.clear()
-
-    def resolve(self, name: str) -> str:
-        """``name``, or its older spelling (LayerNorm ``gamma`` / ``beta``)."""
-        if name in self.location:
-            return name
-        old = name.replace("LayerNorm.weight", "LayerNorm.gamma").replace(
-            "LayerNorm.bias", "LayerNorm.beta"
-        )
-        if old in self.location:
-            return old
-        raise ValueError(f"missing tensor {name!r} in {', '.join(self.files)}")
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """The stored shape of tensor ``name``."""
-        return tuple(self.handles[self.location[name]].get_slice(name).get_shape())
-
-    def read(self, name: str) -> torch.Tensor:
-        """Tensor ``name``; errors name the tensor and the file."""
-        path = self.location[name]
-        try:
-            return self.handles[path].get_tensor(name)
-        except Exception as e:
-            raise ValueError(f"cannot read tensor {name!r} in {path}: {e}") from None
+def _stored_name(ckpt: Checkpoint, name: str) -> str:
+    """``name`` as the checkpoint stores it: as it is, or in the older spelling
+    of LayerNorm parameters (``gamma`` / ``beta``)."""
+    if name in ckpt.location:
+        return name
+    old = name.replace("LayerNorm.weight", "LayerNorm.gamma").replace(
+        "LayerNorm.bias", "LayerNorm.beta"
+    )
+    if old in ckpt.location:
+        return old
+    raise ValueError(f"missing tensor {name!r} in {', '.join(ckpt.files)}")
