@@ -112,6 +112,7 @@ def test_pooling_rules_and_errors(embed_dir):
         llm.embed([""], use_tqdm=False)
     with pytest.raises(ValueError, match="does not generate text"):
         llm.generate(["x"], use_tqdm=False)
+    assert "runner='pooling', tasks=['embed', 'score']" in repr(llm)
     with pytest.raises(ValueError, match="classify: this model is an embedding model"):
         llm.classify(["x"], use_tqdm=False)
     with pytest.raises(ValueError, match="PoolingParams.dimensions must be"):

@@ -181,6 +181,12 @@ class LLM:
     def __repr__(self) -> str:
         from fastllm.loading import describe_weights
 
+        if self.pooling_engine is not None:
+            p = self.pooling_engine
+            return (
+                f"LLM(model={self.config.model!r}, runner='pooling', "
+                f"tasks={sorted(p.tasks)}, max_model_len={p.max_model_len})"
+            )
         e = self.llm_engine
         quant = describe_weights(e.loaded)
         return (
