@@ -462,3 +462,19 @@ def test_non_special_added_tokens_are_text_to_grammars(qwen3_dir):
     for name in THINK_TOKENS:
         assert vocab.token_bytes(added[name]) == name.encode()
     assert vocab.token_bytes(added["<|im_end|>"]) == b"\xff<|im_end|>"
+
+
+def test_stateless_openai_fields_are_accepted_and_store_true_refused(served):
+    _, addr = served
+    chat = {"messages": MESSAGES, "max_tokens": 2}
+    harmless = {
+        "store": False,
+        "metadata": {"run": "a"},
+        "service_tier": "auto",
+        "prompt_cache_key": "k",
+        "safety_identifier": "u1",
+    }
+    status, answer = _post(addr, "/v1/chat/completions", {**chat, **harmless})
+    assert status == 200, answer
+    status, answer = _post(addr, "/v1/chat/completions", {**chat, "store": True})
+    assert status == 400 and answer["error"]["param"] == "store", answer

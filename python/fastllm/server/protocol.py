@@ -113,6 +113,15 @@ class _Common(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # OpenAI fields that change nothing a stateless engine produces: accepted.
+    # ``store`` may only be false (fastllm keeps no completions), ``metadata``
+    # goes with it; ``service_tier`` has one tier here; ``prompt_cache_key`` is
+    # a hint to a prefix cache that fastllm runs on every request anyway.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
@@ -198,6 +207,13 @@ class _Common(BaseModel):
             raise APIError(msg, 400, param=field) from None
 
     def _sampling_kwargs(self) -> dict[str, Any]:
+        if self.store:
+            raise APIError(
+                "store=true is not supported: fastllm keeps no completions (send store=false "
+                "or leave it out)",
+                400,
+                param="store",
+            )
         if isinstance(self.n, int) and self.n > MAX_N:
             raise APIError(f"n must be at most {MAX_N}, got {self.n}", 400, param="n")
         kw: dict[str, Any] = {
