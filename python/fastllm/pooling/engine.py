@@ -40,21 +40,24 @@ def is_pooling_folder(config: EngineConfig) -> bool:
     with ``runner="auto"``)."""
     from fastllm.pooling.encoder import is_encoder_architecture
 
-    archs = _architectures(config)
-    return bool(archs) and is_encoder_architecture(archs)
+    archs = _folder_config(config)[1].get("architectures") or []
+    return bool(archs) and is_encoder_architecture(list(archs))
 
 
-def _architectures(config: EngineConfig) -> list[str]:
+def _folder_config(config: EngineConfig) -> tuple[str, dict[str, Any]]:
+    """The model's folder (a GGUF file's path as it is) and its config.json
+    ({} when there is none to read: the loaders report what is wrong)."""
     from fastllm.loading import resolve_model_folder
 
     if config.model.endswith(".gguf"):
-        return []
+        return config.model, {}
     folder = resolve_model_folder(config.model, config.revision, config.download_dir)
     try:
         with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-            return list(json.load(f).get("architectures") or [])
+            hf = json.load(f)
     except (OSError, ValueError):
-        return []
+        return folder, {}
+    return folder, hf if isinstance(hf, dict) else {}
 
 
 class PoolingEngine:
@@ -64,17 +67,20 @@ class PoolingEngine:
         config.validate()
         from fastllm.pooling.encoder import is_encoder_architecture, load_encoder
 
-        if is_encoder_architecture(_architectures(config)):
+        #: the model's folder, and its config.json
+        self.folder, hf = _folder_config(config)
+        if is_encoder_architecture(list(hf.get("architectures") or [])):
             self.runner: PoolingRunner = load_encoder(config)
         else:
             from fastllm.pooling.decoder import DecoderRunner
 
             self.runner = DecoderRunner(config)
         self.config = config
-        from fastllm.loading import resolve_model_folder
-
-        #: the model's folder
-        self.folder = resolve_model_folder(config.model, config.revision, config.download_dir)
+        labels = hf.get("id2label")
+        #: a classifier's label names by class index (None: not named)
+        self.id2label: dict[int, str] | None = (
+            {int(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else None
+        )
         self.tokenizer = self.runner.tokenizer
         self.max_model_len = self.runner.max_model_len
         self.pooler = self.runner.pooler

@@ -20,7 +20,7 @@ from fastllm.inputs import check_chat_template
 from fastllm.loading import describe_quantization
 from fastllm.logs import configure_logging
 from fastllm.server import chat, completions, messages, metrics, pooling, responses, tokenize
-from fastllm.server.context import RouteContext, ServerState, engine_folder
+from fastllm.server.context import RouteContext, ServerState
 from fastllm.server.engine_loop import AsyncEngine
 from fastllm.server.http import error_response, too_large
 from fastllm.server.protocol import APIError
@@ -101,7 +101,7 @@ def create_app(
         engine = AsyncEngine(llm)
         route_modules = (tokenize, completions, chat, responses, messages, metrics, pooling)
     aliases: list[str] = []
-    folder = engine_folder(llm)
+    folder = llm.folder
     if served_model_name is None:
         names = [default_model_name(engine_args.model, folder)]
         for alias in (engine_args.model, folder, _hub_repo_id(folder)):

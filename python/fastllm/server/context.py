@@ -50,18 +50,6 @@ class ServerState:
         }
 
 
-def engine_folder(llm: Any) -> str:
-    """The model folder an engine serves: its ``folder``, else (an engine
-    without one) its config's model, resolved as the loader resolves it."""
-    folder = getattr(llm, "folder", None)
-    if folder:
-        return folder
-    from fastllm.loading import resolve_model_folder
-
-    cfg = llm.config
-    return resolve_model_folder(cfg.model, cfg.revision, cfg.download_dir)
-
-
 class RouteContext:
     """The state of one server as its routes use it."""
 
@@ -77,7 +65,7 @@ class RouteContext:
     @property
     def folder(self) -> str:
         """The served model's folder."""
-        return engine_folder(self.llm)
+        return self.llm.folder
 
     def model_name(self, requested: str | None) -> str:
         """The served name a request's ``model`` field means; a 404 for another."""

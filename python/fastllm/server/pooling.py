@@ -8,8 +8,6 @@ routes the same way."""
 from __future__ import annotations
 
 import base64
-import json
-import os
 import re
 import struct
 import time
@@ -21,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from fastllm.server.context import RouteContext, engine_folder
+from fastllm.server.context import RouteContext
 from fastllm.server.http import engine_error, read_model, unless_disconnected
 from fastllm.server.pooling_loop import AsyncPooling
 from fastllm.server.protocol import APIError
@@ -232,20 +230,9 @@ def encode_embedding(vector: list[float], encoding_format: str) -> list[float] |
 
 
 def class_labels(engine: Any, num_classes: int) -> list[str]:
-    """The classifier's label names: the engine's ``id2label``, else the
-    model folder's config.json ``id2label``, else ``LABEL_i``."""
-    id2label = getattr(engine, "id2label", None)
-    if id2label is None:
-        try:
-            with open(os.path.join(engine_folder(engine), "config.json"), encoding="utf-8") as f:
-                id2label = json.load(f).get("id2label")
-        except (OSError, ValueError):
-            id2label = None
-    if isinstance(id2label, (list, tuple)):
-        id2label = dict(enumerate(id2label))
-    if not isinstance(id2label, dict):
-        id2label = {}
-    return [str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(num_classes)]
+    """The classifier's label names: the engine's ``id2label``, else ``LABEL_i``."""
+    id2label = engine.id2label or {}
+    return [id2label.get(i, f"LABEL_{i}") for i in range(num_classes)]
 
 
 def _head(prefix: str, name: str) -> dict[str, Any]:
@@ -415,7 +402,7 @@ def startup_summary(state: Any, version: str, host: str, port: int) -> str:
     engine = state.engine.engine
     pooler = getattr(engine, "pooler", None)
     rows = [
-        ("model", engine_folder(engine)),
+        ("model", engine.folder),
         ("served as", ", ".join(state.model_names)),
         ("runner", f"pooling ({', '.join(sorted(engine.tasks))})"),
     ]
