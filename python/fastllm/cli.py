@@ -29,6 +29,7 @@ from fastllm.engine_args import (
 from fastllm.env_report import collect_env, format_env
 from fastllm.inputs import check_chat_template
 from fastllm.loading import describe_model, load_tokenizer, resolve_model_folder, resolve_model_path
+from fastllm.server.tool_formats import TOOL_CALL_PARSERS
 
 
 def add_env_parser(sub: Any) -> None:
@@ -180,20 +181,6 @@ def add_serve_parser(sub: Any) -> None:
         "holds it, through a router deployment (--no-prefix-routing: Serve's own routing)",
     )
     p.set_defaults(func=cmd_serve)
-
-
-# fastllm.server.tools.TOOL_CALL_PARSERS (a test keeps them equal), not imported:
-# that module needs pydantic, which building the command line does not.
-TOOL_CALL_PARSERS = (
-    "auto",
-    "hermes",
-    "llama3_json",
-    "mistral",
-    "qwen3_coder",
-    "granite",
-    "phi4_mini_json",
-    "json",
-)
 
 
 def add_tool_call_parser_arg(p: Any) -> None:

@@ -33,12 +33,10 @@ from typing import Any
 
 from fastllm.sampling_params import StructuredOutputsParams
 from fastllm.server.protocol import APIError
+from fastllm.server.tool_formats import FORMATS, TOOL_CALL_PARSERS
 
 logger = logging.getLogger("fastllm.server")
 
-FORMATS = ("hermes", "llama3_json", "mistral", "qwen3_coder", "granite", "phi4_mini_json", "json")
-#: ``--tool-call-parser``'s choices: a format, or ``auto``, the one the chat template writes.
-TOOL_CALL_PARSERS = ("auto", *FORMATS)
 
 HERMES_OPEN = "<tool_call>"
 HERMES_CLOSE = "</tool_call>"
