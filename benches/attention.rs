@@ -95,6 +95,7 @@ fn run<T: Element>(s: &Setup<T>, out: &mut [T]) {
         scale,
         0,
         0.0,
+        None,
     ) {
         panic!("paged_attention failed: {e}");
     }

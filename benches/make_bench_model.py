@@ -21,7 +21,12 @@
    a Qwen3 base model with Qwen3-Embedding-0.6B's shape (28 layers of 1024,
    16 heads and 8 KV heads of 128, FFN 3072; last-token pooling, normalised),
    saved without a head as Qwen3-Embedding is (config: Qwen3Model). float32 weights.
-Usage: python benches/make_bench_model.py [OUT_DIR] [--models=qwen2,tiny,gemma3-1b,phi4-mini,bert-base,qwen3-embed]
+6. qwen3-moe-random (with --models=qwen3-moe): Qwen3MoeForCausalLM shaped like
+   Qwen3-30B-A3B scaled to a small machine: 24 layers of 1024, 16 heads and 4
+   KV heads of 64, 64 experts with 8 active (top-k renormalised), expert FFN
+   384, the tokenizer's vocabulary, untied head. 1.89B parameters in all,
+   0.37B active per token (experts 0.23B, attention 0.13B); bf16 weights.
+Usage: python benches/make_bench_model.py [OUT_DIR] [--models=qwen2,tiny,gemma3-1b,phi4-mini,bert-base,qwen3-embed,qwen3-moe]
 (default qwen2,tiny; needs torch, transformers, tokenizers; `pip install "fastllm[bench]"`
 has them)
 """
@@ -57,6 +62,7 @@ GEMMA3_DIR = os.path.join(ROOT, "gemma3-1b-random")
 PHI4_DIR = os.path.join(ROOT, "phi4-mini-random")
 BERT_DIR = os.path.join(ROOT, "bert-base-random")
 QWEN3_EMBED_DIR = os.path.join(ROOT, "qwen3-embed-random")
+QWEN3_MOE_DIR = os.path.join(ROOT, "qwen3-moe-random")
 TOK_VOCAB = 8192
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -144,6 +150,18 @@ def phi4_mini(V, eos):
     )
 
 
+def qwen3_moe(V, eos):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=V, hidden_size=1024, intermediate_size=3072, moe_intermediate_size=384,
+        num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+        num_experts=64, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=32768,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+    )
+
+
 def write_sentence_transformers(folder, pooling, dim):
     """modules.json, 1_Pooling/config.json and 2_Normalize, as sentence-transformers saves them."""
     modules = [
@@ -206,7 +224,8 @@ def main():
     pooling_models(tok, V, eos)
     built = []
     for name, folder, make in (("gemma3-1b", GEMMA3_DIR, gemma3_1b),
-                               ("phi4-mini", PHI4_DIR, phi4_mini)):
+                               ("phi4-mini", PHI4_DIR, phi4_mini),
+                               ("qwen3-moe", QWEN3_MOE_DIR, qwen3_moe)):
         if name in MODELS:
             save_large(make(V, eos), folder, tok, eos)
             built.append(folder)

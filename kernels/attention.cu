@@ -5,7 +5,10 @@
 // tokens; query j of s sits at position p = seq_len - q_len + j and attends to
 // keys [0, p], or (p - window, p] when window > 0; softcap > 0 replaces each
 // scaled score s by softcap * tanh(s / softcap). Grouped-query heads share
-// the KV head head / (num_heads / num_kv_heads).
+// the KV head head / (num_heads / num_kv_heads). sinks (float [num_heads], or
+// nullptr for none) are gpt-oss's attention sinks: head h's sinks[h] joins the
+// softmax denominator as one more score with no value row (folded into the
+// final normalisation; -inf is no sink).
 //
 // One block per (token, head): keys are processed in tiles of ATT_TILE with an
 // online softmax; in a tile each thread scores one key, then each thread
@@ -27,7 +30,7 @@ __device__ void paged_attention_impl(T* __restrict__ out, const T* __restrict__ 
                                      const int* __restrict__ query_start_loc, int num_seqs,
                                      int num_heads, int num_kv_heads, int head_size,
                                      int block_size, int max_blocks, float scale, int window,
-                                     float softcap) {
+                                     float softcap, const float* __restrict__ sinks) {
     __shared__ float q_s[ATT_MAX_HEAD];
     __shared__ float p_s[ATT_TILE];
     __shared__ i64 row_s[ATT_TILE];
@@ -111,7 +114,18 @@ __device__ void paged_attention_impl(T* __restrict__ out, const T* __restrict__ 
         }
         __syncthreads();  // p_s / row_s are rewritten by the next tile
     }
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    if (sinks != nullptr && l > 0.0f) {
+        // One more score s with a zero value: acc / (l + e^(s - m)), rescaled
+        // to the sink's maximum when it is the larger.
+        const float s = sinks[head];
+        if (s > m) {
+            const float a = expf(m - s);
+            inv = a / (l * a + 1.0f);
+        } else {
+            inv = 1.0f / (l + expf(s - m));
+        }
+    }
 #pragma unroll
     for (int j = 0; j < ATT_DIMS; ++j) {
         const int d = tid + j * ATT_THREADS;
@@ -124,10 +138,10 @@ __device__ void paged_attention_impl(T* __restrict__ out, const T* __restrict__ 
         T* out, const T* query, const T* key_cache, const T* value_cache,                       \
         const int* block_tables, const int* seq_lens, const int* query_start_loc, int num_seqs, \
         int num_heads, int num_kv_heads, int head_size, int block_size, int max_blocks,         \
-        float scale, int window, float softcap) {                                               \
+        float scale, int window, float softcap, const float* sinks) {                           \
         paged_attention_impl<T>(out, query, key_cache, value_cache, block_tables, seq_lens,     \
                                 query_start_loc, num_seqs, num_heads, num_kv_heads, head_size,  \
-                                block_size, max_blocks, scale, window, softcap);                \
+                                block_size, max_blocks, scale, window, softcap, sinks);         \
     }
 
 DEFINE_ATTENTION(float, f32)

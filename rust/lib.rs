@@ -1,6 +1,6 @@
 //! fastllm's Rust core: the CUDA probe and driver loading, the paged KV-cache
 //! block pool, CPU paged attention, the batched sampler, the packed-weight
-//! GEMM, the elementwise layers and structured outputs (grammar masks), over the CPU features and threads of
+//! GEMM, the elementwise layers, the mixture-of-experts layers and structured outputs (grammar masks), over the CPU features and threads of
 //! `cpu/`.
 //!
 //! Nothing here knows Python except `py/`, which is compiled only with the
@@ -16,6 +16,7 @@ pub mod kv;
 pub mod layers;
 pub mod linear;
 pub mod models;
+pub mod moe;
 pub mod quant;
 pub mod sampling;
 pub mod structured;

@@ -26,6 +26,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastllm import _core
+from fastllm.forward_context import AttentionMetadata, set_context
+from fastllm.layers.attention import PagedAttention
+from fastllm.layers.attention_torch import attend_uncached
+from fastllm.layers.ops import RUST_OPS, TORCH_OPS
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-4, rtol=2**-8)}
 
@@ -296,3 +300,236 @@ def test_paged_attention_errors():
     for cap in (-1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="softcap: must be a finite number >= 0"):
             _core.paged_attention(*args, 0.125, 0, cap)
+
+
+def test_paged_attention_sinks_errors():
+    args = attention_args()
+    sinks = torch.zeros(4)
+    sinks[1] = float("-inf")  # no sink for that head: allowed
+    _core.paged_attention(*args, 0.125, 0, 0.0, sinks)
+    _core.paged_attention(*args, 0.125, sinks=None)
+
+    def check(value, match):
+        with pytest.raises(ValueError, match=match):
+            _core.paged_attention(*args, 0.125, sinks=value)
+
+    check(sinks.double(), "sinks: unsupported dtype")
+    check(sinks.bfloat16(), "sinks: expected dtype")
+    check(torch.zeros(3), "sinks: dimension 0 must be 4")
+    check(torch.zeros(1, 4), "sinks")
+    check(torch.zeros(8)[::2], "sinks: must be contiguous")
+    check([0.0] * 4, "sinks: expected a torch.Tensor")
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="sinks: head 2 is"):
+            _core.paged_attention(*args, 0.125, sinks=torch.tensor([0.0, 0.0, bad, 0.0]))
+
+
+# ---- attention sinks (gpt-oss) ----------------------------------------------
+
+
+def dense_sinks_reference(query, kv_of, qsl, seq_lens, scale, window, softcap, sinks):
+    """Float64 attention straight from the definition, as transformers'
+    gpt-oss eager attention: each head's scaled (soft-capped) scores over its
+    visible keys, its sink appended as one more column, softmax, that column
+    dropped. ``kv_of(i)`` gives sequence ``i``'s keys and values [ctx, kv_heads, head]."""
+    num_heads = query.shape[1]
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    for i in range(len(seq_lens)):
+        ctx, q0, q1 = int(seq_lens[i]), int(qsl[i]), int(qsl[i + 1])
+        if q1 == q0:
+            continue
+        k, v = kv_of(i)
+        group = num_heads // k.shape[1]
+        k = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, ctx, hd]
+        v = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
+        q = query[q0:q1].double().transpose(0, 1)  # [H, n, hd]
+        scores = (q @ k.transpose(-1, -2)) * scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        pos = torch.arange(ctx - (q1 - q0), ctx)[:, None]
+        keys = torch.arange(ctx)[None, :]
+        mask = keys <= pos
+        if window > 0:
+            mask &= keys > pos - window
+        scores = scores.masked_fill(~mask, float("-inf"))
+        sink = sinks.double().view(-1, 1, 1).expand(num_heads, q1 - q0, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        out[q0:q1] = (probs @ v).transpose(0, 1)
+    return out
+
+
+def cached_kv(key_cache, value_cache, block_tables):
+    """``kv_of`` for the paged cache: sequence i's first ``ctx`` rows."""
+    block_size = key_cache.shape[2]
+
+    def kv_of(i, ctx):
+        pos = torch.arange(ctx)
+        blocks = block_tables[i].long()[pos // block_size]
+        return key_cache[blocks, :, pos % block_size], value_cache[blocks, :, pos % block_size]
+
+    return kv_of
+
+
+def random_sinks(gen, num_heads, with_none):
+    """Sinks around the scores' range (some above a row's every score, some
+    below); with ``with_none``, every third head has none (-inf)."""
+    sinks = torch.randn(num_heads, generator=gen) * 3 + 1
+    if with_none:
+        sinks[::3] = float("-inf")
+    return sinks
+
+
+# The torch backend computes q @ k in the query's dtype (bf16 scores) and
+# casts the probabilities to it: a looser bound than the Rust kernel's f32.
+TORCH_TOL = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.bfloat16: dict(atol=5e-2, rtol=2e-2),
+}
+
+
+def sinks_layer(case, window, softcap, sinks, key_cache, value_cache):
+    layer = PagedAttention(
+        case["num_heads"],
+        case["head_size"],
+        case["num_kv_heads"],
+        1.0 / math.sqrt(case["head_size"]),
+        sliding_window=window if window > 0 else None,
+        logit_softcap=softcap or None,
+    )
+    layer.k_cache, layer.v_cache = key_cache, value_cache
+    layer.sinks = sinks
+    return layer
+
+
+def run_layer(layer, ops, query, block_tables, seq_lens, qsl):
+    """``PagedAttention.forward`` on ``ops``; the step's new K/V are the
+    rows already cached at their slots, so the cache write changes nothing."""
+    block_size = layer.k_cache.shape[2]
+    slots = []
+    for i in range(len(seq_lens)):
+        ctx, n = int(seq_lens[i]), int(qsl[i + 1] - qsl[i])
+        for p in range(ctx - n, ctx):
+            slots.append(int(block_tables[i, p // block_size]) * block_size + p % block_size)
+    slots = torch.tensor(slots, dtype=torch.int64)
+    b, o = slots // block_size, slots % block_size
+    k, v = layer.k_cache[b, :, o], layer.v_cache[b, :, o]
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        query_start_loc=qsl,
+        max_query_len=int((qsl[1:] - qsl[:-1]).max()),
+        max_seq_len=int(seq_lens.max()),
+    )
+    layer.ops = ops
+    t, width = query.shape[0], layer.num_kv_heads * layer.head_size
+    set_context(meta)
+    try:
+        q = query.reshape(t, layer.num_heads * layer.head_size)
+        out = layer.forward(q, k.reshape(t, width), v.reshape(t, width))
+    finally:
+        set_context(None)
+    return out.reshape(query.shape)
+
+
+@settings(max_examples=40, deadline=None)
+@given(attention_cases(), st.booleans())
+def test_sinks_rust_and_torch_match_dense_reference(case, with_none):
+    """Rust kernel (``_core`` and through ``PagedAttention`` on the Rust ops)
+    and the torch backend against the float64 definition, with sinks."""
+    gen = torch.Generator().manual_seed(case.pop("seed"))
+    window, softcap = case.pop("window"), case.pop("softcap")
+    query, key_cache, value_cache, block_tables, seq_lens, qsl = make_batch(gen, **case)
+    # The engine pads block tables with 0; the torch backend gathers the padding.
+    block_tables = block_tables.clamp(min=0)
+    sinks = random_sinks(gen, case["num_heads"], with_none)
+    scale = 1.0 / math.sqrt(case["head_size"])
+    kv = cached_kv(key_cache, value_cache, block_tables)
+    want = dense_sinks_reference(
+        query, lambda i: kv(i, int(seq_lens[i])), qsl, seq_lens, scale, window, softcap, sinks
+    )
+    dtype = case["dtype"]
+
+    got = torch.full_like(query, float("nan"))
+    args = (query, key_cache, value_cache, block_tables, seq_lens, qsl, scale, window, softcap)
+    _core.paged_attention(got, *args, sinks)
+    torch.testing.assert_close(got.double(), want, **TOL[dtype])
+
+    layer = sinks_layer(case, window, softcap, sinks, key_cache, value_cache)
+    rust = run_layer(layer, RUST_OPS, query, block_tables, seq_lens, qsl)
+    assert torch.equal(rust, got)
+    torch_out = run_layer(layer, TORCH_OPS, query, block_tables, seq_lens, qsl)
+    assert torch_out.dtype == dtype
+    torch.testing.assert_close(torch_out.double(), want, **TORCH_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sinks_long_context_decode_uses_partitions(dtype):
+    """Batch-1 decode over a long context: the sinks join the merged partitions once."""
+    gen = torch.Generator().manual_seed(3)
+    case = dict(num_heads=8, num_kv_heads=2, head_size=64)
+    batch = make_batch(gen, ctx_lens=[3000], q_lens=[1], block_size=16, dtype=dtype, **case)
+    sinks = random_sinks(gen, 8, with_none=True)
+    kv = cached_kv(batch[1], batch[2], batch[3])
+    for window in (0, 700):
+        got = torch.full_like(batch[0], float("nan"))
+        _core.paged_attention(got, *batch, 0.125, window, 0.0, sinks)
+        want = dense_sinks_reference(
+            batch[0], lambda i: kv(i, 3000), batch[5], batch[4], 0.125, window, 0.0, sinks
+        )
+        torch.testing.assert_close(got.double(), want, **TOL[dtype])
+
+
+def test_sinks_of_minus_infinity_are_no_sinks():
+    gen = torch.Generator().manual_seed(4)
+    batch = make_batch(
+        gen,
+        ctx_lens=[90, 40],
+        q_lens=[30, 1],
+        num_heads=6,
+        num_kv_heads=3,
+        head_size=64,
+        block_size=8,
+        dtype=torch.float32,
+    )
+    plain = run_attention(*batch, 0.125, 20)
+    got = torch.full_like(plain, float("nan"))
+    _core.paged_attention(got, *batch, 0.125, 20, 0.0, torch.full((6,), float("-inf")))
+    assert torch.equal(got, plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 5])
+def test_sinks_uncached_prompts_match_dense_reference(dtype, window):
+    """``attend_uncached`` (no KV cache yet: whole prompts) honours the sinks."""
+    gen = torch.Generator().manual_seed(5)
+    num_heads, num_kv_heads, head_size = 6, 2, 32
+    lens = [7, 1, 12]
+    t = sum(lens)
+    q = torch.randn(t, num_heads, head_size, generator=gen).to(dtype)
+    k = torch.randn(t, num_kv_heads, head_size, generator=gen).to(dtype)
+    v = torch.randn(t, num_kv_heads, head_size, generator=gen).to(dtype)
+    qsl = torch.tensor([0, 7, 8, 20], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    sinks = random_sinks(gen, num_heads, with_none=True)
+    case = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size)
+    layer = sinks_layer(case, window, 0.0, sinks, None, None)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(t, dtype=torch.int64),
+        block_tables=torch.zeros(3, 1, dtype=torch.int32),
+        seq_lens=seq_lens,
+        query_start_loc=qsl,
+        max_query_len=12,
+        max_seq_len=12,
+    )
+    got = attend_uncached(layer, q, k, v, meta)
+
+    def kv_of(i):
+        return k[qsl[i] : qsl[i + 1]], v[qsl[i] : qsl[i + 1]]
+
+    scale = 1.0 / math.sqrt(head_size)
+    want = dense_sinks_reference(q, kv_of, qsl, seq_lens, scale, window, 0.0, sinks)
+    torch.testing.assert_close(got.double(), want, **TORCH_TOL[dtype])
+    layer.sinks = None
+    plain = attend_uncached(layer, q, k, v, meta)
+    assert not torch.allclose(plain.double(), want, **TORCH_TOL[dtype])

@@ -238,3 +238,25 @@ def test_the_stack_refuses_an_architecture_it_does_not_implement(folders) -> Non
     model = _load(folders["llama"], torch.float32, None)
     model.config.architecture = "SomeNewLlamaFamilyForCausalLM"
     assert "does not implement" in why_not(model)
+
+
+def test_attention_sinks_run_layer_by_layer(folders) -> None:
+    """The stack has no attention sinks (gpt-oss): a model whose attention has
+    them is not fused, and its layers run one by one with the sinks."""
+    from fastllm.models.llama_stack import why_not
+
+    seqs = _sequences([9, 5], seed=3)
+    plan = [[6, 5], [3, 0], [1, 1]]
+    model = _load(folders["llama"], torch.float32, None)
+    want = _run(model, torch.float32, True, plan, seqs)
+    assert why_not(model) is None
+    attn = list(model.attention_layers())[1]
+    # Sinks of -inf are no sinks: the same logits, layer by layer.
+    attn.sinks = torch.full((attn.num_heads,), float("-inf"))
+    assert "sinks" in why_not(model)
+    assert not PagedRunner(model, torch.float32, fuse=True).fused
+    got = _run(model, torch.float32, False, plan, seqs)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    attn.sinks = torch.linspace(-1.0, 3.0, attn.num_heads)
+    got = _run(model, torch.float32, False, plan, seqs)
+    assert not torch.equal(got[-1], want[-1])

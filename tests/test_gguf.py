@@ -350,6 +350,8 @@ def test_dequantize_matches_the_gguf_package():
         scales = rng.uniform(-0.05, 0.05, size=(37, 2)).astype(np.float16).view(np.uint8)
         if kind == "Q6_K":
             raw[:, 208:210] = scales[:, :2]
+        elif kind == "MXFP4":  # E8M0 exponents 0 and 1 (subnormal scales) to 2^11
+            raw[:, 0] = rng.integers(0, 140, size=37)
         else:
             raw[:, 0:2] = scales[:, :2]
             if kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):

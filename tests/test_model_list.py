@@ -6,6 +6,7 @@ import os
 import re
 
 from fastllm.gguf.config import ARCHITECTURES as GGUF_ARCHITECTURES
+from fastllm.gguf.config import MIXTRAL
 from fastllm.models import ARCHITECTURES
 from fastllm.models.llama_stack import FUSED_ARCHITECTURES
 
@@ -33,7 +34,8 @@ def test_docs_table_matches_registry_gguf_and_fused_stack() -> None:
         if m:
             rows[m.group(1)] = cells
     assert set(rows) == set(ARCHITECTURES)
-    from_gguf = {hf for hf, _ in GGUF_ARCHITECTURES.values()} | {"MistralForCausalLM"}
+    # Mistral and Mixtral files are ``llama`` files (Mixtral's with experts).
+    from_gguf = {hf for hf, _ in GGUF_ARCHITECTURES.values()} | {"MistralForCausalLM", MIXTRAL[0]}
     for arch, cells in rows.items():
         assert cells[3].startswith("yes") == (arch in from_gguf), arch
         assert cells[4].startswith("yes") == (arch in FUSED_ARCHITECTURES), arch

@@ -110,6 +110,7 @@ def paged_attention(
     scale: float,
     sliding_window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Attention of packed new tokens over the paged KV cache, written into ``out``.
 
@@ -120,6 +121,9 @@ def paged_attention(
     ``seq_lens[i]`` tokens and attend causally; ``sliding_window > 0`` limits a
     query at position ``p`` to keys in ``(p - sliding_window, p]``; ``softcap > 0``
     replaces each scaled score ``s`` by ``softcap * tanh(s / softcap)``.
+    ``sinks`` (float32 ``[num_heads]``, gpt-oss's attention sinks): head ``h``'s
+    ``sinks[h]`` joins the softmax denominator as one more score with no value
+    row (``-inf``: none for that head); NaN or ``+inf`` is a ``ValueError``.
     """
 
 # ---- sampling ----
@@ -309,8 +313,9 @@ def cuda_paged_attention(
     sliding_window: int,
     softcap: float,
     stream: int,
+    sinks: Tensor | None = None,
 ) -> None:
-    """Paged attention with the contract of ``paged_attention`` (f32/f16/bf16, head_size <= 512), into ``out``."""
+    """Paged attention with the contract of ``paged_attention`` (f32/f16/bf16, head_size <= 512, ``sinks`` float32 ``[num_heads]`` on the same device), into ``out``."""
 
 def cuda_rms_norm(out: Tensor, x: Tensor, weight: Tensor, eps: float, stream: int) -> None:
     """``out = weight * T(x * rsqrt(mean(x^2) + eps))`` for x [rows, dim] (rows may be strided)."""
@@ -540,3 +545,51 @@ def qkv_rotary(
     [T, kv * d], rotating q and k (NeoX halves over the first ``2 * half`` features) with
     ``cos`` / ``sin`` [T, half]; one dtype (bf16 or f32), bit-exact with the torch code.
     Releases the GIL."""
+
+# ---- mixture of experts ----
+
+def moe_route(
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    logits: torch.Tensor,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+) -> None:
+    """Routes tokens: ``logits`` (float32 [T, E]) become scores (``scoring``:
+    "softmax", in f32 with the max subtracted, or "sigmoid"); each token's
+    ``k = ids.shape[1]`` highest (ties: the lower expert first) go to ``ids``
+    (int32 [T, k]) and their scores to ``weights`` (float32 [T, k]), in
+    descending order, divided by their sum when ``renormalize``. Releases the GIL."""
+
+class MoeExperts:
+    """The experts of a mixture-of-experts layer, run on grouped tokens.
+
+    ``gate_up``: per expert a ``PackedLinear`` or ``QuantizedLinear`` [2I, H]
+    (gate rows, then up rows); ``down``: per expert one [H, I] (biases
+    inside; shared, not copied). ``activation``: "silu" (``silu(gate) * up``),
+    "gelu_tanh" (``gelu_tanh(gate) * up``) or "swiglu_oai" (gpt-oss:
+    ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``,
+    ``(u + 1) * g * sigmoid(alpha * g)``), rounded as torch in the model's dtype.
+    """
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    nbytes: int
+    path: str
+
+    def __init__(
+        self,
+        gate_up: Sequence[PackedLinear | QuantizedLinear],
+        down: Sequence[PackedLinear | QuantizedLinear],
+        activation: str = "silu",
+        alpha: float = 1.702,
+        limit: float = 7.0,
+    ) -> None: ...
+    def forward(
+        self, out: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> None:
+        """Writes ``sum_j weights[t, j] * expert[ids[t, j]](x[t])`` into ``out``
+        [T, H]: ``x`` and ``out`` bf16 or f32 (one dtype), ``ids`` int32 [T, k]
+        (every id in 0..num_experts), ``weights`` float32 [T, k]. Only the experts
+        that receive a token are read; sums in f32, rounded once. Releases the GIL."""

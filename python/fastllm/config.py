@@ -321,6 +321,10 @@ class ModelConfig:
         layer_types = self.layer_attention_types()
         if layer_types is not None:
             return self.sliding_window if layer_types[layer] == "sliding_attention" else None
+        if self.model_type == "qwen2_moe":
+            # Qwen2-MoE's default pattern: every other layer below max_window_layers.
+            first = self.hf.get("max_window_layers", 28)
+            return self.sliding_window if (layer + 1) % 2 and layer < first else None
         if self.model_type in ("qwen2", "qwen3"):
             # Qwen applies the window only from layer max_window_layers on.
             first = self.hf.get("max_window_layers", 0) or 0

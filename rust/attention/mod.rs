@@ -158,7 +158,12 @@ fn available_paths() -> Vec<Path> {
 /// multiplies the scores; `sliding_window > 0` restricts a query at position
 /// `p` to keys in `(p - sliding_window, p]`; `softcap > 0` replaces each
 /// scaled score `s` by `softcap * tanh(s / softcap)` (Gemma 2's attention
-/// logit soft-capping), 0 leaves the scores as they are.
+/// logit soft-capping), 0 leaves the scores as they are. `sinks`
+/// (`[num_heads]`, gpt-oss's attention sinks) gives each query head one
+/// more logit that joins the softmax denominator but has no value row:
+/// with `m = max(max_j z_j, s_h)`, the weight of key `j` is
+/// `e^(z_j - m) / (e^(s_h - m) + sum_j e^(z_j - m))`; an entry of `-inf`
+/// is no sink for that head.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention<T: Element>(
     out: &mut [T],
@@ -171,6 +176,7 @@ pub fn paged_attention<T: Element>(
     scale: f32,
     sliding_window: i64,
     softcap: f32,
+    sinks: Option<&[f32]>,
 ) -> CoreResult<()> {
     paged_attention_with(
         out,
@@ -183,6 +189,7 @@ pub fn paged_attention<T: Element>(
         scale,
         sliding_window,
         softcap,
+        sinks,
         Plan::production(),
         crate::cpu::best_path(),
     )
@@ -224,7 +231,17 @@ struct Problem<'a, T> {
     window: usize,
     /// Soft-cap of the scaled scores (0: none).
     softcap: f32,
+    /// One sink logit per query head (`[num_heads]`), or none.
+    sinks: Option<&'a [f32]>,
     path: Path,
+}
+
+impl<T> Problem<'_, T> {
+    /// The sinks of an item's query heads (`[group]`), if any.
+    fn item_sinks(&self, item: &Item) -> Option<&[f32]> {
+        self.sinks
+            .map(|s| &s[item.kv_head * self.group..(item.kv_head + 1) * self.group])
+    }
 }
 
 /// The output pointer shared by the items; each (token, head) row is written
@@ -254,6 +271,7 @@ pub(crate) fn paged_attention_with<T: Element>(
     scale: f32,
     sliding_window: i64,
     softcap: f32,
+    sinks: Option<&[f32]>,
     plan: Plan,
     path: Path,
 ) -> CoreResult<()> {
@@ -261,6 +279,23 @@ pub(crate) fn paged_attention_with<T: Element>(
         return Err(CoreError::invalid(format!(
             "softcap: must be a finite number >= 0 (0: none), got {softcap}"
         )));
+    }
+    if let Some(sinks) = sinks {
+        if sinks.len() != num_heads {
+            return Err(CoreError::invalid(format!(
+                "sinks: expected {num_heads} values (one per query head), got {}",
+                sinks.len()
+            )));
+        }
+        if let Some((h, v)) = sinks
+            .iter()
+            .enumerate()
+            .find(|(_, v)| v.is_nan() || **v == f32::INFINITY)
+        {
+            return Err(CoreError::invalid(format!(
+                "sinks: head {h} is {v}; each sink must be finite (or -inf: none)"
+            )));
+        }
     }
     let seqs = validate(out, query, key_cache, value_cache, shape, num_heads, batch)?;
     let d = shape.head_size;
@@ -286,6 +321,7 @@ pub(crate) fn paged_attention_with<T: Element>(
         scale,
         window,
         softcap,
+        sinks,
         path,
     };
     let out_ptr = OutPtr(out.as_mut_ptr());
@@ -312,7 +348,7 @@ pub(crate) fn paged_attention_with<T: Element>(
         if item.parts > 1 {
             return Some(state);
         }
-        state.finish();
+        state.finish(problem.item_sinks(item));
         // SAFETY: this item owns its rows of `out` (validated shape), and
         // it is this item's only task.
         unsafe { write_rows(problem, item, &state, out_ptr) };
@@ -348,7 +384,7 @@ pub(crate) fn paged_attention_with<T: Element>(
     }
     for (item, states) in items.iter().zip(by_item) {
         if item.parts > 1 {
-            let merged = PartialState::merge(states, item.rows(group), d);
+            let merged = PartialState::merge(states, item.rows(group), d, problem.item_sinks(item));
             // SAFETY: as above; the item's tasks have all finished.
             unsafe { write_rows(problem, item, &merged, out_ptr) };
         }
@@ -548,11 +584,27 @@ impl PartialState {
         }
     }
 
-    /// Normalises the accumulators into the attention output.
-    fn finish(&mut self) {
+    /// Normalises the accumulators into the attention output. `sinks` are
+    /// the item's query heads' sink logits (`[group]`; row `r` is head
+    /// `r % group`): each joins its row's denominator as one more score with
+    /// a zero value row.
+    fn finish(&mut self, sinks: Option<&[f32]>) {
         let d = self.acc.len() / self.sum.len().max(1);
         for (r, &l) in self.sum.iter().enumerate() {
-            let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
+            let inv = match sinks {
+                _ if l <= 0.0 => 0.0,
+                None => 1.0 / l,
+                Some(s) => {
+                    let (sink, m) = (s[r % s.len()], self.max[r]);
+                    if sink > m {
+                        // Rescale to the sink's maximum: acc * a / (l * a + 1).
+                        let a = (m - sink).exp();
+                        a / (l * a + 1.0)
+                    } else {
+                        1.0 / (l + (sink - m).exp())
+                    }
+                }
+            };
             for a in &mut self.acc[r * d..(r + 1) * d] {
                 *a *= inv;
             }
@@ -560,7 +612,12 @@ impl PartialState {
     }
 
     /// Merges partition states (log-sum-exp) into a finished output.
-    fn merge(states: Vec<PartialState>, rows: usize, d: usize) -> PartialState {
+    fn merge(
+        states: Vec<PartialState>,
+        rows: usize,
+        d: usize,
+        sinks: Option<&[f32]>,
+    ) -> PartialState {
         let mut merged = PartialState::new(rows, d);
         for r in 0..rows {
             let m = states
@@ -585,7 +642,7 @@ impl PartialState {
             merged.max[r] = m;
             merged.sum[r] = total;
         }
-        merged.finish();
+        merged.finish(sinks);
         merged
     }
 }
@@ -653,6 +710,8 @@ mod tests {
         seq_lens: Vec<usize>,
         window: i64,
         softcap: f32,
+        /// Whether the heads have attention sinks (random logits, some -inf).
+        sinks: bool,
     }
 
     struct Data {
@@ -663,6 +722,7 @@ mod tests {
         max_blocks: usize,
         seq_lens: Vec<i32>,
         qsl: Vec<i32>,
+        sinks: Option<Vec<f32>>,
     }
 
     fn make(case: &Case, rng: &mut Rng) -> Data {
@@ -697,6 +757,20 @@ mod tests {
         for q in &case.q_lens {
             qsl.push(qsl.last().copied().unwrap_or(0) + *q as i32);
         }
+        // Sinks in [-5, 7): some above every score of their row, some below;
+        // every fifth head has none (-inf).
+        let sinks = case.sinks.then(|| {
+            (0..case.num_heads)
+                .map(|h| {
+                    let x = rng.f32() * 6.0 + 1.0;
+                    if h % 5 == 4 {
+                        f32::NEG_INFINITY
+                    } else {
+                        x
+                    }
+                })
+                .collect()
+        });
         Data {
             query,
             kc,
@@ -705,10 +779,12 @@ mod tests {
             max_blocks,
             seq_lens: case.seq_lens.iter().map(|&l| l as i32).collect(),
             qsl,
+            sinks,
         }
     }
 
-    /// Straightforward f64 attention over gathered keys, for comparison.
+    /// Straightforward f64 attention over gathered keys, for comparison; a
+    /// sink is one more score column whose value row is zero.
     fn reference(case: &Case, data: &Data, scale: f32) -> Vec<f32> {
         let s = case.shape;
         let d = s.head_size;
@@ -748,9 +824,13 @@ mod tests {
                             }
                         })
                         .collect();
-                    let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let sink = data
+                        .sinks
+                        .as_ref()
+                        .map_or(f64::NEG_INFINITY, |s| s[h] as f64);
+                    let m = scores.iter().copied().fold(sink, f64::max);
                     let w: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
-                    let total: f64 = w.iter().sum();
+                    let total: f64 = w.iter().sum::<f64>() + (sink - m).exp();
                     for c in 0..d {
                         let v: f64 = (lo..=pos)
                             .zip(&w)
@@ -785,6 +865,7 @@ mod tests {
             scale,
             case.window,
             case.softcap,
+            data.sinks.as_deref(),
             plan,
             path,
         )
@@ -808,6 +889,7 @@ mod tests {
                 seq_lens: vec![1, 37, 300],
                 window: 0,
                 softcap: 0.0,
+                sinks: false,
             },
             // Prefill after a prefix mixed with decode, MQA, sliding window, soft-cap.
             Case {
@@ -817,6 +899,7 @@ mod tests {
                 seq_lens: vec![70, 129, 9],
                 window: 17,
                 softcap: 1.5,
+                sinks: false,
             },
             // Long single-sequence decode (partitions), head size not a multiple of 16,
             // soft-cap (so the partitions merge capped scores).
@@ -827,6 +910,7 @@ mod tests {
                 seq_lens: vec![2000],
                 window: 0,
                 softcap: 2.0,
+                sinks: false,
             },
             // Prefill with window longer than the sequence, MHA, head size 256.
             Case {
@@ -836,6 +920,47 @@ mod tests {
                 seq_lens: vec![50, 5],
                 window: 400,
                 softcap: 0.0,
+                sinks: false,
+            },
+            // Attention sinks (gpt-oss): decode batch with GQA.
+            Case {
+                shape: shape(40, 2, 16, 64),
+                num_heads: 16,
+                q_lens: vec![1, 1, 1],
+                seq_lens: vec![1, 45, 260],
+                window: 0,
+                softcap: 0.0,
+                sinks: true,
+            },
+            // Sinks with prefill after a prefix mixed with decode, sliding window.
+            Case {
+                shape: shape(64, 2, 8, 64),
+                num_heads: 10,
+                q_lens: vec![23, 1, 9, 1],
+                seq_lens: vec![70, 129, 9, 3],
+                window: 16,
+                softcap: 0.0,
+                sinks: true,
+            },
+            // Sinks with a long partitioned decode (merged partitions), soft-cap.
+            Case {
+                shape: shape(80, 1, 32, 64),
+                num_heads: 5,
+                q_lens: vec![1],
+                seq_lens: vec![2400],
+                window: 0,
+                softcap: 3.0,
+                sinks: true,
+            },
+            // Sinks with a sliding window over a long decode and a prefill.
+            Case {
+                shape: shape(96, 2, 16, 80),
+                num_heads: 4,
+                q_lens: vec![1, 40],
+                seq_lens: vec![1300, 60],
+                window: 128,
+                softcap: 0.0,
+                sinks: true,
             },
         ]
     }
@@ -945,6 +1070,7 @@ mod tests {
                 1.0,
                 0,
                 0.0,
+                None,
             )
             .map_err(|e| e.to_string())
         };
@@ -967,6 +1093,60 @@ mod tests {
         assert!(try_run(&data.tables, &data.seq_lens, &[0, 1, 0, 3])
             .unwrap_err()
             .contains("query_start_loc"));
+    }
+
+    #[test]
+    fn rejects_bad_sinks() {
+        let case = &cases()[0];
+        let mut rng = Rng(8);
+        let data = make(case, &mut rng);
+        let try_run = |sinks: &[f32]| {
+            let mut out = vec![0.0f32; data.query.len()];
+            let batch = BatchLayout {
+                block_tables: &data.tables,
+                max_blocks_per_seq: data.max_blocks,
+                seq_lens: &data.seq_lens,
+                query_start_loc: &data.qsl,
+            };
+            paged_attention(
+                &mut out,
+                &data.query,
+                &data.kc,
+                &data.vc,
+                case.shape,
+                case.num_heads,
+                batch,
+                1.0,
+                0,
+                0.0,
+                Some(sinks),
+            )
+            .map_err(|e| e.to_string())
+        };
+        let mut sinks = vec![0.5f32; case.num_heads];
+        sinks[3] = f32::NEG_INFINITY;
+        assert!(try_run(&sinks).is_ok());
+        let err = try_run(&sinks[1..]).unwrap_err();
+        assert!(
+            err.contains("sinks: expected 14 values (one per query head), got 13"),
+            "{err}"
+        );
+        for bad in [f32::NAN, f32::INFINITY] {
+            sinks[2] = bad;
+            let err = try_run(&sinks).unwrap_err();
+            assert!(err.contains("sinks: head 2 is"), "{err}");
+        }
+    }
+
+    #[test]
+    fn sinks_of_minus_infinity_change_nothing() {
+        let case = &cases()[1];
+        let mut rng = Rng(9);
+        let mut data = make(case, &mut rng);
+        let plain = run::<f32>(case, &data, 0.125, plans()[1], crate::cpu::best_path());
+        data.sinks = Some(vec![f32::NEG_INFINITY; case.num_heads]);
+        let with = run::<f32>(case, &data, 0.125, plans()[1], crate::cpu::best_path());
+        assert_eq!(plain, with);
     }
 
     #[test]

@@ -112,6 +112,8 @@ pub struct Attention {
     pub sliding_window: i64,
     /// Soft-cap of the scaled scores (0: none).
     pub softcap: f32,
+    /// Device pointer to one f32 sink logit per query head (0: no sinks).
+    pub sinks: u64,
 }
 
 /// Launches paged attention: one block of 128 threads per (token, head).
@@ -145,7 +147,8 @@ pub fn paged_attention(rt: &Runtime, t: Target<'_>, a: &Attention) -> CoreResult
         .i32(a.max_blocks as i32)
         .f32(a.scale)
         .i32(window)
-        .f32(a.softcap);
+        .f32(a.softcap)
+        .ptr(a.sinks);
     let cfg = LaunchConfig {
         grid: (
             grid_dim(a.num_tokens, "num_tokens", X_LIMIT)?,

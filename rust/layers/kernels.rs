@@ -2,6 +2,7 @@
 //! ISA through `cpu::simd` (they are plain f32 loops that LLVM vectorises
 //! for the entry point's features), with one `Kernel` per body.
 
+use super::GatedAct;
 use crate::cpu::simd::{Kernel, Simd};
 use crate::cpu::Element;
 
@@ -22,18 +23,20 @@ impl<T: Element> Kernel for Norm<'_, T> {
     }
 }
 
-/// SiLU-and-mul of the rows of `x` (`2d` each) into `out` (`d` each).
+/// A gated activation of the rows of `x` (`2d` each: gate, then up) into
+/// `out` (`d` each).
 pub(super) struct Act<'a, T> {
     pub(super) out: &'a mut [T],
     pub(super) x: &'a [T],
     pub(super) d: usize,
+    pub(super) act: GatedAct,
 }
 
 impl<T: Element> Kernel for Act<'_, T> {
     type Output = ();
     #[inline(always)]
     fn run<S: Simd>(self) {
-        act_body(self.out, self.x, self.d)
+        act_body(self.out, self.x, self.d, self.act)
     }
 }
 
@@ -111,6 +114,21 @@ fn silu(g: f32) -> f32 {
     g / (1.0 + exp_f32(-g))
 }
 
+/// `1 / (1 + e^-z)`.
+#[inline(always)]
+fn sigmoid(z: f32) -> f32 {
+    1.0 / (1.0 + exp_f32(-z))
+}
+
+/// GELU, tanh approximation: `0.5 g (1 + tanh(z))` written as the equal
+/// `g sigmoid(2z)`, `z = sqrt(2/pi) (g + 0.044715 g^3)` (no tanh to call).
+#[inline(always)]
+fn gelu_tanh(g: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    let z = SQRT_2_OVER_PI * (g + 0.044_715 * g * g * g);
+    g / (1.0 + exp_f32(-2.0 * z))
+}
+
 #[inline(always)]
 fn norm_body<T: Element>(out: &mut [T], x: &[T], w: &[T], eps: f32, dim: usize) {
     for (o, xr) in out.chunks_exact_mut(dim).zip(x.chunks_exact(dim)) {
@@ -136,12 +154,39 @@ fn norm_body<T: Element>(out: &mut [T], x: &[T], w: &[T], eps: f32, dim: usize) 
     }
 }
 
+/// One loop per activation (the match stays outside the loops, so each
+/// vectorises); each rounds where the model's torch code does.
 #[inline(always)]
-fn act_body<T: Element>(out: &mut [T], x: &[T], d: usize) {
+fn act_body<T: Element>(out: &mut [T], x: &[T], d: usize, act: GatedAct) {
+    match act {
+        // round(silu(g)) * u, as `F.silu(gate) * up`.
+        GatedAct::Silu => gated_rows(out, x, d, |g, u| T::round(silu(g)) * u),
+        // round(gelu(g)) * u, as `F.gelu(gate, approximate="tanh") * up`.
+        GatedAct::GeluTanh => gated_rows(out, x, d, |g, u| T::round(gelu_tanh(g)) * u),
+        // gpt-oss: g = gate.clamp(max=limit); u = up.clamp(-limit, limit);
+        // (u + 1) * (g * sigmoid(g * alpha)), every op rounded.
+        GatedAct::SwigluOai { alpha, limit } => gated_rows(out, x, d, |g, u| {
+            // Comparisons, not min/max: a NaN stays a NaN, as in torch.clamp.
+            let g = if g > limit { limit } else { g };
+            let u = if u > limit {
+                limit
+            } else if u < -limit {
+                -limit
+            } else {
+                u
+            };
+            let s = T::round(sigmoid(T::round(g * alpha)));
+            T::round(u + 1.0) * T::round(g * s)
+        }),
+    }
+}
+
+#[inline(always)]
+fn gated_rows<T: Element>(out: &mut [T], x: &[T], d: usize, f: impl Fn(f32, f32) -> f32) {
     for (o, xr) in out.chunks_exact_mut(d).zip(x.chunks_exact(2 * d)) {
         let (g, u) = xr.split_at(d);
         for ((dst, &gv), &uv) in o.iter_mut().zip(g).zip(u) {
-            *dst = T::from_f32(T::round(silu(gv.to_f32())) * uv.to_f32());
+            *dst = T::from_f32(f(gv.to_f32(), uv.to_f32()));
         }
     }
 }

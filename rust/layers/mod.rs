@@ -1,5 +1,6 @@
-//! CPU kernels for the model's elementwise layers: RMSNorm, the gated SiLU
-//! activation (`silu(gate) * up`) and the QKV split with rotary embeddings,
+//! CPU kernels for the model's elementwise layers: RMSNorm, the gated
+//! activations (`silu(gate) * up`, and the GELU and gpt-oss variants the
+//! MoE experts use) and the QKV split with rotary embeddings,
 //! on the thread team (`threads::team_run`), like the linear layers between
 //! them.
 //!
@@ -63,9 +64,39 @@ pub fn rms_norm(out: Dst<'_>, x: Src<'_>, weight: Src<'_>, eps: f32, dim: usize)
     }
 }
 
+/// The activation of a fused gate/up projection: rows of `2d` elements,
+/// gate first, then up.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum GatedAct {
+    /// `round(silu(gate)) * up`.
+    Silu,
+    /// `round(gelu_tanh(gate)) * up` (GELU, tanh approximation).
+    GeluTanh,
+    /// gpt-oss: `g = min(gate, limit)`, `u = clamp(up, -limit, limit)`,
+    /// `(u + 1) * g * sigmoid(alpha * g)`, each op rounded as torch does.
+    SwigluOai { alpha: f32, limit: f32 },
+}
+
+impl GatedAct {
+    /// The name the bindings use: "silu", "gelu_tanh" or "swiglu_oai".
+    pub fn name(self) -> &'static str {
+        match self {
+            GatedAct::Silu => "silu",
+            GatedAct::GeluTanh => "gelu_tanh",
+            GatedAct::SwigluOai { .. } => "swiglu_oai",
+        }
+    }
+}
+
 /// `out[r] = round(silu(x[r, :d])) * x[r, d:]` for rows of `2d` elements
 /// (the fused gate/up projection), `out` of rows of `d`.
 pub fn silu_and_mul(out: Dst<'_>, x: Src<'_>, d: usize) -> CoreResult<()> {
+    gated_act(out, x, d, GatedAct::Silu)
+}
+
+/// `out[r] = act(x[r, :d], x[r, d:])` for rows of `2d` elements (the fused
+/// gate/up projection), `out` of rows of `d`; one dtype.
+pub fn gated_act(out: Dst<'_>, x: Src<'_>, d: usize, act: GatedAct) -> CoreResult<()> {
     if d == 0 || !x.len().is_multiple_of(2 * d) {
         return Err(CoreError::invalid(format!(
             "x: expected rows of 2 x {d} elements, got {} elements",
@@ -80,8 +111,8 @@ pub fn silu_and_mul(out: Dst<'_>, x: Src<'_>, d: usize) -> CoreResult<()> {
         )));
     }
     match (out, x) {
-        (Dst::F32(o), Src::F32(x)) => act_rows(o, x, d, rows),
-        (Dst::Bf16(o), Src::Bf16(x)) => act_rows(o, x, d, rows),
+        (Dst::F32(o), Src::F32(x)) => act_rows(o, x, d, rows, act),
+        (Dst::Bf16(o), Src::Bf16(x)) => act_rows(o, x, d, rows, act),
         _ => Err(CoreError::invalid("x and out must share one dtype")),
     }
 }
@@ -249,14 +280,20 @@ fn norm_rows<T: Element>(
     })
 }
 
-fn act_rows<T: Element>(out: &mut [T], x: &[T], d: usize, rows: usize) -> CoreResult<()> {
+fn act_rows<T: Element>(
+    out: &mut [T],
+    x: &[T],
+    d: usize,
+    rows: usize,
+    act: GatedAct,
+) -> CoreResult<()> {
     let shared = SharedOut(out.as_mut_ptr());
     for_row_chunks(rows, 2 * d, |r0, r1| {
         // SAFETY: rows r0..r1 of out belong to this chunk only; out holds
         // rows * d elements (checked by the caller).
         let o = unsafe { std::slice::from_raw_parts_mut(shared.ptr().add(r0 * d), (r1 - r0) * d) };
         let x = &x[r0 * 2 * d..r1 * 2 * d];
-        dispatch(best_path(), Act { out: o, x, d });
+        dispatch(best_path(), Act { out: o, x, d, act });
     })
 }
 
@@ -323,6 +360,54 @@ mod tests {
                 assert_eq!(out[r * d + j], bf16::from_f32(s * u), "row {r} col {j}");
             }
         }
+    }
+
+    #[test]
+    fn gated_act_moe_activations_match_definitions() {
+        let d = 300;
+        let x: Vec<f32> = (0..2 * d).map(|i| (i as f32 - 290.0) * 0.041).collect();
+        let swiglu = GatedAct::SwigluOai {
+            alpha: 1.702,
+            limit: 7.0,
+        };
+        let reference = |act: GatedAct, g: f64, u: f64| match act {
+            GatedAct::Silu => g / (1.0 + (-g).exp()) * u,
+            GatedAct::GeluTanh => {
+                let z = (2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g.powi(3));
+                0.5 * g * (1.0 + z.tanh()) * u
+            }
+            GatedAct::SwigluOai { alpha, limit } => {
+                let (g, u) = (g.min(limit as f64), u.clamp(-limit as f64, limit as f64));
+                (u + 1.0) * g / (1.0 + (-(alpha as f64) * g).exp())
+            }
+        };
+        for act in [GatedAct::Silu, GatedAct::GeluTanh, swiglu] {
+            let mut out = vec![0f32; d];
+            gated_act(Dst::F32(&mut out), Src::F32(&x), d, act).unwrap();
+            let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+            let mut outb = vec![bf16::ZERO; d];
+            gated_act(Dst::Bf16(&mut outb), Src::Bf16(&xb), d, act).unwrap();
+            for j in 0..d {
+                let want = reference(act, x[j] as f64, x[d + j] as f64);
+                let got = out[j] as f64;
+                assert!(
+                    (got - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                    "{act:?} [{j}]"
+                );
+                // bf16: a few roundings of 2^-9 each.
+                let (g, u) = (xb[j].to_f32() as f64, xb[d + j].to_f32() as f64);
+                let want = reference(act, g, u);
+                let got = outb[j].to_f32() as f64;
+                let tol = 2f64.powi(-7) * (want.abs() + (g * u).abs()) + 1e-6;
+                assert!((got - want).abs() <= tol, "{act:?} bf16 [{j}]");
+            }
+        }
+        // The gpt-oss clamps: gate above the limit, up below -limit.
+        let x = [9.0f32, -9.0];
+        let mut out = [0f32; 1];
+        gated_act(Dst::F32(&mut out), Src::F32(&x), 1, swiglu).unwrap();
+        let want = (-7.0 + 1.0) * 7.0 / (1.0 + (-1.702f64 * 7.0).exp());
+        assert!((out[0] as f64 - want).abs() < 1e-5, "{}", out[0]);
     }
 
     #[test]

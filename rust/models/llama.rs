@@ -260,7 +260,8 @@ pub fn decoder_stack<T: Element>(
             step.batch,
             s.scale,
             layer.sliding_window,
-            0.0, // no soft-cap: the stack implements the Llama layers only
+            0.0,  // no soft-cap: the stack implements the Llama layers only
+            None, // nor attention sinks (llama_stack.why_not)
         )?;
         layer
             .o

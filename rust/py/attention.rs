@@ -152,9 +152,22 @@ unsafe fn cache_rows<T: Element>(
     Ok(())
 }
 
+/// Checks the optional attention sinks: float32 `[num_heads]`, CPU, contiguous.
+fn sinks_arg(sinks: Option<&Bound<'_, PyAny>>, num_heads: usize) -> PyResult<Option<TensorArg>> {
+    match sinks {
+        Some(s) if !s.is_none() => {
+            let s = TensorArg::extract("sinks", s)?;
+            s.check(&[DType::F32], 1)?;
+            s.expect_dim(0, num_heads, "num_heads of query")?;
+            Ok(Some(s))
+        }
+        _ => Ok(None),
+    }
+}
+
 /// Attention of packed new tokens over the paged KV cache, written into `out`.
 #[pyfunction]
-#[pyo3(signature = (out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window = 0, softcap = 0.0))]
+#[pyo3(signature = (out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window = 0, softcap = 0.0, sinks = None))]
 #[allow(clippy::too_many_arguments)]
 fn paged_attention(
     py: Python<'_>,
@@ -168,6 +181,7 @@ fn paged_attention(
     scale: f64,
     sliding_window: i64,
     softcap: f64,
+    sinks: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     let o = TensorArg::extract("out", out)?;
     let q = TensorArg::extract("query", query)?;
@@ -196,6 +210,10 @@ fn paged_attention(
     for t in [&q, &kc, &vc] {
         expect_disjoint(&o, t)?;
     }
+    let sinks = sinks_arg(sinks, num_heads)?;
+    if let Some(s) = &sinks {
+        expect_disjoint(&o, s)?;
+    }
     if !scale.is_finite() {
         return Err(PyValueError::new_err(format!(
             "scale: must be finite, got {scale}"
@@ -211,6 +229,7 @@ fn paged_attention(
             scale as f32,
             sliding_window,
             softcap as f32,
+            sinks.as_ref().map(|s| s.slice::<f32>()),
         );
         match kc.dtype {
             DType::BF16 => attend::<bf16>(py, &o, &q, &kc, &vc, args),
@@ -220,7 +239,8 @@ fn paged_attention(
 }
 
 /// `paged_attention` on the checked tensors, for one element type; `args` are
-/// (cache shape, query heads, batch layout, scale, sliding window, soft-cap).
+/// (cache shape, query heads, batch layout, scale, sliding window, soft-cap,
+/// sinks).
 ///
 /// # Safety
 /// As `TensorArg::slice`: the tensors were checked to hold `T`, contiguous,
@@ -231,19 +251,22 @@ unsafe fn attend<T: Element>(
     q: &TensorArg,
     kc: &TensorArg,
     vc: &TensorArg,
-    (shape, num_heads, batch, scale, window, cap): (
+    (shape, num_heads, batch, scale, window, cap, sinks): (
         CacheShape,
         usize,
         BatchLayout<'_>,
         f32,
         i64,
         f32,
+        Option<&[f32]>,
     ),
 ) -> PyResult<()> {
     let (o, q) = (o.slice_mut::<T>(), q.slice::<T>());
     let (kc, vc) = (kc.slice::<T>(), vc.slice::<T>());
     py.detach(|| {
-        attention::paged_attention(o, q, kc, vc, shape, num_heads, batch, scale, window, cap)
+        attention::paged_attention(
+            o, q, kc, vc, shape, num_heads, batch, scale, window, cap, sinks,
+        )
     })?;
     Ok(())
 }

@@ -192,6 +192,7 @@ fn cuda_reshape_and_cache(
 
 /// CUDA paged attention with the CPU kernel's contract, written into `out`.
 #[pyfunction]
+#[pyo3(signature = (out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap, stream, sinks = None))]
 #[allow(clippy::too_many_arguments)]
 fn cuda_paged_attention(
     py: Python<'_>,
@@ -206,6 +207,7 @@ fn cuda_paged_attention(
     sliding_window: i64,
     softcap: f32,
     stream: usize,
+    sinks: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     let kc = TensorArg::extract("key_cache", key_cache)?;
     kc.expect_cuda(FLOATS, 4)?;
@@ -241,7 +243,18 @@ fn cuda_paged_attention(
             "softcap: must be a finite number >= 0 (0: none), got {softcap}"
         )));
     }
-    let device = one_device(&[&kc, &vc, &q, &o, &bt, &sl, &qsl])?;
+    let sinks = match sinks {
+        Some(s) if !s.is_none() => {
+            let s = TensorArg::extract("sinks", s)?;
+            s.expect_cuda(&[DType::F32], 1)?;
+            s.expect_dim(0, q.shape[1], "num_heads of query")?;
+            Some(s)
+        }
+        _ => None,
+    };
+    let mut tensors = vec![&kc, &vc, &q, &o, &bt, &sl, &qsl];
+    tensors.extend(sinks.as_ref());
+    let device = one_device(&tensors)?;
     let args = crate::cuda::ops::Attention {
         elem: elem_of(&kc),
         out: o.ptr as u64,
@@ -261,6 +274,7 @@ fn cuda_paged_attention(
         scale,
         sliding_window,
         softcap,
+        sinks: sinks.as_ref().map_or(0, |s| s.ptr as u64),
     };
     if num_seqs == 0 {
         return Ok(());

@@ -3,10 +3,27 @@
 //! `forward`, and the methods every linear weight has, written once in
 //! `linear_class!` over `linear::LinearKernel`.
 
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use super::gemm::PyPackedLinear;
+use super::quant::PyQuantizedLinear;
 use super::tensor::{check_no_overlap, kernel_dst, kernel_src, DType, TensorArg};
-use crate::linear::LinearKernel;
+use crate::linear::{LinearKernel, LinearWeight};
+
+/// The shared weight of a `PackedLinear` or `QuantizedLinear` (`key` names
+/// the argument in the error for anything else).
+pub(super) fn linear_weight(obj: &Bound<'_, PyAny>, key: &str) -> PyResult<LinearWeight> {
+    if let Ok(p) = obj.cast::<PyPackedLinear>() {
+        return Ok(p.get().weight());
+    }
+    if let Ok(q) = obj.cast::<PyQuantizedLinear>() {
+        return Ok(q.get().weight());
+    }
+    Err(PyValueError::new_err(format!(
+        "{key}: expected a PackedLinear or QuantizedLinear"
+    )))
+}
 
 /// A linear layer's optional `bias` [n] (bf16 or f32, CPU, contiguous).
 pub(super) fn bias_arg(bias: Option<&Bound<'_, PyAny>>, n: usize) -> PyResult<Option<TensorArg>> {

@@ -14,8 +14,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::attention::{cache_shape, BatchArgs};
-use super::gemm::PyPackedLinear;
-use super::quant::PyQuantizedLinear;
+use super::linear::linear_weight;
 use super::tensor::{DType, TensorArg};
 use crate::attention::{BatchLayout, CacheShape, Element};
 use crate::linear::LinearWeight;
@@ -92,18 +91,6 @@ fn in_layer(py: Python<'_>, i: usize, err: PyErr) -> PyErr {
     } else {
         err
     }
-}
-
-fn linear_weight(obj: &Bound<'_, PyAny>, key: &str) -> PyResult<LinearWeight> {
-    if let Ok(p) = obj.cast::<PyPackedLinear>() {
-        return Ok(p.get().weight());
-    }
-    if let Ok(q) = obj.cast::<PyQuantizedLinear>() {
-        return Ok(q.get().weight());
-    }
-    Err(PyValueError::new_err(format!(
-        "{key}: expected a PackedLinear or QuantizedLinear"
-    )))
 }
 
 fn item<'py>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Bound<'py, PyAny>> {

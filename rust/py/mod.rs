@@ -17,6 +17,7 @@ mod kv;
 mod layers;
 mod linear;
 mod llama;
+mod moe;
 mod platform;
 mod quant;
 mod sampling;
@@ -48,5 +49,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     layers::register(m)?;
     quant::register(m)?;
     llama::register(m)?;
+    moe::register(m)?;
     Ok(())
 }

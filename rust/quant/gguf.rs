@@ -23,6 +23,11 @@
 //! - `q6_k` (210 bytes): 128 bytes of low nibbles, 64 bytes of high 2-bit
 //!   pairs, 16 int8 scales (one per 16 weights), then `d`;
 //!   `w = d * sc * (q - 32)`.
+//! - `mxfp4` (32 weights, 17 bytes; gpt-oss's experts): one E8M0 exponent
+//!   byte `e`, then 16 bytes of 4-bit E2M1 codes (low nibble: weights
+//!   0..16, high: 16..32); `w = 2^(e - 128) * MXFP4_LEVELS[q]`, the levels
+//!   being E2M1's values doubled (llama.cpp's `kvalues_mxfp4` and
+//!   `ggml_e8m0_to_fp32_half`: the scale halved to match).
 
 use half::f16;
 use rayon::prelude::*;
@@ -43,11 +48,27 @@ pub enum BlockType {
     Q4K,
     Q5K,
     Q6K,
+    Mxfp4,
+}
+
+/// The E2M1 values of `mxfp4`'s 4-bit codes, doubled (llama.cpp's
+/// `kvalues_mxfp4`): code `q` is `MXFP4_LEVELS[q] / 2` times `2^(e - 127)`.
+pub const MXFP4_LEVELS: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// `2^(e - 128)`, the f32 scale of an `mxfp4` block with exponent byte `e`
+/// (ggml's `ggml_e8m0_to_fp32_half`: subnormal for `e` < 2).
+#[inline(always)]
+fn mxfp4_scale(e: u8) -> f32 {
+    if e < 2 {
+        f32::from_bits(0x0020_0000u32 << e)
+    } else {
+        f32::from_bits(((e - 1) as u32) << 23)
+    }
 }
 
 impl BlockType {
     /// Every type, with its GGUF name.
-    pub const ALL: [(BlockType, &'static str); 9] = [
+    pub const ALL: [(BlockType, &'static str); 10] = [
         (BlockType::Q4_0, "Q4_0"),
         (BlockType::Q4_1, "Q4_1"),
         (BlockType::Q5_0, "Q5_0"),
@@ -57,6 +78,7 @@ impl BlockType {
         (BlockType::Q4K, "Q4_K"),
         (BlockType::Q5K, "Q5_K"),
         (BlockType::Q6K, "Q6_K"),
+        (BlockType::Mxfp4, "MXFP4"),
     ];
 
     /// The type named `name` (GGUF's spelling, any case).
@@ -93,6 +115,7 @@ impl BlockType {
             BlockType::Q4K => 144,
             BlockType::Q5K => 176,
             BlockType::Q6K => 210,
+            BlockType::Mxfp4 => 17,
         }
     }
 }
@@ -161,6 +184,13 @@ fn dequantize_one(kind: BlockType, b: &[u8], out: &mut [f32]) {
                         out[sub * 32 + l] = scale * (nib | high) as f32 - min;
                     }
                 }
+            }
+        }
+        BlockType::Mxfp4 => {
+            let d = mxfp4_scale(b[0]);
+            for i in 0..GROUP / 2 {
+                out[i] = d * MXFP4_LEVELS[(b[1 + i] & 15) as usize] as f32;
+                out[i + GROUP / 2] = d * MXFP4_LEVELS[(b[1 + i] >> 4) as usize] as f32;
             }
         }
         BlockType::Q6K => {
@@ -258,13 +288,26 @@ pub fn to_q8_0(kind: BlockType, blocks: &[u8], out: &mut [u8]) -> CoreResult<()>
 
 /// Whether `kind` converts to `q8_0` exactly: its weights are `d` times
 /// integers in -128..127 (`q4_0`: `q - 8`, `q5_0`: `q - 16`, `iq4_nl`: its
-/// levels), so the `q8_0` block keeps `d` and those integers, bit for bit
-/// the same weights.
+/// levels, `mxfp4`: its doubled E2M1 levels), so the `q8_0` block keeps `d`
+/// and those integers, bit for bit the same weights. For `mxfp4` that holds
+/// for every block whose scale `2^(e - 128)` is an f16 (`e` in 104..=143:
+/// weights from 2^-24 to 12 * 2^15 in size); any other block (every weight
+/// under 2^-20, or over 2^17) is dequantized and quantized again.
 pub fn converts_exactly(kind: BlockType) -> bool {
     matches!(
         kind,
-        BlockType::Q8_0 | BlockType::Q4_0 | BlockType::Q5_0 | BlockType::Iq4Nl
+        BlockType::Q8_0 | BlockType::Q4_0 | BlockType::Q5_0 | BlockType::Iq4Nl | BlockType::Mxfp4
     )
+}
+
+/// The f16 bits of `2^k`, for `k` in -24..=15 (subnormal below -14).
+#[inline(always)]
+fn f16_power_of_two(k: i32) -> u16 {
+    if k >= -14 {
+        ((k + 15) as u16) << 10
+    } else {
+        1u16 << (k + 24)
+    }
 }
 
 /// Writes the exact `q8_0` block of `b` into `out` when `kind` has one
@@ -273,6 +316,18 @@ pub fn converts_exactly(kind: BlockType) -> bool {
 fn exact_codes(kind: BlockType, b: &[u8], out: &mut [u8]) -> bool {
     if !converts_exactly(kind) {
         return false;
+    }
+    if kind == BlockType::Mxfp4 {
+        let k = b[0] as i32 - 128;
+        if !(-24..=15).contains(&k) {
+            return false; // no f16 holds the scale
+        }
+        out[..2].copy_from_slice(&f16_power_of_two(k).to_le_bytes());
+        for i in 0..GROUP / 2 {
+            out[2 + i] = MXFP4_LEVELS[(b[1 + i] & 15) as usize] as u8;
+            out[2 + i + GROUP / 2] = MXFP4_LEVELS[(b[1 + i] >> 4) as usize] as u8;
+        }
+        return true;
     }
     out[..2].copy_from_slice(&b[..2]);
     let codes = &mut out[2..2 + GROUP];
@@ -472,7 +527,11 @@ mod tests {
             let n = 3 * kind.block_bytes();
             let mut src: Vec<u8> = (0..n).map(|_| (rng.f32() * 256.0) as u8).collect();
             let d = f16::from_f32(0.01).to_le_bytes();
-            for b in src.chunks_exact_mut(kind.block_bytes()) {
+            for (i, b) in src.chunks_exact_mut(kind.block_bytes()).enumerate() {
+                if kind == BlockType::Mxfp4 {
+                    b[0] = 118 + 3 * i as u8; // scales 2^-10, 2^-7, 2^-4: f16s
+                    continue;
+                }
                 let at = if kind == BlockType::Q6K { 208 } else { 0 };
                 b[at..at + 2].copy_from_slice(&d);
                 if matches!(
@@ -534,6 +593,53 @@ mod tests {
             assert!((g - w).abs() <= scale * 2e-3, "{g} vs {w}");
         }
         assert!(q4_k_to_q4_1(&src[1..], &mut blocks).is_err());
+    }
+
+    #[test]
+    fn mxfp4_follows_llama_cpp() {
+        // e = 127: scale 2^-1; codes 1 and 7 (0.5 and 6), 8 and 15 (-0 and -6),
+        // then 2, 5, 10, 13 in the low nibbles and 3, 4, 9, 11 in the high ones.
+        let mut b = vec![127u8, 0x71, 0xF8];
+        let (lo, hi) = ([2u8, 5, 10, 13], [3u8, 4, 9, 11]);
+        b.extend((0..14).map(|i| lo[i % 4] | (hi[i % 4] << 4)));
+        let mut y = vec![0f32; 32];
+        dequantize(BlockType::Mxfp4, &b, &mut y).unwrap();
+        assert_eq!(&y[..2], &[0.5, 0.0]);
+        assert_eq!(&y[16..18], &[6.0, -6.0]);
+        for i in 2..16 {
+            assert_eq!(y[i], [1.0, 3.0, -1.0, -3.0][(i - 2) % 4], "weight {i}");
+            assert_eq!(
+                y[i + 16],
+                [1.5, 2.0, -0.5, -1.5][(i - 2) % 4],
+                "weight {}",
+                i + 16
+            );
+        }
+        // e = 0 and 1: ggml's subnormal scales 2^-128 and 2^-127; e = 255: 2^127.
+        for (e, k) in [(0u8, -128), (1, -127), (255, 127)] {
+            b[0] = e;
+            dequantize(BlockType::Mxfp4, &b, &mut y).unwrap();
+            assert_eq!(y[0], 2f64.powi(k) as f32, "e = {e}");
+        }
+        // To q8_0: the scale as an f16 and the doubled levels as codes,
+        // exactly; a scale no f16 holds (e = 100) is quantized again.
+        let mut q8 = vec![0u8; 34];
+        for e in [104u8, 127, 143, 100] {
+            b[0] = e;
+            dequantize(BlockType::Mxfp4, &b, &mut y).unwrap();
+            to_q8_0(BlockType::Mxfp4, &b, &mut q8).unwrap();
+            let mut back = vec![0f32; 32];
+            dequantize_block(QuantFormat::Q8_0, &q8, &mut back);
+            if e == 100 {
+                let mut want = vec![0u8; 34];
+                quantize_block(QuantFormat::Q8_0, y[..].try_into().unwrap(), &mut want);
+                assert_eq!(q8, want);
+            } else {
+                assert_eq!(back, y, "e = {e}");
+                assert_eq!(f16::from_le_bytes([q8[0], q8[1]]).to_f32(), mxfp4_scale(e));
+                assert_eq!(q8[2 + 16] as i8, 12);
+            }
+        }
     }
 
     #[test]

@@ -37,8 +37,11 @@ def check_enabled(ops):
     assert ops.enabled(), f"CUDA kernels were disabled: {ops.disabled_reason()}"
 
 
-def attention_reference(q, k_cache, v_cache, tables, seq_lens, qsl, scale, window, softcap=0.0):
-    """Float64 CPU attention over the gathered cache, straight from the contract."""
+def attention_reference(
+    q, k_cache, v_cache, tables, seq_lens, qsl, scale, window, softcap=0.0, sinks=None
+):
+    """Float64 CPU attention over the gathered cache, straight from the contract
+    (a head's sink is one more score column, with no value row)."""
     q, k_cache, v_cache = (t.double().cpu() for t in (q, k_cache, v_cache))
     heads, kv_heads = q.shape[1], k_cache.shape[1]
     group = heads // kv_heads
@@ -63,7 +66,9 @@ def attention_reference(q, k_cache, v_cache, tables, seq_lens, qsl, scale, windo
                 if softcap > 0:
                     scores = softcap * torch.tanh(scores / softcap)
                 scores[~visible] = float("-inf")
-                w = torch.softmax(scores, dim=0)
+                if sinks is not None:
+                    scores = torch.cat([scores, sinks[h : h + 1].double().cpu()])
+                w = torch.softmax(scores, dim=0)[:n]
                 out[t, h] = w @ vals[:, h // group]
     return out
 
@@ -102,6 +107,7 @@ def test_cache_write_then_attention(ops, dtype, case):
     num_blocks = 64
     window = rng.choice([0, 0, 7, 25])
     softcap = rng.choice([0.0, 0.0, 0.5, 4.0])  # Gemma 2's attention soft-cap
+    with_sinks = case % 2 == 1  # gpt-oss's attention sinks
     q_lens, seq_lens, tables, qsl = random_batch(rng, block_size, num_blocks)
     shape = (num_blocks, kv_heads, block_size, head_size)
     k_cache = torch.randn(shape, device=dev).to(dtype)
@@ -133,9 +139,15 @@ def test_cache_write_then_attention(ops, dtype, case):
         torch.tensor(seq_lens, dtype=torch.int32, device=dev),
         torch.tensor(qsl, dtype=torch.int32, device=dev),
     ]
-    out = ops.paged_attention(q, k_cache, v_cache, *args, scale, window, softcap)
+    sinks = None
+    if with_sinks:
+        sinks = torch.randn(heads, device=dev) * 3 + 1
+        sinks[::3] = float("-inf")  # no sink for those heads
+    out = ops.paged_attention(q, k_cache, v_cache, *args, scale, window, softcap, sinks)
     check_enabled(ops)
-    want = attention_reference(q, k_cache, v_cache, tables, seq_lens, qsl, scale, window, softcap)
+    want = attention_reference(
+        q, k_cache, v_cache, tables, seq_lens, qsl, scale, window, softcap, sinks
+    )
     torch.testing.assert_close(out.double().cpu(), want, atol=ATOL[dtype], rtol=ATOL[dtype])
 
 

@@ -66,13 +66,24 @@ def load_tokenizer(path: str) -> Any:
 
 def weight_bytes_per_token(path: str) -> int:
     """Bytes of weights one decode step reads from the GGUF file ``path``: every
-    matrix once, as stored; the token embedding only when it is also the head."""
+    matrix once, as stored; of a stack of experts' matrices, the share of the
+    experts each token uses; the token embedding only when it is also the head."""
     from fastllm.gguf.reader import GGUFFile
 
     with GGUFFile(path) as g:
         tied = "output.weight" not in g.tensors
         skip = {"position_embd.weight"} | (set() if tied else {"token_embd.weight"})
-        return sum(t.nbytes for t in g.tensors.values() if len(t.shape) == 2 and t.name not in skip)
+        arch = g.get("general.architecture")
+        used, experts = g.get(f"{arch}.expert_used_count"), g.get(f"{arch}.expert_count")
+        total = 0
+        for t in g.tensors.values():
+            if t.name in skip:
+                continue
+            if len(t.shape) == 2:
+                total += t.nbytes
+            elif len(t.shape) == 3 and isinstance(used, int) and isinstance(experts, int):
+                total += t.nbytes * min(used, experts) // max(experts, 1)
+        return total
 
 
 def describe_file(path: str) -> str:

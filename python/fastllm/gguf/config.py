@@ -27,10 +27,36 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "granite": ("GraniteForCausalLM", "granite"),
     "olmo2": ("Olmo2ForCausalLM", "olmo2"),
     "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "olmoe": ("OlmoeForCausalLM", "olmoe"),
+    "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
 }
+# A ``llama`` file with ``llama.expert_count`` is Mixtral (llama.cpp runs both
+# as ``llama``).
+MIXTRAL = ("MixtralForCausalLM", "mixtral")
 
 # Architectures read like Llama (RMSNorm eps, rotary base and scaling, window).
-_LLAMA_LIKE = ("llama", "qwen2", "qwen3", "granite", "olmo2", "smollm3")
+_LLAMA_LIKE = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "granite",
+    "olmo2",
+    "smollm3",
+    "qwen3moe",
+    "qwen2moe",
+    "olmoe",
+    "gpt-oss",
+)
+# Mixture-of-experts architectures (``llama`` when it has experts), and the
+# top-k renormalisation llama.cpp's graph for each hard-codes: its converter
+# writes no ``expert_weights_norm`` for them (Mixtral and gpt-oss always
+# renormalise, whatever the key says).
+_MOE_ARCHS = ("llama", "qwen3moe", "qwen2moe", "olmoe", "gpt-oss")
+_NORM_TOPK_DEFAULT = {"qwen3moe": True, "qwen2moe": False, "olmoe": False}
+# gpt-oss's clamped SwiGLU: llama.cpp's constants (``swiglu_oai``).
+_SWIGLU_LIMIT, _SWIGLU_ALPHA = 7.0, 1.702
 # Layers per model at which llama.cpp scales Gemma's queries by
 # hidden / heads instead of the head size (the 27B models; GGUF files do not
 # store ``query_pre_attn_scalar``).
@@ -88,8 +114,9 @@ def _float(gguf: GGUFFile, key: str, default: float | None = None) -> float:
 def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     """The ``config.json`` dict of the model in ``gguf``."""
     arch = architecture(gguf)
-    hf_arch, model_type = ARCHITECTURES[arch]
     p = f"{arch}."
+    experts = gguf.get(p + "expert_count")
+    hf_arch, model_type = MIXTRAL if arch == "llama" and experts else ARCHITECTURES[arch]
     tensors = gguf.tensors
     if "token_embd.weight" not in tensors:
         raise GGUFError(f"{gguf.path}: tensor 'token_embd.weight' is missing")
@@ -121,15 +148,17 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
                 f"{gguf.path}: {p}attention.value_length ({value_dim}) differs from "
                 f"{p}attention.key_length ({hf['head_dim']}), which fastllm does not support"
             )
-    experts = gguf.get(p + "expert_count")
-    if experts:
+    if experts and arch not in _MOE_ARCHS:
         raise GGUFError(
-            f"{gguf.path}: {p}expert_count is {experts}: mixture-of-experts models are not supported"
+            f"{gguf.path}: {p}expert_count is {experts}: mixture-of-experts {arch} files are "
+            f"not supported; supported: {', '.join(_MOE_ARCHS)}"
         )
     head_size = hf.get("head_dim", hidden // heads)
 
     if arch in _LLAMA_LIKE:
         _llama_like(gguf, arch, p, hf, head_size)
+        if experts or arch in _MOE_ARCHS[1:]:
+            _moe(gguf, arch, p, hf)
     elif arch in ("gemma2", "gemma3"):
         _gemma(gguf, arch, p, hf, head_size)
     elif arch == "phi3":
@@ -197,10 +226,12 @@ def _llama_like(gguf: GGUFFile, arch: str, p: str, hf: dict[str, Any], head_size
     if arch in ("llama", "granite", "smollm3"):
         hf["attention_bias"] = "blk.0.attn_q.bias" in tensors
         hf["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
-    elif arch in ("qwen2", "qwen3"):
+    elif arch in ("qwen2", "qwen3", "qwen2moe", "qwen3moe"):
         hf["use_sliding_window"] = bool(window)
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe"):
             hf["attention_bias"] = "blk.0.attn_q.bias" in tensors
+        elif arch == "qwen2moe":
+            hf["qkv_bias"] = "blk.0.attn_q.bias" in tensors
     if window:
         _layer_types(gguf, p, hf)
     if arch == "granite":
@@ -215,8 +246,81 @@ def _llama_like(gguf: GGUFFile, arch: str, p: str, hf: dict[str, Any], head_size
     elif arch == "smollm3":
         # llama.cpp's rule for SmolLM3: every 4th layer has no rotary embedding.
         hf["no_rope_layer_interval"] = 4
-    elif arch == "olmo2":
+    elif arch in ("olmo2", "olmoe", "gpt-oss"):
         hf["attention_bias"] = "blk.0.attn_q.bias" in tensors
+
+
+def _moe(gguf: GGUFFile, arch: str, p: str, hf: dict[str, Any]) -> None:
+    """The experts: their number, the top-k, their size (the key, or the
+    stacked tensors' shape), Qwen's dense layers (those without a router)
+    and shared expert, the top-k renormalisation (``expert_weights_norm``, or
+    what llama.cpp assumes for the family), OLMoE's q/k/v clip
+    (``attention.clamp_kqv``), and gpt-oss's windows, YaRN and SwiGLU clamp."""
+    tensors = gguf.tensors
+    n = hf["num_hidden_layers"]
+    experts = _int(gguf, p + "expert_count")
+    hf["num_experts" if arch in _NORM_TOPK_DEFAULT else "num_local_experts"] = experts
+    hf["num_experts_per_tok"] = _int(gguf, p + "expert_used_count")
+    sparse = [i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
+    first = f"blk.{sparse[0] if sparse else 0}"
+    down = tensors.get(f"{first}.ffn_down_exps.weight")
+    inter = down.shape[-1] if down is not None and len(down.shape) == 3 else None
+    inter = _int(gguf, p + "expert_feed_forward_length", inter)
+    if arch in ("qwen3moe", "qwen2moe"):
+        hf["moe_intermediate_size"] = inter
+        hf["decoder_sparse_step"] = 1
+        hf["mlp_only_layers"] = [i for i in range(n) if i not in sparse]
+    else:
+        hf["intermediate_size"] = inter
+    if arch == "qwen2moe":
+        shared = tensors.get(f"{first}.ffn_down_shexp.weight")
+        size = shared.shape[-1] if shared is not None else 0
+        key = p + "expert_shared_feed_forward_length"
+        hf["shared_expert_intermediate_size"] = _int(gguf, key, size) if size else 0
+    if arch in _NORM_TOPK_DEFAULT:
+        norm = gguf.get(p + "expert_weights_norm", _NORM_TOPK_DEFAULT[arch])
+        if not isinstance(norm, bool):
+            raise GGUFError(
+                f"{gguf.path}: metadata key {p + 'expert_weights_norm'!r} must be a bool, "
+                f"got {norm!r}"
+            )
+        hf["norm_topk_prob"] = norm
+    if arch == "olmoe" and gguf.get(p + "attention.clamp_kqv") is not None:
+        hf["clip_qkv"] = _float(gguf, p + "attention.clamp_kqv")
+    if arch == "gpt-oss":
+        _gpt_oss(gguf, p, hf)
+
+
+def _gpt_oss(gguf: GGUFFile, p: str, hf: dict[str, Any]) -> None:
+    """gpt-oss: sliding and full layers alternating from a sliding one
+    (llama.cpp's default pattern, 2) unless the file gives them; YaRN as
+    its checkpoints define it, without rounding the ramp's ends
+    (``truncate: false``, which no key holds; llama.cpp rounds them); the
+    SwiGLU clamp ``swiglu_clamp_exp`` (llama.cpp's 7.0 otherwise) and alpha
+    1.702 (no key)."""
+    n = hf["num_hidden_layers"]
+    hf["sliding_window"] = _int(gguf, p + "attention.sliding_window")
+    if "layer_types" not in hf:
+        hf["layer_types"] = [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)
+        ]
+    scaling = hf.get("rope_scaling")
+    if scaling is not None and scaling.get("rope_type") == "yarn":
+        scaling["truncate"] = False
+    key = p + "swiglu_clamp_exp"
+    limit = gguf.get(key)
+    if isinstance(limit, np.ndarray):
+        if limit.size != n or not (limit == limit.flat[0]).all():
+            raise GGUFError(
+                f"{gguf.path}: metadata key {key!r} must be one value for every layer, "
+                f"got {limit.tolist()}"
+            )
+        limit = float(limit.flat[0])
+    else:
+        limit = _float(gguf, key, _SWIGLU_LIMIT)
+    # 0 is llama.cpp's "no clamp set" for this key: gpt-oss's own clamp then.
+    hf["swiglu_limit"] = limit or _SWIGLU_LIMIT
+    hf["swiglu_alpha"] = _SWIGLU_ALPHA
 
 
 def _layer_types(gguf: GGUFFile, p: str, hf: dict[str, Any]) -> None:

@@ -9,13 +9,21 @@ folder. Tensors are read from the file's memory map:
   panels (``_core.QuantizedLinear.from_blocks``), never re-quantized;
 - Q4_K: its super-blocks rewritten as q4_1 blocks (``_core.gguf_q4_k_to_q4_1``:
   the same codes, every 32 weights' scale and minimum rounded to f16);
-- Q5_0, Q5_1, Q5_K, Q6_K: no kernel runs them, so they are converted to
-  ``q8_0`` block by block in the core (``_core.gguf_to_q8_0``): Q5_0 exactly
-  (its weights are a scale times integers in -16..15), the others
-  dequantized and quantized again, the nearest kernel format, which loses
-  nothing measurable; a warning names those tensors, the extra memory and
-  the error the conversion adds. A fused matrix (q/k/v, gate/up) whose
-  parts have different types is converted the same way as a whole.
+- Q5_0, Q5_1, Q5_K, Q6_K, MXFP4: no kernel runs them, so they are
+  converted to ``q8_0`` block by block in the core (``_core.gguf_to_q8_0``):
+  Q5_0 and MXFP4 exactly (their weights are a scale times integers in
+  -16..15, or gpt-oss's MXFP4 power-of-two scale times doubled E2M1 levels),
+  the others dequantized and quantized again, the nearest kernel format,
+  which loses nothing measurable; a warning names those tensors, the extra
+  memory and the error the conversion adds. A fused matrix (q/k/v, gate/up)
+  whose parts have different types is converted the same way as a whole.
+
+Mixture-of-experts files stack each layer's experts in one tensor per
+matrix (``blk.N.ffn_gate_exps.weight`` [experts, inter, hidden], ``ffn_up_exps``,
+``ffn_down_exps`` [experts, hidden, inter]; gpt-oss's biases likewise): each
+expert's parameter reads its own run of rows, for a quantized tensor a slice
+of the file's blocks handed to the kernels uncopied. Routers stay float (a
+quantized one is dequantized).
 
 llama.cpp's converter permutes the rows of Llama-family q and k weights for
 its rotary layout; the permutation is undone here (a reordering of whole
@@ -41,6 +49,7 @@ from fastllm.config import ModelConfig
 from fastllm.gguf.cache import PanelCache, cache_dir
 from fastllm.gguf.reader import GGUFError, GGUFFile, TensorInfo, readonly_tensor
 from fastllm.layers.linear import Embedding, Linear, adopt_packed_head
+from fastllm.layers.moe import Router, SparseMoeBlock
 from fastllm.models import get_model_class
 from fastllm.models.weights import WeightSpec
 
@@ -56,9 +65,9 @@ REWRITTEN_TYPES = {"Q4_K": "q4_1"}
 # types whose weights are a scale times int8 codes (``EXACT_TYPES``, as
 # ``rust/quant/gguf.rs: converts_exactly``), otherwise dequantized and
 # quantized again.
-CONVERTED_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
+CONVERTED_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "MXFP4")
 CONVERSION_FORMAT = "q8_0"
-EXACT_TYPES = ("Q8_0", "Q4_0", "IQ4_NL", "Q5_0")
+EXACT_TYPES = ("Q8_0", "Q4_0", "IQ4_NL", "Q5_0", "MXFP4")
 SUPPORTED_TYPES = FLOAT_TYPES + tuple(KERNEL_TYPES) + tuple(REWRITTEN_TYPES) + CONVERTED_TYPES
 
 _LLAMA_LAYER = {
@@ -79,6 +88,20 @@ _LLAMA_GLOBAL = {
     "model.norm": "output_norm",
     "lm_head": "output",
 }
+# The sparse blocks' routers and Qwen2-MoE's shared expert (the experts
+# themselves: ``_expert_sources``).
+_MOE_LAYER = {
+    **_LLAMA_LAYER,
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+# gpt-oss's norm before the experts; its attention sinks (``_PARAM_NAMES``).
+_GPT_OSS_LAYER = {**_MOE_LAYER, "post_attention_layernorm": "post_attention_norm"}
+# Per-layer parameters named whole: fastllm's name -> GGUF's.
+_PARAM_NAMES = {"self_attn.sinks": "attn_sinks.weight"}
 # Gemma's four norms per block and OLMo 2's two post-norms.
 _GEMMA_LAYER = {
     **_LLAMA_LAYER,
@@ -102,7 +125,7 @@ _PHI3_LAYER = {
 }
 # general.architecture -> (global names, per-layer names, the layers' prefix in fastllm)
 _NAMES: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
-    "llama": (_LLAMA_GLOBAL, _LLAMA_LAYER, "model.layers"),
+    "llama": (_LLAMA_GLOBAL, _MOE_LAYER, "model.layers"),  # Mixtral too
     "qwen2": (_LLAMA_GLOBAL, _LLAMA_LAYER, "model.layers"),
     "qwen3": (_LLAMA_GLOBAL, _LLAMA_LAYER, "model.layers"),
     "granite": (_LLAMA_GLOBAL, _LLAMA_LAYER, "model.layers"),
@@ -111,6 +134,10 @@ _NAMES: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
     "gemma2": (_LLAMA_GLOBAL, _GEMMA_LAYER, "model.layers"),
     "gemma3": (_LLAMA_GLOBAL, _GEMMA_LAYER, "model.layers"),
     "phi3": (_LLAMA_GLOBAL, _PHI3_LAYER, "model.layers"),
+    "qwen3moe": (_LLAMA_GLOBAL, _MOE_LAYER, "model.layers"),
+    "qwen2moe": (_LLAMA_GLOBAL, _MOE_LAYER, "model.layers"),
+    "olmoe": (_LLAMA_GLOBAL, _MOE_LAYER, "model.layers"),
+    "gpt-oss": (_LLAMA_GLOBAL, _GPT_OSS_LAYER, "model.layers"),
     "phi2": (
         {
             "model.embed_tokens": "token_embd",
@@ -157,10 +184,67 @@ def gguf_name(arch: str, name: str) -> str | None:
     module, _, kind = name.rpartition(".")
     if module in global_names:
         return f"{global_names[module]}.{kind}"
+    whole = re.fullmatch(re.escape(prefix) + r"\.(\d+)\.(.+)", name)
+    if whole and whole.group(2) in _PARAM_NAMES:
+        return f"blk.{whole.group(1)}.{_PARAM_NAMES[whole.group(2)]}"
     m = re.fullmatch(re.escape(prefix) + r"\.(\d+)\.(.+)", module)
     if m and m.group(2) in layer_names:
         return f"blk.{m.group(1)}.{layer_names[m.group(2)]}.{kind}"
     return None
+
+
+# One expert's parameter in fastllm.
+_EXPERT = re.compile(r"(.+)\.(\d+)\.mlp\.experts\.(\d+)\.(gate_up_proj|down_proj)\.(weight|bias)")
+
+
+def _expert_sources(
+    gguf: GGUFFile, name: str, shape: tuple[int, ...]
+) -> list[tuple[str, tuple[int, ...], int]] | None:
+    """The stacked GGUF tensors of expert parameter ``name`` (None for any
+    other parameter): (tensor, the shape of one expert's part, the expert).
+    gate/up is ``ffn_gate_exps`` then ``ffn_up_exps`` (gpt-oss's converter
+    de-interleaves them so), or one ``ffn_gate_up_exps`` tensor where the
+    converter fused them."""
+    m = _EXPERT.fullmatch(name)
+    if m is None:
+        return None
+    _, layer, j, proj, kind = m.groups()
+    blk, expert = f"blk.{layer}", int(j)
+    if proj == "down_proj":
+        return [(f"{blk}.ffn_down_exps.{kind}", shape, expert)]
+    fused = f"{blk}.ffn_gate_up_exps.{kind}"
+    if fused in gguf.tensors:
+        return [(fused, shape, expert)]
+    half = (shape[0] // 2, *shape[1:])
+    return [
+        (f"{blk}.ffn_gate_exps.{kind}", half, expert),
+        (f"{blk}.ffn_up_exps.{kind}", half, expert),
+    ]
+
+
+@dataclass(frozen=True)
+class _Source:
+    """A GGUF tensor, or expert ``expert``'s part of a stacked expert tensor
+    (its ``shape`` and ``rows`` are that part's)."""
+
+    info: TensorInfo
+    expert: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def type(self) -> Any:
+        return self.info.type
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.info.shape if self.expert is None else self.info.shape[1:]
+
+    @property
+    def rows(self) -> int:
+        return int(np.prod(self.shape[:-1], dtype=np.int64)) if len(self.shape) > 1 else 1
 
 
 @dataclass
@@ -169,7 +253,7 @@ class _Param:
 
     name: str
     shape: tuple[int, ...]
-    sources: list[TensorInfo]
+    sources: list[_Source]
     permute: list[int | None] = field(default_factory=list)  # heads to un-permute, per source
 
     @property
@@ -193,6 +277,14 @@ class LoadReport:
     # quantized matrix was mapped from it
     cache: str | None = None
     from_cache: bool = False
+    # tensors counted above (a stacked expert tensor feeds every expert's matrix)
+    counted: set[str] = field(default_factory=set, repr=False)
+
+    def count(self, counts: dict[str, int], source: _Source) -> None:
+        """Counts ``source``'s tensor in ``counts`` by its type, once per tensor."""
+        if source.name not in self.counted:
+            self.counted.add(source.name)
+            counts[source.type.name] = counts.get(source.type.name, 0) + 1
 
     def summary(self, path: str) -> dict[str, Any]:
         """The engine's ``gguf`` info (JSON-ready): the file, its tensor types and
@@ -211,43 +303,72 @@ class LoadReport:
 def _plan(model: nn.Module, gguf: GGUFFile, arch: str, config: ModelConfig) -> list[_Param]:
     specs: dict[str, WeightSpec] = model.weight_specs()
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    # Routers read under their own names; the experts of each sparse block.
+    modules = dict(model.named_modules())
+    routers = {n for n, m in modules.items() if isinstance(m, Router)}
+    num_experts = {n: m.num_experts for n, m in modules.items() if isinstance(m, SparseMoeBlock)}
     plan = []
     for pname, param in model.named_parameters():
+        shape = tuple(param.shape)
+        experts = _expert_sources(gguf, pname, shape)
+        if experts is not None:
+            n = num_experts[pname.split(".experts.")[0]]
+            sources = [_source(gguf, name, s, j, n) for name, s, j in experts]
+            plan.append(_Param(pname, shape, sources, [None] * len(sources)))
+            continue
         spec = specs.get(pname, WeightSpec((pname,)))
+        if pname.rpartition(".")[0] in routers:
+            spec = WeightSpec((pname,))
         names = [gguf_name(arch, s) for s in spec.sources]
         # GGUF stores every matrix [out, in]: GPT-2's transposed checkpoints included.
-        shapes = WeightSpec(spec.sources, spec.splits).source_shapes(tuple(param.shape))
+        shapes = WeightSpec(spec.sources, spec.splits).source_shapes(shape)
         if len(names) == 3 and all(n is not None for n in names) and names[0] not in gguf.tensors:
             fused = names[0].replace(".attn_q.", ".attn_qkv.")
             if fused in gguf.tensors:  # q, k and v stored as one tensor
-                names, shapes = [fused], [tuple(param.shape)]
+                names, shapes = [fused], [shape]
         labels = spec.sources if len(names) == len(spec.sources) else (pname,)
         sources, permute = [], []
-        for source, name, shape in zip(labels, names, shapes, strict=True):
+        for source, name, want in zip(labels, names, shapes, strict=True):
             if name is None:
                 raise GGUFError(f"{gguf.path}: no GGUF tensor is known for {source!r} ({arch})")
-            info = gguf.tensors.get(name)
-            if info is None:
-                raise GGUFError(f"{gguf.path}: tensor {name!r} is missing")
-            if info.shape != tuple(shape):
-                raise GGUFError(
-                    f"{gguf.path}: tensor {name!r} has shape {list(info.shape)}, expected {list(shape)}"
-                )
-            if info.type.name not in SUPPORTED_TYPES:
-                raise GGUFError(
-                    f"{gguf.path}: tensor {name!r} has type {info.type.name}, which fastllm does not "
-                    f"read; supported: {', '.join(SUPPORTED_TYPES)}"
-                )
-            if info.type.name not in FLOAT_TYPES and len(info.shape) != 2:
-                raise GGUFError(
-                    f"{gguf.path}: tensor {name!r} is a {len(info.shape)}-D {info.type.name} tensor; "
-                    "only matrices may be quantized"
-                )
+            sources.append(_source(gguf, name, tuple(want)))
             kind = name.split(".")[-2]
             permute.append(heads.get(kind) if arch in _PERMUTED_ARCHS else None)
-            sources.append(info)
-        plan.append(_Param(pname, tuple(param.shape), sources, permute))
+        plan.append(_Param(pname, shape, sources, permute))
     return plan
+
+
+def _source(
+    gguf: GGUFFile,
+    name: str,
+    shape: tuple[int, ...],
+    expert: int | None = None,
+    num_experts: int = 0,
+) -> _Source:
+    """Tensor ``name`` checked: present, of ``shape`` (with ``num_experts``
+    stacked before it when it is expert ``expert``'s part), of a type fastllm
+    reads, quantized only as a matrix (or a stack of experts' matrices)."""
+    info = gguf.tensors.get(name)
+    if info is None:
+        raise GGUFError(f"{gguf.path}: tensor {name!r} is missing")
+    want = shape if expert is None else (num_experts, *shape)
+    # A [1, n] parameter (Qwen2-MoE's shared-expert gate) may be stored 1-D.
+    flat = expert is None and len(want) == 2 and want[0] == 1 and info.shape == want[1:]
+    if info.shape != want and not flat:
+        raise GGUFError(
+            f"{gguf.path}: tensor {name!r} has shape {list(info.shape)}, expected {list(want)}"
+        )
+    if info.type.name not in SUPPORTED_TYPES:
+        raise GGUFError(
+            f"{gguf.path}: tensor {name!r} has type {info.type.name}, which fastllm does not "
+            f"read; supported: {', '.join(SUPPORTED_TYPES)}"
+        )
+    if info.type.name not in FLOAT_TYPES and len(want) - (expert is not None) != 2:
+        raise GGUFError(
+            f"{gguf.path}: tensor {name!r} is a {len(info.shape)}-D {info.type.name} tensor; "
+            "only matrices may be quantized"
+        )
+    return _Source(info, expert)
 
 
 def _unpermute_rows(rows: int, heads: int) -> np.ndarray:
@@ -256,12 +377,16 @@ def _unpermute_rows(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, head_dim // 2, 2).transpose(0, 2, 1).reshape(-1)
 
 
-def _blocks(gguf: GGUFFile, info: TensorInfo, heads: int | None) -> torch.Tensor:
-    """A tensor's bytes as a flat uint8 CPU tensor, rows un-permuted; it views
-    the file's mapping (read-only) unless its rows were reordered."""
-    data = gguf.data(info.name)
+def _blocks(gguf: GGUFFile, source: _Source, heads: int | None) -> torch.Tensor:
+    """A tensor's bytes (one expert's part of a stacked one) as a flat uint8
+    CPU tensor, rows un-permuted; it views the file's mapping (read-only)
+    unless its rows were reordered."""
+    data = gguf.data(source.name)
+    if source.expert is not None:  # each expert's rows lie together: whole blocks
+        size = len(data) // source.info.shape[0]
+        data = data[source.expert * size : (source.expert + 1) * size]
     if heads is not None:
-        n = info.shape[0] if len(info.shape) == 1 else info.rows  # a bias: one value a row
+        n = source.shape[0] if len(source.shape) == 1 else source.rows  # a bias: one value a row
         rows = data.reshape(n, -1)[_unpermute_rows(n, heads)]
         data = rows.reshape(-1)
     return readonly_tensor(data)
@@ -270,14 +395,14 @@ def _blocks(gguf: GGUFFile, info: TensorInfo, heads: int | None) -> torch.Tensor
 _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
-def _float_tensor(gguf: GGUFFile, info: TensorInfo, heads: int | None) -> torch.Tensor:
+def _float_tensor(gguf: GGUFFile, source: _Source, heads: int | None) -> torch.Tensor:
     """A float tensor (any GGUF type) as a CPU tensor owning its memory: its own
     float type, or float32 dequantized."""
-    raw = _blocks(gguf, info, heads)
-    if info.type.name in FLOAT_TYPES:
-        return raw.view(_FLOAT_DTYPES[info.type.name]).reshape(info.shape).clone()
-    out = torch.empty(info.shape, dtype=torch.float32)
-    _core.dequantize_gguf(raw, info.type.name, out)
+    raw = _blocks(gguf, source, heads)
+    if source.type.name in FLOAT_TYPES:
+        return raw.view(_FLOAT_DTYPES[source.type.name]).reshape(source.shape).clone()
+    out = torch.empty(source.shape, dtype=torch.float32)
+    _core.dequantize_gguf(raw, source.type.name, out)
     return out
 
 
@@ -290,7 +415,7 @@ def _kernel_format(param: _Param, report: LoadReport) -> tuple[str, bool]:
     if len(formats) == 1 and None not in formats:
         for s in param.sources:
             if s.type.name in REWRITTEN_TYPES:
-                report.rewritten[s.type.name] = report.rewritten.get(s.type.name, 0) + 1
+                report.count(report.rewritten, s)
         return formats.pop(), True
     # No kernel for a source's type, or a mix of types in one fused matrix.
     exact = all(s.type.name in EXACT_TYPES for s in param.sources)
@@ -301,7 +426,7 @@ def _kernel_format(param: _Param, report: LoadReport) -> tuple[str, bool]:
             counts = report.fused_with
         else:
             counts = report.converted
-        counts[s.type.name] = counts.get(s.type.name, 0) + 1
+        report.count(counts, s)
     return CONVERSION_FORMAT, False
 
 
@@ -369,13 +494,18 @@ def load_gguf_model(
     report = LoadReport(tensor_types={})
     for info in gguf.tensors.values():
         report.tensor_types[info.type.name] = report.tensor_types.get(info.type.name, 0) + 1
-    quantized = [p for p in plan if p.quantized]
+    modules = dict(model.named_modules())
+    # Routers stay float: a quantized one is dequantized with the float tensors.
+    quantized = [
+        p
+        for p in plan
+        if p.quantized and not isinstance(modules.get(p.name.rpartition(".")[0]), Router)
+    ]
     if quantized and device.type != "cpu":
         raise ValueError(
             f"{gguf.path}: quantized GGUF tensors ({quantized[0].sources[0].type.name}, ...) run on "
             f"the CPU's integer kernels, not on device {str(device)!r}: pass device='cpu'"
         )
-    modules = dict(model.named_modules())
     owners: dict[str, nn.Module] = {}
     for p in quantized:
         module_name = p.name.rpartition(".")[0]
@@ -391,11 +521,11 @@ def load_gguf_model(
     # Every tensor is read before anything is assigned to the model.
     state: dict[str, torch.Tensor] = {}
     for p in plan:
-        if p.quantized:
+        if p.name in owners:
             continue
         parts = [_float_tensor(gguf, s, h) for s, h in zip(p.sources, p.permute, strict=True)]
         t = parts[0] if len(parts) == 1 else torch.cat(parts)
-        state[p.name] = t.to(device=device, dtype=dtype).contiguous()
+        state[p.name] = t.reshape(p.shape).to(device=device, dtype=dtype).contiguous()
     directory = cache_dir() if quantized else None
     cache = PanelCache(gguf.path, directory) if directory is not None else None
     tables: dict[str, object] = {}
@@ -431,12 +561,28 @@ def load_gguf_model(
             cache.write_in_background(tables)
         else:
             logger.info("%s: packed weights mapped from the cache %s", gguf.path, cache.path)
-    if report.exact:
-        kinds = ", ".join(f"{n} {k}" for k, n in sorted(report.exact.items()))
+    _log_conversions(gguf.path, report)
+    return model.eval(), report
+
+
+def _log_conversions(path: str, report: LoadReport) -> None:
+    """What the load converted: logged (exact conversions), or a warning
+    naming the memory and rounding it costs."""
+    exact = {k: n for k, n in report.exact.items() if k != "MXFP4"}
+    if "MXFP4" in report.exact:
+        logger.warning(
+            "%s: fastllm has no kernel for %d MXFP4 tensor(s); converted them to q8_0 at load, "
+            "exactly (the same weights: each block's power-of-two scale and E2M1 codes), "
+            "8.5 bits per weight in memory instead of 4.25",
+            path,
+            report.exact["MXFP4"],
+        )
+    if exact:
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(exact.items()))
         logger.info(
             "%s: %s tensor(s) run on the q8_0 kernel, converted exactly (the same weights; "
             "8.5 bits per weight in memory)",
-            gguf.path,
+            path,
             kinds,
         )
     if report.rewritten:
@@ -444,7 +590,7 @@ def load_gguf_model(
             "%s: %d Q4_K tensor(s) run as q4_1 (the same 4-bit codes; each 32 weights' scale "
             "and minimum rounded to f16, a relative change of at most 2^-11; 5.0 bits per "
             "weight in memory instead of 4.5)",
-            gguf.path,
+            path,
             report.rewritten["Q4_K"],
         )
     if report.converted or report.fused_with:
@@ -462,10 +608,9 @@ def load_gguf_model(
         logger.warning(
             "%s: %s (8.5 bits per weight in memory; the conversion's rounding adds an error "
             "of at most 1/254 of each group's largest weight)",
-            gguf.path,
+            path,
             what,
         )
-    return model.eval(), report
 
 
 def _head_weight_name(model: nn.Module) -> str:

@@ -46,6 +46,13 @@ class PagedAttention(Module):
         self.sliding_window = sliding_window
         #: Gemma 2's soft-cap of the scaled scores: ``c * tanh(s / c)`` (None: none).
         self.logit_softcap = logit_softcap
+        #: gpt-oss's attention sinks: float32 ``[num_heads]`` on the caches'
+        #: device (contiguous), set by the model after its weights load (None:
+        #: none). Head ``h``'s ``sinks[h]`` joins the softmax denominator as one
+        #: more score with no value row (``-inf``: none for that head); every
+        #: backend honours it, the fused CPU decoder stack does not
+        #: (``llama_stack.why_not``).
+        self.sinks: torch.Tensor | None = None
         # Assigned by the model runner: [num_blocks, num_kv_heads, block_size, head_size],
         # and the layer group whose block table this layer reads (``KVLayout``).
         self.k_cache: torch.Tensor | None = None

@@ -2,7 +2,8 @@
 
 Writes the step's K/V into their cache slots by advanced indexing, gathers
 each sequence's K/V through its block table and calls
-``scaled_dot_product_attention``. Runs on any device; the Rust and CUDA
+``scaled_dot_product_attention`` (the scores written out where the layer
+soft-caps them or has attention sinks). Runs on any device; the Rust and CUDA
 kernels have the same contract (``layers/ops.py``).
 """
 
@@ -25,6 +26,7 @@ class PagedLayer(Protocol):
     scale: float
     sliding_window: int | None
     logit_softcap: float | None
+    sinks: torch.Tensor | None
     kv_group: int
     k_cache: torch.Tensor | None
     v_cache: torch.Tensor | None
@@ -162,10 +164,19 @@ def _sdpa(
     if groups > 1:
         k = k.repeat_interleave(groups, dim=-3)
         v = v.repeat_interleave(groups, dim=-3)
-    cap = layer.logit_softcap
-    if cap:  # SDPA has no soft-cap: the scores written out
+    cap, sinks = layer.logit_softcap, layer.sinks
+    if cap or sinks is not None:  # SDPA has neither soft-cap nor sinks: the scores written out
         scores = (q @ k.transpose(-1, -2)).float() * layer.scale
-        scores = torch.tanh(scores / cap) * cap
+        if cap:
+            scores = torch.tanh(scores / cap) * cap
         scores = scores.masked_fill(~mask, float("-inf"))
-        return (torch.softmax(scores, dim=-1).to(v.dtype) @ v).to(q.dtype)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            # Each head's sink is one more score column, dropped after the
+            # softmax (it has no value row): transformers' gpt-oss attention.
+            sink = sinks.to(device=scores.device, dtype=torch.float32).view(-1, 1, 1)
+            sink = sink.expand(*scores.shape[:-1], 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        return (probs.to(v.dtype) @ v).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale)

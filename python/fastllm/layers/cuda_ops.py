@@ -91,8 +91,10 @@ def paged_attention(
     scale: float,
     sliding_window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """Paged attention of query [T, heads, head] (CPU kernel's contract); None if the kernels are off."""
+    """Paged attention of query [T, heads, head] (CPU kernel's contract, ``sinks``
+    float32 [heads] on the query's device or None); None if the kernels are off."""
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     query = query.contiguous()
 
@@ -109,6 +111,7 @@ def paged_attention(
             int(sliding_window),
             float(softcap),
             _stream(query),
+            None if sinks is None else sinks.contiguous(),
         )
         return out
 

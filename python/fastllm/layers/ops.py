@@ -160,6 +160,7 @@ def attention_rust(
         layer.scale,
         layer.sliding_window or 0,
         layer.logit_softcap or 0.0,
+        layer.sinks,
     )
     return out
 
@@ -225,6 +226,7 @@ def attention_cuda(
             layer.scale,
             layer.sliding_window or 0,
             layer.logit_softcap or 0.0,
+            None if layer.sinks is None else layer.sinks.to(q.device, torch.float32),
         )
         if out is not None:
             return out

@@ -28,6 +28,11 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("fastllm.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("fastllm.models.gemma", "Gemma3ForCausalLM"),
     "Gemma3ForConditionalGeneration": ("fastllm.models.gemma", "Gemma3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("fastllm.models.moe", "Qwen3MoeForCausalLM"),
+    "Qwen2MoeForCausalLM": ("fastllm.models.moe", "Qwen2MoeForCausalLM"),
+    "MixtralForCausalLM": ("fastllm.models.moe", "MixtralForCausalLM"),
+    "OlmoeForCausalLM": ("fastllm.models.moe", "OlmoeForCausalLM"),
+    "GptOssForCausalLM": ("fastllm.models.moe", "GptOssForCausalLM"),
     "PhiForCausalLM": ("fastllm.models.phi", "PhiForCausalLM"),
     "GPT2LMHeadModel": ("fastllm.models.gpt2", "GPT2LMHeadModel"),
 }

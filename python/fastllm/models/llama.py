@@ -298,6 +298,8 @@ class LlamaForCausalLM(Module):
                 specs[f"{p}.self_attn.qkv_proj.{kind}"] = WeightSpec(
                     tuple(f"{p}.self_attn.{n}_proj.{kind}" for n in "qkv"), (q, kv, kv)
                 )
+            if not isinstance(layer.mlp, LlamaMLP):  # a mixture of experts (``models/moe.py``)
+                continue
             m = c.intermediate_size
             kinds = ["weight"] + (["bias"] if layer.mlp.gate_up_proj.bias is not None else [])
             for kind in kinds:

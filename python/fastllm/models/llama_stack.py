@@ -75,6 +75,8 @@ def why_not(model) -> str | None:
             return f"layer {i} has no KV cache"
         if attn.attn.kv_group != 0:
             return f"layer {i} keeps its own block table (windowed and full layers mixed)"
+        if attn.attn.sinks is not None:
+            return f"layer {i}'s attention has sinks, which the fused stack does not implement"
         dtype = attn.attn.k_cache.dtype
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         norms += [n for n in (attn.q_norm, attn.k_norm) if n is not None]

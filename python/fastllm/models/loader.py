@@ -140,6 +140,16 @@ class Checkpoint:
         except Exception as e:
             raise ValueError(f"cannot read tensor {name!r} in {path}: {e}") from None
 
+    def read_row(self, name: str, row: int) -> torch.Tensor:
+        """Row ``row`` (along dim 0) of tensor ``name``, reading only that row."""
+        path = self.location[name]
+        try:
+            return self._handles[path].get_slice(name)[row]
+        except Exception as e:
+            raise ValueError(
+                f"corrupt or truncated safetensors file {path}: cannot read tensor {name!r}: {e}"
+            ) from None
+
     def read(self, name: str) -> torch.Tensor:
         """Tensor ``name`` as a CPU tensor; errors name the tensor and the file."""
         path = self.location[name]
@@ -163,6 +173,32 @@ def _resolve(model: nn.Module, ckpt: Checkpoint, name: str) -> str | None:
     return None
 
 
+def _match(
+    model: nn.Module, ckpt: Checkpoint, spec: WeightSpec, shape: tuple[int, ...]
+) -> tuple[list[str] | None, str | None]:
+    """The checkpoint names of ``spec``'s sources, all checked: (names, None),
+    or (None, the first problem) where a source is missing or misshapen."""
+    names = []
+    for source, expected in zip(spec.sources, spec.source_shapes(shape), strict=True):
+        resolved = _resolve(model, ckpt, source)
+        if resolved is None:
+            return None, f"missing tensor {source!r}"
+        actual = ckpt.shape(resolved)
+        if spec.select is not None:  # one expert's row of a stacked tensor
+            ok = len(actual) == len(expected) + 1 and actual[1:] == expected
+            ok = ok and actual[0] > spec.select
+            expected = (f">{spec.select}", *expected)
+        else:
+            ok = actual == expected
+        if not ok:
+            return None, (
+                f"tensor {resolved!r} in {ckpt.location[resolved]} has shape {list(actual)}, "
+                f"expected {list(expected)}"
+            )
+        names.append(resolved)
+    return names, None
+
+
 def _plan(
     model: nn.Module, ckpt: Checkpoint
 ) -> list[tuple[str, torch.Size, WeightSpec, list[str]]]:
@@ -176,21 +212,31 @@ def _plan(
     plan = []
     for pname, param in model.named_parameters():
         spec = specs.get(pname, WeightSpec((pname,)))
-        expected = spec.source_shapes(tuple(param.shape))
-        names = []
-        for source, shape in zip(spec.sources, expected, strict=True):
-            resolved = _resolve(model, ckpt, source)
-            if resolved is None:
-                raise ValueError(f"missing tensor {source!r} in {where}")
-            actual = ckpt.shape(resolved)
-            if actual != shape:
-                raise ValueError(
-                    f"tensor {resolved!r} in {ckpt.location[resolved]} has shape {list(actual)}, "
-                    f"expected {list(shape)}"
-                )
-            names.append(resolved)
-        plan.append((pname, param.shape, spec, names))
+        first_problem = None
+        for candidate in (spec, *spec.alternatives):
+            names, problem = _match(model, ckpt, candidate, tuple(param.shape))
+            if names is not None:
+                plan.append((pname, param.shape, candidate, names))
+                break
+            first_problem = first_problem or problem
+        else:
+            if first_problem and first_problem.startswith("missing"):
+                first_problem += f" in {where}"
+            raise ValueError(first_problem)
     return plan
+
+
+def _source_tensor(ckpt: Checkpoint, name: str, spec: WeightSpec) -> torch.Tensor:
+    """Source ``name`` as ``spec`` reads it: its expert row, transposed,
+    de-interleaved, offset."""
+    t = ckpt.read(name) if spec.select is None else ckpt.read_row(name, spec.select)
+    if spec.transpose:
+        t = t.t()
+    if spec.deinterleave:
+        t = torch.cat([t[0::2], t[1::2]])
+    if spec.offset:
+        t = t.float() + spec.offset
+    return t
 
 
 def _checkpoint_state(
@@ -199,10 +245,8 @@ def _checkpoint_state(
     """Every parameter read, fused and converted; nothing is assigned here."""
     state: dict[str, torch.Tensor] = {}
     for pname, shape, spec, names in _plan(model, ckpt):
-        if len(names) == 1 and not spec.transpose:
-            t = ckpt.read(names[0])
-            if spec.offset:
-                t = t.float() + spec.offset
+        if len(names) == 1:
+            t = _source_tensor(ckpt, names[0], spec)
             moved = t.to(device=device, dtype=dtype).contiguous()
             # A tensor read from a safetensors file views the file's memory
             # map, and any one such tensor kept keeps the whole file mapped
@@ -212,11 +256,7 @@ def _checkpoint_state(
         out = torch.empty(shape, dtype=dtype, device=device)
         offset = 0
         for name in names:
-            t = ckpt.read(name)
-            if spec.transpose:
-                t = t.t()
-            if spec.offset:
-                t = t.float() + spec.offset
+            t = _source_tensor(ckpt, name, spec)
             out[offset : offset + t.shape[0]].copy_(t)
             offset += t.shape[0]
         state[pname] = out

@@ -14,12 +14,22 @@ class WeightSpec:
     ``Conv1D`` weights, stored as [in, out] instead of [out, in]. ``offset``
     is added to the stored values in float32 before the cast to the model's
     dtype (Gemma's norms store ``w`` and scale by ``1 + w``).
+
+    Mixture-of-experts checkpoints may stack every expert in one tensor
+    ``[experts, ...]``: ``select`` reads row ``select`` of it (and only that
+    row), before ``transpose``; ``deinterleave`` then puts the even rows
+    before the odd ones (gpt-oss stores gate and up interleaved). Where a
+    family's checkpoints come in several layouts, ``alternatives`` are tried
+    in order when a source of this spec is missing or misshapen.
     """
 
     sources: tuple[str, ...]
     splits: tuple[int, ...] | None = None
     transpose: bool = False
     offset: float = 0.0
+    select: int | None = None
+    deinterleave: bool = False
+    alternatives: tuple[WeightSpec, ...] = ()
 
     def source_shapes(self, param_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
         """The shape each source tensor must have in the checkpoint."""

@@ -1,0 +1,186 @@
+"""The mixture-of-experts block: a router picks ``top_k`` of ``num_experts``
+gated MLPs for each token, and the block's output is their weighted sum.
+
+The router is a float matrix (never quantized: a quantized router changes
+which experts run), computed in the model's dtype and turned into
+probabilities in float32 as the reference implementations do. Each expert
+is a gated MLP with fused gate/up (``ExpertMLP``), so the engine packs or
+quantizes experts like any other linear layer. On the CPU, once the experts
+are packed, one ``_core.MoeExperts`` call runs the step's tokens grouped by
+expert (``rust/moe/``): each active expert's weights stream once per step,
+and experts that no token chose are never read. Elsewhere the block runs
+the same maths in torch, expert by expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastllm import _core
+from fastllm.layers import Module
+from fastllm.layers.activation import get_activation
+from fastllm.layers.linear import Linear
+
+#: Expert activations the Rust kernel runs, by config name.
+KERNEL_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "swiglu_oai": "swiglu_oai",
+}
+
+
+def swiglu_oai(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU of a fused ``[gate | up]`` row:
+    ``(clamp(up) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``."""
+    d = x.shape[-1] // 2
+    gate = x[..., :d].clamp(max=limit)
+    up = x[..., d:].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class ExpertMLP(Module):
+    """One expert: ``down(act(gate(x)) * up(x))``, gate and up fused."""
+
+    def __init__(
+        self, hidden: int, intermediate: int, act: str, bias: bool, alpha: float, limit: float
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.act_name = act
+        self.alpha, self.limit = alpha, limit
+        self.act = None if act == "swiglu_oai" else get_activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        h = self.gate_up_proj(x)
+        if self.act is None:
+            h = swiglu_oai(h, self.alpha, self.limit)
+        else:
+            d = h.shape[-1] // 2
+            h = self.act(h[..., :d]) * h[..., d:]
+        return self.down_proj(h)
+
+
+class Router(Module):
+    """The router's logits ``x W^T (+ b)``, a float matrix of [experts, hidden]."""
+
+    def __init__(self, hidden: int, num_experts: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(num_experts), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 logits [T, experts], computed in the model's dtype."""
+        return F.linear(x, self.weight, self.bias).float()
+
+
+def route_torch(
+    logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids int32 [T, k], weights float32 [T, k]) of float32 logits,
+    by descending weight: softmax (or sigmoid) scores, the top ``top_k``,
+    renormalised to sum 1 where asked."""
+    scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+    weights, ids = torch.topk(scores, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids.to(torch.int32), weights
+
+
+class SparseMoeBlock(Module):
+    """Router, experts and (Qwen2-MoE) a shared expert behind a sigmoid gate."""
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        act: str = "silu",
+        *,
+        scoring: str = "softmax",
+        router_bias: bool = False,
+        expert_bias: bool = False,
+        alpha: float = 1.702,
+        limit: float = 7.0,
+        shared_intermediate: int = 0,
+    ) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(
+                f"config.json: num_experts_per_tok ({top_k}) must be between 1 and the "
+                f"number of experts ({num_experts})"
+            )
+        if act not in KERNEL_ACTIVATIONS:
+            raise ValueError(
+                f"config.json: unsupported expert activation {act!r}; supported: "
+                f"{', '.join(sorted(KERNEL_ACTIVATIONS))}"
+            )
+        self.num_experts, self.top_k = num_experts, top_k
+        self.renormalize, self.scoring = renormalize, scoring
+        self.gate = Router(hidden, num_experts, router_bias)
+        self.experts = nn.ModuleList(
+            ExpertMLP(hidden, intermediate, act, expert_bias, alpha, limit)
+            for _ in range(num_experts)
+        )
+        self.kernel_act = KERNEL_ACTIVATIONS[act]
+        self.alpha, self.limit = alpha, limit
+        self.shared_expert: ExpertMLP | None = None
+        self.shared_expert_gate: Router | None = None
+        if shared_intermediate:
+            self.shared_expert = ExpertMLP(hidden, shared_intermediate, act, False, alpha, limit)
+            self.shared_expert_gate = Router(hidden, 1, False)
+        # The Rust grouped-expert kernel over the packed experts (``_kernel``).
+        self.kernel = None
+        self._kernel_of = None
+
+    def _kernel(self):
+        """The ``_core.MoeExperts`` of the packed experts (built once they are
+        packed), or None while any expert runs torch."""
+        first = self.experts[0].gate_up_proj.packed
+        if first is None:
+            return None
+        if self._kernel_of is not first:
+            self.kernel = _core.MoeExperts(
+                [e.gate_up_proj.packed for e in self.experts],
+                [e.down_proj.packed for e in self.experts],
+                activation=self.kernel_act,
+                alpha=self.alpha,
+                limit=self.limit,
+            )
+            self._kernel_of = first
+        return self.kernel
+
+    def _experts_torch(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in torch.unique(ids).tolist():
+            tokens, slot = torch.where(ids == e)
+            y = self.experts[e](x[tokens])
+            out.index_add_(0, tokens, y.float() * w[tokens, slot, None])
+        return out.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        logits = self.gate(x)
+        kernel = self._kernel() if x.device.type == "cpu" else None
+        if kernel is not None:
+            x = x.contiguous()
+            ids = torch.empty(x.shape[0], self.top_k, dtype=torch.int32)
+            w = torch.empty(x.shape[0], self.top_k, dtype=torch.float32)
+            _core.moe_route(ids, w, logits.contiguous(), self.scoring, self.renormalize)
+            out = torch.empty_like(x)
+            kernel.forward(out, x, ids, w)
+        else:
+            ids, w = route_torch(logits, self.top_k, self.scoring, self.renormalize)
+            out = self._experts_torch(x, ids, w)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            gate = torch.sigmoid(self.shared_expert_gate(x)).to(x.dtype)
+            out = out + gate * self.shared_expert(x)
+        return out

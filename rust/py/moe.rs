@@ -1,0 +1,207 @@
+//! The mixture-of-experts layers (`moe`): the router (`moe_route`) and the
+//! grouped expert FFN (`MoeExperts`), whose experts are `PackedLinear` /
+//! `QuantizedLinear` weights, shared, not copied.
+
+use half::bf16;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use super::linear::linear_weight;
+use super::tensor::{check_no_overlap, DType, TensorArg};
+use crate::linear::LinearWeight;
+use crate::moe::{route, ExpertAct, Experts, Scoring};
+
+/// Writes each token's `top_k = ids.shape[1]` best experts into `ids`
+/// (int32 [T, k]) and their weights into `weights` (float32 [T, k]), from
+/// `logits` (float32 [T, E]); `scoring` "softmax" or "sigmoid".
+#[pyfunction]
+#[pyo3(signature = (ids, weights, logits, scoring="softmax", renormalize=true))]
+fn moe_route(
+    py: Python<'_>,
+    ids: &Bound<'_, PyAny>,
+    weights: &Bound<'_, PyAny>,
+    logits: &Bound<'_, PyAny>,
+    scoring: &str,
+    renormalize: bool,
+) -> PyResult<()> {
+    let scoring = Scoring::parse(scoring).ok_or_else(|| {
+        let names: Vec<&str> = Scoring::ALL.iter().map(|s| s.name()).collect();
+        PyValueError::new_err(format!(
+            "scoring: unknown value '{scoring}', expected one of {names:?}"
+        ))
+    })?;
+    let logits = TensorArg::extract("logits", logits)?;
+    logits.check(&[DType::F32], 2)?;
+    let (tokens, experts) = (logits.shape[0], logits.shape[1]);
+    let ids = TensorArg::extract("ids", ids)?;
+    ids.check(&[DType::I32], 2)?;
+    ids.expect_dim(0, tokens, "tokens of logits")?;
+    let top_k = ids.shape[1];
+    if top_k == 0 || top_k > experts {
+        return Err(PyValueError::new_err(format!(
+            "ids: its {top_k} columns (top_k) must be between 1 and the {experts} experts of logits"
+        )));
+    }
+    let weights = TensorArg::extract("weights", weights)?;
+    weights.check(&[DType::F32], 2)?;
+    weights.expect_dim(0, tokens, "tokens of logits")?;
+    weights.expect_dim(1, top_k, "columns of ids")?;
+    check_no_overlap(&ids, &logits)?;
+    check_no_overlap(&weights, &logits)?;
+    check_no_overlap(&weights, &ids)?;
+    // SAFETY: the three were checked (dtype, CPU, contiguity, shape) and
+    // share no memory; the caller keeps them alive.
+    let (l, i, w) = unsafe {
+        (
+            logits.slice::<f32>(),
+            ids.slice_mut::<i32>(),
+            weights.slice_mut::<f32>(),
+        )
+    };
+    py.detach(move || route(l, tokens, experts, top_k, scoring, renormalize, i, w))?;
+    Ok(())
+}
+
+/// The experts of one MoE layer, run on grouped tokens.
+#[pyclass(name = "MoeExperts", module = "fastllm._core", frozen)]
+struct PyMoeExperts {
+    experts: Experts,
+}
+
+fn parse_act(activation: &str, alpha: f32, limit: f32) -> PyResult<ExpertAct> {
+    match activation.trim().to_ascii_lowercase().as_str() {
+        "silu" => Ok(ExpertAct::Silu),
+        "gelu_tanh" => Ok(ExpertAct::GeluTanh),
+        "swiglu_oai" => Ok(ExpertAct::SwigluOai { alpha, limit }),
+        _ => Err(PyValueError::new_err(format!(
+            "activation: unknown value '{activation}', expected one of \
+             ['silu', 'gelu_tanh', 'swiglu_oai']"
+        ))),
+    }
+}
+
+fn weights_of(items: &[Bound<'_, PyAny>], name: &str) -> PyResult<Vec<LinearWeight>> {
+    items
+        .iter()
+        .enumerate()
+        .map(|(e, w)| linear_weight(w, &format!("{name}[{e}]")))
+        .collect()
+}
+
+#[pymethods]
+impl PyMoeExperts {
+    /// `gate_up`: per expert a linear [2I, H] (gate rows, then up rows);
+    /// `down`: per expert a linear [H, I]; `activation` "silu", "gelu_tanh"
+    /// or "swiglu_oai" (gpt-oss, with `alpha` and `limit`).
+    #[new]
+    #[pyo3(signature = (gate_up, down, activation="silu", alpha=1.702, limit=7.0))]
+    fn new(
+        gate_up: Vec<Bound<'_, PyAny>>,
+        down: Vec<Bound<'_, PyAny>>,
+        activation: &str,
+        alpha: f32,
+        limit: f32,
+    ) -> PyResult<Self> {
+        let act = parse_act(activation, alpha, limit)?;
+        let gate_up = weights_of(&gate_up, "gate_up")?;
+        let down = weights_of(&down, "down")?;
+        Ok(PyMoeExperts {
+            experts: Experts::new(gate_up, down, act)?,
+        })
+    }
+
+    /// out [T, H] = sum over k of weights[t, k] * expert_{ids[t, k]}(x[t]):
+    /// out and x bf16 or f32 (one dtype), ids int32 [T, k], weights
+    /// float32 [T, k]. Releases the GIL.
+    fn forward(
+        &self,
+        py: Python<'_>,
+        out: &Bound<'_, PyAny>,
+        x: &Bound<'_, PyAny>,
+        ids: &Bound<'_, PyAny>,
+        weights: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let h = self.experts.hidden();
+        let x = TensorArg::extract("x", x)?;
+        x.check(&[DType::BF16, DType::F32], 2)?;
+        x.expect_dim(1, h, "hidden_size")?;
+        let tokens = x.shape[0];
+        let out = TensorArg::extract("out", out)?;
+        out.check(&[x.dtype], 2)?;
+        out.expect_dim(0, tokens, "tokens of x")?;
+        out.expect_dim(1, h, "hidden_size")?;
+        let ids = TensorArg::extract("ids", ids)?;
+        ids.check(&[DType::I32], 2)?;
+        ids.expect_dim(0, tokens, "tokens of x")?;
+        let top_k = ids.shape[1];
+        let weights = TensorArg::extract("weights", weights)?;
+        weights.check(&[DType::F32], 2)?;
+        weights.expect_dim(0, tokens, "tokens of x")?;
+        weights.expect_dim(1, top_k, "columns of ids")?;
+        for other in [&x, &ids, &weights] {
+            check_no_overlap(&out, other)?;
+        }
+        let ex = &self.experts;
+        // SAFETY: every tensor was checked (dtype, CPU, contiguity, shape)
+        // and out shares no memory with the inputs; the caller keeps them
+        // alive.
+        unsafe {
+            let (i, w) = (ids.slice::<i32>(), weights.slice::<f32>());
+            match x.dtype {
+                DType::BF16 => {
+                    let (o, xs) = (out.slice_mut::<bf16>(), x.slice::<bf16>());
+                    py.detach(move || ex.forward(o, xs, i, w, tokens, top_k))?
+                }
+                _ => {
+                    let (o, xs) = (out.slice_mut::<f32>(), x.slice::<f32>());
+                    py.detach(move || ex.forward(o, xs, i, w, tokens, top_k))?
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[getter]
+    fn num_experts(&self) -> usize {
+        self.experts.num_experts()
+    }
+
+    #[getter]
+    fn hidden_size(&self) -> usize {
+        self.experts.hidden()
+    }
+
+    #[getter]
+    fn intermediate_size(&self) -> usize {
+        self.experts.intermediate()
+    }
+
+    /// Bytes of every expert's packed weights (and scales).
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.experts.nbytes()
+    }
+
+    /// The kernel path of the first expert.
+    #[getter]
+    fn path(&self) -> &'static str {
+        self.experts.gate_up[0].path_name()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "MoeExperts(num_experts={}, hidden_size={}, intermediate_size={}, activation={}, path={})",
+            self.num_experts(),
+            self.hidden_size(),
+            self.intermediate_size(),
+            self.experts.act.name(),
+            self.path()
+        )
+    }
+}
+
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyMoeExperts>()?;
+    m.add_function(wrap_pyfunction!(moe_route, m)?)?;
+    Ok(())
+}
