@@ -318,3 +318,26 @@ def test_bad_moe_config(tmp_path, saved: dict) -> None:
         (dst / "config.json").write_text(json.dumps(config))
         with pytest.raises(ValueError, match=needle):
             load_model(ModelConfig.from_pretrained(str(dst)), str(dst), torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_step", "qwen2_moe", "mixtral"])
+def test_weights_per_token_count_the_experts_a_token_uses(name: str, saved: dict) -> None:
+    """``mlp_weights_per_token`` (what ``fastllm bench`` divides the
+    bandwidth by) against the model's own modules: each sparse layer's
+    router, shared expert and ``top_k`` experts, each dense layer whole."""
+    from fastllm.models.moe import mlp_weights_per_token
+
+    folder, _ = saved[name]
+    model = _load(folder, pack=False)
+    expected = 0
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        if isinstance(mlp, SparseMoeBlock):
+            one = sum(p.numel() for p in mlp.experts[0].parameters())
+            rest = [mlp.gate, mlp.shared_expert, mlp.shared_expert_gate]
+            expected += mlp.top_k * one + sum(
+                p.numel() for m in rest if m is not None for p in m.parameters()
+            )
+        else:
+            expected += sum(p.numel() for p in mlp.parameters())
+    assert mlp_weights_per_token(model.config) == expected

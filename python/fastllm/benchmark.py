@@ -338,14 +338,18 @@ def weight_bytes_per_token(folder: str, args: Any) -> int | None:
     h, i, L = mc.hidden_size, mc.intermediate_size, mc.num_hidden_layers
     q = mc.num_attention_heads * mc.head_dim
     kv = mc.num_key_value_heads * mc.head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
+    from fastllm.models.moe import mlp_weights_per_token
+
+    mlp = mlp_weights_per_token(mc)  # a mixture of experts: the experts a token uses
+    attention = L * (h * (q + 2 * kv) + q * h)
+    weights = attention + (L * 3 * h * i if mlp is None else mlp) + mc.vocab_size * h
     elem = 2 if args.dtype in ("auto", "bfloat16", "bf16", "float16", "half") else 4
     from fastllm.layers.quantization import BYTES_PER_WEIGHT, resolve_quantization
 
     fmt = resolve_quantization(getattr(args, "quantization", None))
     if fmt is not None:
         elem = BYTES_PER_WEIGHT[fmt]
-    return int((L * per_layer + mc.vocab_size * h) * elem)
+    return int(weights * elem)
 
 
 def memory_bandwidth_gbs() -> float | None:

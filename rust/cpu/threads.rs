@@ -80,6 +80,12 @@ struct TaskFn(*const (dyn Fn(usize) + Sync));
 unsafe impl Send for TaskFn {}
 unsafe impl Sync for TaskFn {}
 
+thread_local! {
+    /// Whether this thread is running a team task (a `team_run` inside one
+    /// runs its tasks on this thread alone).
+    static IN_TASK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 impl Job {
     /// Takes and runs tasks until none is left.
     fn work(&self) {
@@ -91,9 +97,11 @@ impl Job {
             // SAFETY: i < tasks, so `done` has not reached `tasks` and the
             // owner is still waiting in `team_run`: `f` is alive.
             let f = unsafe { &*self.f.0 };
+            let outer = IN_TASK.with(|t| t.replace(true));
             if catch_unwind(AssertUnwindSafe(|| f(i))).is_err() {
                 self.panicked.store(true, Ordering::Relaxed);
             }
+            IN_TASK.with(|t| t.set(outer));
             self.done.fetch_add(1, Ordering::Release);
         }
     }
@@ -168,9 +176,11 @@ fn helper(team: &'static Team) {
 /// Runs `f(0) .. f(tasks - 1)` on the team and the calling thread, and
 /// returns when all have finished. A task that panics (a bug) becomes an
 /// error here, after the other tasks finished, and the team stays usable.
-/// Jobs run one at a time, so a task must not call `team_run` itself.
+/// Jobs run one at a time: a task that calls `team_run` (a kernel run per
+/// expert, itself a GEMM) runs that inner job's tasks on its own thread.
 pub fn team_run(tasks: usize, f: &(dyn Fn(usize) + Sync)) -> CoreResult<()> {
-    let Some(team) = team().filter(|_| tasks > 1) else {
+    let nested = IN_TASK.with(|t| t.get());
+    let Some(team) = team().filter(|_| tasks > 1 && !nested) else {
         return catch_unwind(AssertUnwindSafe(|| (0..tasks).for_each(f)))
             .map_err(|_| task_panicked());
     };
@@ -217,6 +227,22 @@ pub fn team_helpers() -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_job_inside_a_task_runs_on_the_task_thread() {
+        let hits: Vec<AtomicUsize> = (0..12).map(|_| AtomicUsize::new(0)).collect();
+        team_run(3, &|outer| {
+            let me = std::thread::current().id();
+            team_run(4, &|inner| {
+                assert_eq!(std::thread::current().id(), me);
+                hits[outer * 4 + inner].fetch_add(1, Ordering::Relaxed);
+            })
+            .unwrap();
+        })
+        .unwrap();
+        assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+        assert!(!IN_TASK.with(|t| t.get()));
+    }
 
     #[test]
     fn team_runs_every_task_once_and_turns_panics_into_errors() {

@@ -7,6 +7,7 @@ use std::sync::Mutex;
 use half::bf16;
 
 use crate::cpu::elem::expect_matrix;
+use crate::cpu::threads::{team_helpers, team_run};
 use crate::cpu::Element;
 use crate::error::{CoreError, CoreResult};
 use crate::layers::gated_act;
@@ -15,6 +16,10 @@ use crate::linear::LinearWeight;
 /// The activation between an expert's projections (the layers' gated
 /// activations: `Silu`, `GeluTanh`, `SwigluOai { alpha, limit }`).
 pub use crate::layers::GatedAct as ExpertAct;
+
+/// Most rows an expert may have for the experts to run one per team task
+/// (above it, each expert's GEMMs split over the team instead).
+const EXPERT_TASK_ROWS: usize = 8;
 
 /// Scratch bytes kept between calls: enough for decode steps and small
 /// batches; a long prefill's buffers are freed after its call.
@@ -221,11 +226,21 @@ impl Experts {
             Some(b) => b,
             None => own.insert(Bufs::default()),
         };
-        for e in 0..experts {
-            let rows = &s.rows[s.offsets[e]..s.offsets[e + 1]];
-            if !rows.is_empty() {
-                self.check_expert(e)?;
-                self.run_expert(e, rows, x, bufs, &mut s.acc)?;
+        let active = (0..experts).filter(|&e| s.offsets[e + 1] > s.offsets[e]);
+        let (mut count, mut most) = (0, 0);
+        for e in active {
+            self.check_expert(e)?;
+            count += 1;
+            most = most.max(s.offsets[e + 1] - s.offsets[e]);
+        }
+        if count > 1 && most <= EXPERT_TASK_ROWS && team_helpers() > 0 {
+            self.experts_in_parallel(&s.offsets, &s.rows, x, bufs, &mut s.acc)?;
+        } else {
+            for e in 0..experts {
+                let rows = &s.rows[s.offsets[e]..s.offsets[e + 1]];
+                if !rows.is_empty() {
+                    self.run_expert(e, rows, x, bufs, &mut s.acc)?;
+                }
             }
         }
         for (o, &a) in out.iter_mut().zip(&s.acc) {
@@ -233,6 +248,70 @@ impl Experts {
         }
         if s.bytes() > KEEP_SCRATCH_BYTES {
             *s = Scratch::default();
+        }
+        Ok(())
+    }
+
+    /// Few rows per expert (decode, small batches): one team task per active
+    /// expert, each running its expert's two GEMMs on its own thread, so
+    /// every thread streams whole experts and the team meets once per layer
+    /// instead of twice per expert. Rows are laid out grouped by expert
+    /// (`offsets`, `rows`); the weighted sums are added afterwards, in the
+    /// same order as the one-expert-at-a-time path.
+    fn experts_in_parallel<T: Element>(
+        &self,
+        offsets: &[usize],
+        rows: &[(usize, f32)],
+        x: &[T],
+        b: &mut Bufs<T>,
+        acc: &mut [f32],
+    ) -> CoreResult<()> {
+        let (r, h, i) = (rows.len(), self.hidden, self.intermediate);
+        let xs = grown(&mut b.x, r * h);
+        for (dst, &(t, _)) in xs.chunks_exact_mut(h).zip(rows) {
+            dst.copy_from_slice(&x[t * h..(t + 1) * h]);
+        }
+        let (xs, gu, act) = (&b.x[..r * h], grown(&mut b.gate_up, r * 2 * i), &mut b.act);
+        let act = grown(act, r * i);
+        let y = grown(&mut b.y, r * h);
+        // One task per active expert, each owning its rows of the buffers.
+        let mut tasks = Vec::new();
+        let (mut gu, mut act, mut y) = (gu, act, y);
+        for e in 0..self.num_experts() {
+            let n = offsets[e + 1] - offsets[e];
+            if n == 0 {
+                continue;
+            }
+            let (g, gr) = std::mem::take(&mut gu).split_at_mut(n * 2 * i);
+            let (a, ar) = std::mem::take(&mut act).split_at_mut(n * i);
+            let (o, yr) = std::mem::take(&mut y).split_at_mut(n * h);
+            (gu, act, y) = (gr, ar, yr);
+            let xe = &xs[offsets[e] * h..offsets[e + 1] * h];
+            tasks.push(Mutex::new((e, n, xe, g, a, o)));
+        }
+        let first_error = Mutex::new(None);
+        team_run(tasks.len(), &|task| {
+            let mut guard = tasks[task].lock().unwrap_or_else(|p| p.into_inner());
+            let (e, n, xe, g, a, o) = &mut *guard;
+            let mut run = || -> CoreResult<()> {
+                self.gate_up[*e].forward(T::dst(g), T::src(xe), *n)?;
+                gated_act(T::dst(a), T::src(g), i, self.act)?;
+                self.down[*e].forward(T::dst(o), T::src(a), *n)
+            };
+            if let Err(err) = run() {
+                first_error
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get_or_insert(err);
+            }
+        })?;
+        if let Some(err) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            return Err(err);
+        }
+        for (yr, &(t, w)) in b.y[..r * h].chunks_exact(h).zip(rows) {
+            for (a, &v) in acc[t * h..(t + 1) * h].iter_mut().zip(yr) {
+                *a += w * v.to_f32();
+            }
         }
         Ok(())
     }

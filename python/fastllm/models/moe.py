@@ -70,6 +70,27 @@ def moe_flags(config: ModelConfig, intermediate: str) -> dict[str, Any]:
     }
 
 
+def mlp_weights_per_token(config: ModelConfig) -> int | None:
+    """Weights of the MLPs one token runs through, over all layers, for a
+    mixture-of-experts config (its ``top_k`` experts, the shared expert and
+    the router of each sparse layer; dense layers whole); None for a dense
+    config. What a batch-1 decode step reads of them."""
+    hf = config.hf
+    if not (hf.get("num_experts") or hf.get("num_local_experts")):
+        return None
+    size = "moe_intermediate_size" if hf.get("moe_intermediate_size") else "intermediate_size"
+    flags = moe_flags(config, size)
+    h = config.hidden_size
+    shared = int(hf.get("shared_expert_intermediate_size") or 0)
+    sparse = (
+        flags["top_k"] * 3 * h * flags["moe_intermediate"]
+        + (3 * h * shared + h if shared else 0)  # the shared expert and its gate
+        + h * flags["num_experts"]
+    )
+    dense = 3 * h * config.intermediate_size
+    return sum(sparse if s else dense for s in flags["sparse_layers"])
+
+
 class MoeDecoderLayer(LlamaDecoderLayer):
     """A Llama-family pre-norm block whose MLP is a ``SparseMoeBlock`` where
     the family's flags say the layer is sparse."""
