@@ -4,7 +4,8 @@ layers in one Rust call per step, against the same model run layer by layer.
 Both paths run the same kernels with the same roundings, so the contract is
 bit-identity: every logit of every step equal (``torch.equal``), for float32,
 bfloat16 and quantized weights, on Llama, Llama 3 rope, Mistral (sliding
-window), Qwen2 (q/k/v biases) and Qwen3 (q/k norms, tied head), over prefill,
+window), Qwen2 (q/k/v biases), Qwen3 (q/k norms, tied head), Qwen3-MoE and
+Mixtral (mixture-of-experts layers, a dense one between them), over prefill,
 chunked prefill beside decode, and decode of several sequences with shuffled
 block tables. The layer-by-layer path is itself checked against transformers
 in ``test_models.py`` (which runs the stack too, as the engine does).
@@ -31,15 +32,28 @@ pytestmark = pytest.mark.skipif(
     not should_pack("cpu", torch.float32), reason="the stack runs packed CPU models"
 )
 
-NAMES = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "phi3"]
+# The mixtures of experts (``tests/test_moe_models.py``'s configs): Qwen3-MoE
+# with a dense layer between sparse ones, Mixtral with a window.
+MOE_NAMES = ["qwen3_moe", "mixtral"]
+NAMES = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "phi3", *MOE_NAMES]
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    import copy
+
+    from test_moe_models import CONFIGS as MOE_CONFIGS
+    from test_moe_models import build as build_moe
+
     out = {}
     for name in NAMES:
         folder = str(tmp_path_factory.mktemp(f"stack-{name}"))
-        _build(name, folder, seed=5)
+        if name in MOE_NAMES:
+            config = copy.deepcopy(MOE_CONFIGS[name])
+            config.vocab_size = VOCAB
+            build_moe(config, folder, seed=5)
+        else:
+            _build(name, folder, seed=5)
         out[name] = folder
     return out
 
@@ -228,7 +242,8 @@ def test_every_fused_architecture_is_checked_here(folders) -> None:
 
     checked = {ModelConfig.from_pretrained(folders[n]).architecture for n in NAMES}
     assert checked >= FUSED_ARCHITECTURES
-    family = {a for a, (module, _) in ARCHITECTURES.items() if module == "fastllm.models.llama"}
+    modules = ("fastllm.models.llama", "fastllm.models.moe")
+    family = {a for a, (module, _) in ARCHITECTURES.items() if module in modules}
     assert family >= FUSED_ARCHITECTURES
 
 

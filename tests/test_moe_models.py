@@ -341,3 +341,19 @@ def test_weights_per_token_count_the_experts_a_token_uses(name: str, saved: dict
         else:
             expected += sum(p.numel() for p in mlp.parameters())
     assert mlp_weights_per_token(model.config) == expected
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fused_stack_takes_the_families_it_implements(name: str, saved: dict) -> None:
+    """Qwen3-MoE and Mixtral run as one ``_core.DecoderStack`` once packed
+    (their logits above came from it); the others say why they do not."""
+    from fastllm.models.llama_stack import why_not
+
+    folder, _ = saved[name]
+    model = _load(folder, pack=True)
+    runner = PagedRunner(model, torch.float32)  # gives the layers their caches
+    reason = why_not(model)
+    if name.startswith(("qwen3_moe", "mixtral")):
+        assert reason is None and runner.fused
+    else:
+        assert reason is not None and ("does not implement" in reason or "shared" in reason)

@@ -17,6 +17,9 @@
 //! x = x + a W_o ; h = rms_norm(x) ; x = x + silu_and_mul(h W_gate_up) W_down
 //! ```
 //!
+//! or, in a mixture-of-experts layer (Qwen3-MoE, Mixtral), `x = x + moe(h)`
+//! with the router, routing and grouped experts of `moe::SparseMlp`.
+//!
 //! where every `+` rounds to the element type, as torch's `x + y` does.
 
 use crate::attention::{paged_attention, reshape_and_cache, BatchLayout, CacheShape};
@@ -24,6 +27,7 @@ use crate::cpu::Element;
 use crate::error::{CoreError, CoreResult};
 use crate::layers::{qkv_rotary, rms_norm, silu_and_mul, QkvShape};
 use crate::linear::LinearWeight;
+use crate::moe::SparseMlp;
 
 /// The sizes every layer of a model shares.
 #[derive(Clone, Copy, Debug)]
@@ -55,12 +59,22 @@ pub struct DecoderLayer<'a, T> {
     pub qk_norm: Option<(&'a [T], &'a [T])>,
     pub qkv: &'a LinearWeight,
     pub o: &'a LinearWeight,
-    pub gate_up: &'a LinearWeight,
-    pub down: &'a LinearWeight,
+    pub mlp: Mlp<'a>,
     pub key_cache: &'a mut [T],
     pub value_cache: &'a mut [T],
     /// Keys within this many positions, or 0 for all.
     pub sliding_window: i64,
+}
+
+/// A layer's MLP: Llama's gated SiLU MLP (gate/up fused), or a mixture of
+/// experts (Qwen3-MoE, Mixtral: `moe::SparseMlp`).
+#[derive(Clone, Copy)]
+pub enum Mlp<'a> {
+    Dense {
+        gate_up: &'a LinearWeight,
+        down: &'a LinearWeight,
+    },
+    Sparse(&'a SparseMlp),
 }
 
 /// What one step gives every layer: rotary tables of its tokens, their
@@ -83,12 +97,25 @@ pub fn check_layer<T>(
     index: usize,
 ) -> CoreResult<()> {
     let s = shape;
-    let linears = [
+    let mut linears = vec![
         ("qkv", layer.qkv, s.hidden, s.qkv_width()),
         ("o", layer.o, s.heads * s.head_dim, s.hidden),
-        ("gate_up", layer.gate_up, s.hidden, 2 * s.intermediate),
-        ("down", layer.down, s.intermediate, s.hidden),
     ];
+    match layer.mlp {
+        Mlp::Dense { gate_up, down } => {
+            linears.push(("gate_up", gate_up, s.hidden, 2 * s.intermediate));
+            linears.push(("down", down, s.intermediate, s.hidden));
+        }
+        Mlp::Sparse(moe) => {
+            if moe.experts.hidden() != s.hidden {
+                return Err(CoreError::invalid(format!(
+                    "layers[{index}].moe: experts of hidden size {}, expected {}",
+                    moe.experts.hidden(),
+                    s.hidden
+                )));
+            }
+        }
+    }
     for (name, w, k, n) in linears {
         if w.in_features() != k || w.out_features() != n {
             return Err(CoreError::invalid(format!(
@@ -132,8 +159,9 @@ struct Scratch<T> {
 }
 
 impl<T: Element> Scratch<T> {
-    fn new(tokens: usize, s: &DecoderShape, qk_norm: bool) -> Self {
+    fn new(tokens: usize, s: &DecoderShape, qk_norm: bool, dense: bool) -> Self {
         let zeros = |n: usize| vec![T::from_f32(0.0); tokens * n];
+        let inter = if dense { s.intermediate } else { 0 };
         let kv = s.kv_heads * s.head_dim;
         Scratch {
             normed: zeros(s.hidden),
@@ -148,8 +176,8 @@ impl<T: Element> Scratch<T> {
             v: zeros(kv),
             attn: zeros(s.heads * s.head_dim),
             proj: zeros(s.hidden),
-            gate_up: zeros(2 * s.intermediate),
-            act: zeros(s.intermediate),
+            gate_up: zeros(2 * inter),
+            act: zeros(inter),
         }
     }
 }
@@ -196,7 +224,8 @@ pub fn decoder_stack<T: Element>(
         return Ok(());
     }
     let qk_norm = layers.iter().any(|l| l.qk_norm.is_some());
-    let mut b = Scratch::<T>::new(tokens, &s, qk_norm);
+    let dense = layers.iter().any(|l| matches!(l.mlp, Mlp::Dense { .. }));
+    let mut b = Scratch::<T>::new(tokens, &s, qk_norm, dense);
     let d = s.head_dim;
     let qkv_shape = QkvShape {
         tokens,
@@ -274,13 +303,14 @@ pub fn decoder_stack<T: Element>(
             s.eps,
             s.hidden,
         )?;
-        layer
-            .gate_up
-            .forward(T::dst(&mut b.gate_up), T::src(&b.normed), tokens)?;
-        silu_and_mul(T::dst(&mut b.act), T::src(&b.gate_up), s.intermediate)?;
-        layer
-            .down
-            .forward(T::dst(&mut b.proj), T::src(&b.act), tokens)?;
+        match layer.mlp {
+            Mlp::Dense { gate_up, down } => {
+                gate_up.forward(T::dst(&mut b.gate_up), T::src(&b.normed), tokens)?;
+                silu_and_mul(T::dst(&mut b.act), T::src(&b.gate_up), s.intermediate)?;
+                down.forward(T::dst(&mut b.proj), T::src(&b.act), tokens)?;
+            }
+            Mlp::Sparse(moe) => moe.forward(&mut b.proj, &b.normed, tokens)?,
+        }
         add_residual(x, &b.proj);
     }
     Ok(())
@@ -512,8 +542,10 @@ mod tests {
                         qk_norm: qk_norm.then(|| (&r.norms[l][2][..], &r.norms[l][3][..])),
                         qkv: &weights[l][0],
                         o: &weights[l][1],
-                        gate_up: &weights[l][2],
-                        down: &weights[l][3],
+                        mlp: Mlp::Dense {
+                            gate_up: &weights[l][2],
+                            down: &weights[l][3],
+                        },
                         key_cache: kc,
                         value_cache: vc,
                         sliding_window: window as i64,
@@ -580,8 +612,10 @@ mod tests {
             qk_norm: None,
             qkv: &qkv,
             o: &gu, // wrong: [12, 8] where [8, 8] belongs
-            gate_up: &gu,
-            down: &down,
+            mlp: Mlp::Dense {
+                gate_up: &gu,
+                down: &down,
+            },
             key_cache: &mut kc,
             value_cache: &mut vc,
             sliding_window: 0,

@@ -18,7 +18,8 @@ use super::linear::linear_weight;
 use super::tensor::{DType, TensorArg};
 use crate::attention::{BatchLayout, CacheShape, Element};
 use crate::linear::LinearWeight;
-use crate::models::llama::{self as decoder, DecoderLayer, DecoderShape, StepInputs};
+use crate::models::llama::{self as decoder, DecoderLayer, DecoderShape, Mlp, StepInputs};
+use crate::moe::{Scoring, SparseMlp};
 
 /// A tensor the stack reads or writes: address and element count.
 #[derive(Clone, Copy)]
@@ -62,11 +63,36 @@ struct Layer {
     qk_norm: Option<(Span, Span)>,
     qkv: LinearWeight,
     o: LinearWeight,
-    gate_up: LinearWeight,
-    down: LinearWeight,
+    mlp: LayerMlp,
     key_cache: Span,
     value_cache: Span,
     sliding_window: i64,
+}
+
+/// A layer's MLP weights (`decoder::Mlp` borrows them).
+enum LayerMlp {
+    Dense(LinearWeight, LinearWeight),
+    Sparse(SparseMlp),
+}
+
+/// The `moe` dict of a mixture-of-experts layer: `router` (PackedLinear,
+/// [experts, hidden]), `experts` (MoeExperts), `top_k`, `scoring`
+/// ("softmax" or "sigmoid") and `renormalize`.
+fn sparse_mlp(d: &Bound<'_, PyDict>) -> PyResult<SparseMlp> {
+    let router = linear_weight(&item(d, "router")?, "router")?;
+    let experts = super::moe::experts_of(&item(d, "experts")?)?;
+    let scoring: String = item(d, "scoring")?.extract()?;
+    let scoring = Scoring::parse(&scoring)
+        .ok_or_else(|| PyValueError::new_err(format!("scoring: unknown value '{scoring}'")))?;
+    let top_k: usize = item(d, "top_k")?.extract()?;
+    let renormalize: bool = item(d, "renormalize")?.extract()?;
+    Ok(SparseMlp::new(
+        router,
+        experts,
+        top_k,
+        scoring,
+        renormalize,
+    )?)
 }
 
 /// The decoder layers of a Llama-family model (pre-norm attention with a
@@ -91,6 +117,17 @@ fn in_layer(py: Python<'_>, i: usize, err: PyErr) -> PyErr {
     } else {
         err
     }
+}
+
+/// A `ValueError` about a field of `what`, prefixed with it.
+fn prefixed(what: &str, err: PyErr) -> PyErr {
+    Python::attach(|py| {
+        if err.is_instance_of::<PyValueError>(py) {
+            PyValueError::new_err(format!("{what}: {}", err.value(py)))
+        } else {
+            err
+        }
+    })
 }
 
 fn item<'py>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Bound<'py, PyAny>> {
@@ -317,14 +354,25 @@ impl PyDecoderStack {
             }
         };
         let sliding_window: i64 = item(d, "sliding_window")?.extract()?;
+        let mlp = match d.get_item("moe")? {
+            Some(moe) if !moe.is_none() => {
+                let moe = moe.cast_into::<PyDict>().map_err(|_| {
+                    PyValueError::new_err("moe: expected a dict (router, experts, top_k, ...)")
+                })?;
+                LayerMlp::Sparse(sparse_mlp(&moe).map_err(|e| prefixed("moe", e))?)
+            }
+            _ => LayerMlp::Dense(
+                linear_weight(&item(d, "gate_up")?, "gate_up")?,
+                linear_weight(&item(d, "down")?, "down")?,
+            ),
+        };
         let layer = Layer {
             input_norm,
             post_norm,
             qk_norm,
             qkv: linear_weight(&item(d, "qkv")?, "qkv")?,
             o: linear_weight(&item(d, "o")?, "o")?,
-            gate_up: linear_weight(&item(d, "gate_up")?, "gate_up")?,
-            down: linear_weight(&item(d, "down")?, "down")?,
+            mlp,
             key_cache: Span::of(&kc),
             value_cache: Span::of(&vc),
             sliding_window: sliding_window.max(0),
@@ -354,8 +402,10 @@ impl PyDecoderStack {
             qk_norm: l.qk_norm.map(|(q, k)| (q.slice(), k.slice())),
             qkv: &l.qkv,
             o: &l.o,
-            gate_up: &l.gate_up,
-            down: &l.down,
+            mlp: match &l.mlp {
+                LayerMlp::Dense(gate_up, down) => Mlp::Dense { gate_up, down },
+                LayerMlp::Sparse(moe) => Mlp::Sparse(moe),
+            },
             key_cache: l.key_cache.slice_mut(),
             value_cache: l.value_cache.slice_mut(),
             sliding_window: l.sliding_window,

@@ -2,6 +2,8 @@
 //! grouped expert FFN (`MoeExperts`), whose experts are `PackedLinear` /
 //! `QuantizedLinear` weights, shared, not copied.
 
+use std::sync::Arc;
+
 use half::bf16;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -65,7 +67,15 @@ fn moe_route(
 /// The experts of one MoE layer, run on grouped tokens.
 #[pyclass(name = "MoeExperts", module = "fastllm._core", frozen)]
 struct PyMoeExperts {
-    experts: Experts,
+    experts: Arc<Experts>,
+}
+
+/// The experts of a `MoeExperts` object (shared, for the decoder stack).
+pub(super) fn experts_of(obj: &Bound<'_, PyAny>) -> PyResult<Arc<Experts>> {
+    let experts = obj
+        .cast::<PyMoeExperts>()
+        .map_err(|_| PyValueError::new_err("experts: expected a MoeExperts"))?;
+    Ok(experts.get().experts.clone())
 }
 
 fn parse_act(activation: &str, alpha: f32, limit: f32) -> PyResult<ExpertAct> {
@@ -106,7 +116,7 @@ impl PyMoeExperts {
         let gate_up = weights_of(&gate_up, "gate_up")?;
         let down = weights_of(&down, "down")?;
         Ok(PyMoeExperts {
-            experts: Experts::new(gate_up, down, act)?,
+            experts: Arc::new(Experts::new(gate_up, down, act)?),
         })
     }
 

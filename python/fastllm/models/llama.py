@@ -262,7 +262,7 @@ class LlamaForCausalLM(Module):
     #: Qwen3-Embedding) names the decoder's tensors without the ``model.`` prefix.
     checkpoint_prefix_aliases = (("model.", ""),)
     #: The layer classes whose maths ``rust/models/llama.rs`` implements.
-    FUSED_LAYER_TYPES = (LlamaDecoderLayer, LlamaAttention, LlamaMLP)
+    FUSED_LAYER_TYPES = (LlamaDecoderLayer, LlamaAttention, (LlamaMLP,))
 
     def fuse_decoder_layers(self) -> bool:
         """Runs the decoder layers as one ``_core.DecoderStack`` from now on,

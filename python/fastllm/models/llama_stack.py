@@ -21,6 +21,7 @@ import torch
 
 from fastllm import _core
 from fastllm.forward_context import get_context
+from fastllm.layers.moe import SparseMoeBlock
 
 logger = logging.getLogger("fastllm")
 
@@ -46,6 +47,10 @@ FUSED_ARCHITECTURES = frozenset(
         # Phi-3 / Phi-4-mini: the Llama layers with partial rotary (the stack's
         # rotary_dim) and LongRoPE (in the cos/sin tables the model makes).
         "Phi3ForCausalLM",
+        # Mixtures of experts with Llama / Qwen3 attention: a layer's MLP is
+        # the dense one or a sparse block (router, routing, grouped experts).
+        "Qwen3MoeForCausalLM",
+        "MixtralForCausalLM",
     }
 )
 
@@ -58,19 +63,19 @@ def why_not(model) -> str | None:
     arch = model.config.architecture
     if arch not in FUSED_ARCHITECTURES:
         return f"the fused stack does not implement {arch}"
-    layer_type, attn_type, mlp_type = model.FUSED_LAYER_TYPES
+    layer_type, attn_type, mlp_types = model.FUSED_LAYER_TYPES
     for i, layer in enumerate(model.model.layers):
-        kinds = ((layer, layer_type), (layer.self_attn, attn_type), (layer.mlp, mlp_type))
-        if any(type(part) is not kind for part, kind in kinds):
+        kinds = ((layer, (layer_type,)), (layer.self_attn, (attn_type,)), (layer.mlp, mlp_types))
+        if any(type(part) not in kind for part, kind in kinds):
             return f"layer {i} is not the Llama layer the fused stack implements"
         attn, mlp = layer.self_attn, layer.mlp
         if attn.ops.backend != "rust":
             return f"layer {i} runs the {attn.ops.backend} ops"
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(_packed(lin) is None for lin in linears):
+        if any(_packed(lin) is None for lin in (attn.qkv_proj, attn.o_proj)):
             return f"layer {i} has a linear layer that is not packed"
-        if not mlp.act.fused_silu:
-            return f"layer {i}'s activation is not SiLU"
+        reason = _mlp_why_not(mlp)
+        if reason is not None:
+            return f"layer {i}'s {reason}"
         if attn.attn.k_cache is None or attn.attn.v_cache is None:
             return f"layer {i} has no KV cache"
         if attn.attn.kv_group != 0:
@@ -83,6 +88,38 @@ def why_not(model) -> str | None:
         if any(n.weight.dtype != dtype for n in norms):
             return f"layer {i}'s norm weights are not in the cache dtype {dtype}"
     return None
+
+
+def _mlp_why_not(mlp) -> str | None:
+    """Why a layer's MLP (dense, or a ``SparseMoeBlock``) cannot run in the
+    stack, or None."""
+    if isinstance(mlp, SparseMoeBlock):
+        if mlp.shared_expert is not None:
+            return "mixture of experts has a shared expert"
+        if mlp.kernel_act != "silu":
+            return "experts' activation is not SiLU"
+        if mlp.packed_kernel() is None or mlp.gate.packed is None:
+            return "experts are not packed"
+        return None
+    if any(_packed(lin) is None for lin in (mlp.gate_up_proj, mlp.down_proj)):
+        return "MLP has a linear layer that is not packed"
+    if not mlp.act.fused_silu:
+        return "activation is not SiLU"
+    return None
+
+
+def _mlp_entries(mlp) -> dict:
+    """A layer dict's MLP entries: ``gate_up`` / ``down``, or ``moe``."""
+    if isinstance(mlp, SparseMoeBlock):
+        moe = {
+            "router": mlp.gate.packed,
+            "experts": mlp.packed_kernel(),
+            "top_k": mlp.top_k,
+            "scoring": mlp.scoring,
+            "renormalize": mlp.renormalize,
+        }
+        return {"gate_up": None, "down": None, "moe": moe}
+    return {"gate_up": _packed(mlp.gate_up_proj), "down": _packed(mlp.down_proj), "moe": None}
 
 
 def build(model) -> _core.DecoderStack | None:
@@ -103,8 +140,7 @@ def build(model) -> _core.DecoderStack | None:
                 "k_norm": None if attn.k_norm is None else attn.k_norm.weight.detach(),
                 "qkv": _packed(attn.qkv_proj),
                 "o": _packed(attn.o_proj),
-                "gate_up": _packed(mlp.gate_up_proj),
-                "down": _packed(mlp.down_proj),
+                **_mlp_entries(mlp),
                 "key_cache": attn.attn.k_cache,
                 "value_cache": attn.attn.v_cache,
                 "sliding_window": attn.attn.sliding_window or 0,
@@ -112,6 +148,9 @@ def build(model) -> _core.DecoderStack | None:
         )
     first = model.model.layers[0]
     c = model.config
+    dense = [layer.mlp for layer in model.model.layers if not isinstance(layer.mlp, SparseMoeBlock)]
+    # The dense MLPs' size (a model of experts only: the config's, unused).
+    intermediate = dense[0].down_proj.in_features if dense else c.intermediate_size
     return _core.DecoderStack(
         layers,
         hidden_size=c.hidden_size,
@@ -119,7 +158,7 @@ def build(model) -> _core.DecoderStack | None:
         num_kv_heads=first.self_attn.num_kv_heads,
         head_dim=first.self_attn.head_dim,
         rotary_dim=model.rotary.rotary_dim,
-        intermediate_size=first.mlp.down_proj.in_features,
+        intermediate_size=intermediate,
         eps=first.input_layernorm.eps,
         scale=first.self_attn.attn.scale,
     )

@@ -37,6 +37,7 @@ from fastllm.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
+    LlamaMLP,
     Olmo2Attention,
 )
 from fastllm.models.weights import WeightSpec
@@ -117,6 +118,10 @@ class MoeForCausalLM(LlamaForCausalLM):
     """The shared loader rules of the MoE families (subclasses set ``_flags``)."""
 
     LAYER_CLASS = MoeDecoderLayer
+    #: The layer classes whose maths ``rust/models/llama.rs`` implements
+    #: (a layer's MLP dense or sparse; ``llama_stack.FUSED_ARCHITECTURES``
+    #: says which families).
+    FUSED_LAYER_TYPES = (MoeDecoderLayer, LlamaAttention, (LlamaMLP, SparseMoeBlock))
     #: The checkpoint's module name of the sparse block, and of its experts'
     #: gate, up and down matrices.
     MOE_PREFIX = "mlp"
