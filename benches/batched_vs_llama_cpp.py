@@ -7,7 +7,8 @@ the generation took, after the prefill):
 
   llama.cpp  ``llama-batched-bench -m FILE -c CTX -b 2048 -ub 512 -npp P -ntg G
              -npl B -t T``: its S_PP and S_TG columns.
-  fastllm    ``LLM(FILE)``: ``generate`` of the B prompts with ``max_tokens=1``
+  fastllm    ``LLM(FILE, enable_prefix_caching=False)`` (each run prefills its
+             prompts anew): ``generate`` of the B prompts with ``max_tokens=1``
              (the prefill, with one sampled token each), then with
              ``max_tokens=G+1`` (ignore_eos, greedy); decode = B x G / (the
              second time - the first).
@@ -33,7 +34,8 @@ FASTLLM = r"""
 import json, random, sys, time
 from fastllm import LLM, SamplingParams
 path, b, p, g, threads = sys.argv[1], *map(int, sys.argv[2:6])
-llm = LLM(model=path, max_model_len=p + g + 8, max_num_seqs=b, max_num_batched_tokens=max(2048, p))
+llm = LLM(model=path, max_model_len=p + g + 8, max_num_seqs=b,
+          max_num_batched_tokens=max(2048, p), enable_prefix_caching=False)
 rng = random.Random(0)
 vocab = llm.llm_engine.model_config.vocab_size
 prompts = [{"prompt_token_ids": [rng.randrange(1, vocab) for _ in range(p)]} for _ in range(b)]

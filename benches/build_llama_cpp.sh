@@ -49,17 +49,27 @@ fetch() {
 }
 
 build() {
+  # On a CPU with AMX, -march=native compiles llama.cpp's AMX buffer type, and
+  # llama-bench then dies (SIGSEGV while repacking, seen on a 2-core Xeon with
+  # AMX-INT8 in a VM): build for the same ISA without AMX instead.
+  local isa=(-DGGML_NATIVE=ON)
+  if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
+    isa=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+      -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON
+      -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
+      -DGGML_AMX_BF16=OFF)
+  fi
   "$VENV/bin/cmake" -S "$SRC" -B "$BUILD" \
     -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=OFF \
-    -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
+    "${isa[@]}" -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
     -DLLAMA_BUILD_TOOLS=ON
   nice -n 19 "$VENV/bin/cmake" --build "$BUILD" --config Release -j "$JOBS" \
-    --target llama-bench llama-quantize
+    --target llama-bench llama-quantize llama-batched-bench
   # the ISA the CPU backend was compiled for: GGML_NATIVE passes -march=native
-  grep -ho 'march=[a-z0-9-]*' "$BUILD/ggml/src/CMakeFiles/ggml-cpu.dir/flags.make" | sort -u
+  grep -ho 'march=[a-z0-9-]*\|-mamx[a-z0-9-]*' "$BUILD/ggml/src/CMakeFiles/ggml-cpu.dir/flags.make" | sort -u || true
   echo "-march=native enables:" $(${CC:-cc} -march=native -Q --help=target 2>/dev/null |
     awk '$2 == "[enabled]" && $1 ~ /^-m(avx|fma|f16c|bmi2|amx)/ {print $1}')
   "$BUILD/bin/llama-bench" --help >/dev/null
