@@ -103,6 +103,18 @@ def _configs() -> dict[str, object]:
             num_experts_per_tok=2,
             norm_topk_prob=True,
         ),
+        # Granite's four multipliers over top-2-of-4 routing, stacked experts.
+        "granitemoe": t.GraniteMoeConfig(
+            **COMMON,
+            num_hidden_layers=2,
+            intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            embedding_multiplier=2.0,
+            attention_multiplier=0.3,
+            residual_multiplier=0.7,
+            logits_scaling=3.0,
+        ),
         # Sinks, sliding (window 6) and full layers alternating, a biased
         # router, experts with biases, the clamped SwiGLU clamping often.
         "gpt_oss": t.GptOssConfig(

@@ -32,6 +32,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen2MoeForCausalLM": ("fastllm.models.moe", "Qwen2MoeForCausalLM"),
     "MixtralForCausalLM": ("fastllm.models.moe", "MixtralForCausalLM"),
     "OlmoeForCausalLM": ("fastllm.models.moe", "OlmoeForCausalLM"),
+    "GraniteMoeForCausalLM": ("fastllm.models.moe", "GraniteMoeForCausalLM"),
     "GptOssForCausalLM": ("fastllm.models.moe", "GptOssForCausalLM"),
     "PhiForCausalLM": ("fastllm.models.phi", "PhiForCausalLM"),
     "GPT2LMHeadModel": ("fastllm.models.gpt2", "GPT2LMHeadModel"),

@@ -1,4 +1,5 @@
-"""Mixture-of-experts families: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and gpt-oss.
+"""Mixture-of-experts families: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss
+and Granite MoE.
 
 Each is its dense family's decoder (``models/llama.py``) with the MLP of
 some or all layers replaced by a ``SparseMoeBlock`` (``layers/moe.py``):
@@ -15,6 +16,8 @@ some or all layers replaced by a ``SparseMoeBlock`` (``layers/moe.py``):
   and ``w2`` (down) under ``block_sparse_moe``.
 * OLMoE: OLMo 2's attention (RMSNorm over the whole q and k projections),
   optionally clipped (``clip_qkv``), in pre-norm blocks.
+* Granite MoE: Granite's multipliers (``models/llama.py``) over Mixtral's
+  routing, experts stacked as ``input_linear`` / ``output_linear``.
 * gpt-oss: attention with biases and per-head sinks, sliding and full
   layers alternating, every layer sparse with a biased router, experts with
   biases and a clamped SwiGLU (``layers/moe.swiglu_oai``).
@@ -34,6 +37,7 @@ from torch import nn
 from fastllm.config import ModelConfig
 from fastllm.layers.moe import SparseMoeBlock
 from fastllm.models.llama import (
+    GraniteForCausalLM,
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
@@ -337,4 +341,33 @@ class GptOssForCausalLM(MoeForCausalLM):
                     (f"{stacked}.down_proj",), select=j, transpose=True
                 )
                 specs[f"{e}.down_proj.bias"] = WeightSpec((f"{stacked}.down_proj_bias",), select=j)
+        return specs
+
+
+class GraniteMoeForCausalLM(MoeForCausalLM):
+    """Granite 3.x MoE (1B-A400M, 3B-A800M): Granite's multipliers on the
+    embeddings, attention scores, residual branches and logits; every layer
+    sparse, the top-k logits' softmax (the top-k renormalised); experts
+    stacked as ``input_linear`` [experts, 2 x inter, hidden] (gate rows
+    first) and ``output_linear`` [experts, hidden, inter]."""
+
+    @staticmethod
+    def _flags(config: ModelConfig) -> dict[str, Any]:
+        flags = moe_flags(config, "intermediate_size")
+        flags["sparse_layers"] = (True,) * config.num_hidden_layers
+        return {**GraniteForCausalLM._flags(config), "renormalize": True, **flags}
+
+    def weight_specs(self) -> dict[str, WeightSpec]:
+        """q/k/v fused; the router and each expert's rows of the stacked tensors."""
+        specs = LlamaForCausalLM.weight_specs(self)
+        for i, layer in enumerate(self.model.layers):
+            ours, theirs = f"model.layers.{i}.mlp", f"model.layers.{i}.block_sparse_moe"
+            specs[f"{ours}.gate.weight"] = WeightSpec((f"{theirs}.router.layer.weight",))
+            for j in range(len(layer.mlp.experts)):
+                specs[f"{ours}.experts.{j}.gate_up_proj.weight"] = WeightSpec(
+                    (f"{theirs}.input_linear.weight",), select=j
+                )
+                specs[f"{ours}.experts.{j}.down_proj.weight"] = WeightSpec(
+                    (f"{theirs}.output_linear.weight",), select=j
+                )
         return specs
