@@ -271,10 +271,16 @@ def _with_file_weights(model, name: str, types):
     return ref
 
 
+# Every MoE config whose family loads from GGUF files (Granite MoE does not).
+GGUF_CONFIGS = [n for n, c in CONFIGS.items() if type(c).__name__ != "GraniteMoeConfig"]
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict[str, tuple[str, torch.nn.Module]]:
     out = {}
     for name, config in CONFIGS.items():
+        if name not in GGUF_CONFIGS:
+            continue
         folder = str(tmp_path_factory.mktemp(f"gguf-{name}"))
         out[name] = (folder, build(config, folder))
     return out
@@ -296,7 +302,7 @@ def _blocks(model) -> list[SparseMoeBlock]:
     return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
 
 
-F32_CASES = [*CONFIGS, "qwen3_moe-fused", "mixtral-fused", "qwen2_moe-flat-gate"]
+F32_CASES = [*GGUF_CONFIGS, "qwen3_moe-fused", "mixtral-fused", "qwen2_moe-flat-gate"]
 
 
 @pytest.mark.parametrize("case", F32_CASES)
