@@ -25,10 +25,17 @@ from fastllm.layers.linear import pack_linears  # noqa: E402
 from fastllm.layers.moe import SparseMoeBlock  # noqa: E402
 from fastllm.models.loader import load_model  # noqa: E402
 from paged_helpers import PagedRunner  # noqa: E402
+from test_models import (  # noqa: E402
+    VOCAB,
+    _build,
+    _one_thread,  # noqa: E402, F401 - autouse: one torch thread
+    _reference,
+    _sequences,
+)
+from test_models import _assert_close_f32 as _close  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
-VOCAB = 256
 COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -141,36 +148,10 @@ def _configs() -> dict[str, object]:
 CONFIGS = _configs()
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights large enough that logits are O(1) and routers decisive."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.1 * noise)
-            elif p.ndim == 1:
-                p.copy_(0.1 * noise)
-            else:
-                p.copy_(0.1 * noise)
-
-
 def build(config: object, folder: str, seed: int = 0) -> torch.nn.Module:
-    """The reference model of ``config``, randomized and saved to ``folder``."""
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    _randomize(model, seed)
-    model = model.float().eval()
-    model.save_pretrained(folder)
-    return model
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    """The reference model of ``config``, randomized and saved to ``folder``
+    (``tests/test_models.py``'s builder)."""
+    return _build("", folder, seed, config)
 
 
 @pytest.fixture(scope="module")
@@ -182,28 +163,11 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, torc
     return out
 
 
-def _sequences(seed: int, lengths: list[int]) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-
-def _reference(model: torch.nn.Module, seqs: list[list[int]]) -> list[torch.Tensor]:
-    with torch.no_grad():
-        return [model(torch.tensor([s])).logits[0].float() for s in seqs]
-
-
 def _load(folder: str, pack: bool) -> torch.nn.Module:
     model = load_model(ModelConfig.from_pretrained(folder), folder, torch.float32, "cpu")
     if pack:
         pack_linears(model)
     return model
-
-
-def _close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    scale = max(1.0, ref.abs().max().item())
-    torch.testing.assert_close(
-        ours, ref, atol=1e-4 * scale, rtol=1e-4, msg=lambda m: f"{what}: {m}"
-    )
 
 
 def _prefill_then_decode(model: torch.nn.Module, seqs: list[list[int]]) -> list[torch.Tensor]:

@@ -54,11 +54,11 @@ def _positive_int(hf: dict[str, Any], name: str, default: Any = None) -> int:
     return value
 
 
-def moe_flags(config: ModelConfig, intermediate: str) -> dict[str, Any]:
+def moe_flags(config: ModelConfig, intermediate: str, every_layer: bool = False) -> dict[str, Any]:
     """The MoE fields of a config whose expert size is ``intermediate``:
     experts (``num_experts``, or ``num_local_experts`` as transformers 5 and
     Mixtral write it), top-k, expert size, and which layers are sparse
-    (Qwen's ``mlp_only_layers`` / ``decoder_sparse_step``)."""
+    (``every_layer``, or Qwen's ``mlp_only_layers`` / ``decoder_sparse_step``)."""
     hf = config.hf
     experts = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
     num_experts = _positive_int(hf, experts)
@@ -71,7 +71,9 @@ def moe_flags(config: ModelConfig, intermediate: str) -> dict[str, Any]:
         "num_experts": num_experts,
         "top_k": _positive_int(hf, "num_experts_per_tok"),
         "moe_intermediate": _positive_int(hf, intermediate, config.intermediate_size),
-        "sparse_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(n)),
+        "sparse_layers": tuple(
+            every_layer or (i not in dense and (i + 1) % step == 0) for i in range(n)
+        ),
     }
 
 
@@ -207,8 +209,7 @@ class MixtralForCausalLM(MoeForCausalLM):
 
     @staticmethod
     def _flags(config: ModelConfig) -> dict[str, Any]:
-        flags = moe_flags(config, "intermediate_size")
-        flags["sparse_layers"] = (True,) * config.num_hidden_layers
+        flags = moe_flags(config, "intermediate_size", every_layer=True)
         return {
             "qkv_bias": False,
             "o_bias": False,
@@ -249,8 +250,7 @@ class OlmoeForCausalLM(MoeForCausalLM):
     @staticmethod
     def _flags(config: ModelConfig) -> dict[str, Any]:
         bias = bool(config.hf.get("attention_bias", False))
-        flags = moe_flags(config, "intermediate_size")
-        flags["sparse_layers"] = (True,) * config.num_hidden_layers
+        flags = moe_flags(config, "intermediate_size", every_layer=True)
         return {
             "qkv_bias": bias,
             "o_bias": bias,
@@ -353,8 +353,7 @@ class GraniteMoeForCausalLM(MoeForCausalLM):
 
     @staticmethod
     def _flags(config: ModelConfig) -> dict[str, Any]:
-        flags = moe_flags(config, "intermediate_size")
-        flags["sparse_layers"] = (True,) * config.num_hidden_layers
+        flags = moe_flags(config, "intermediate_size", every_layer=True)
         return {**GraniteForCausalLM._flags(config), "renormalize": True, **flags}
 
     def weight_specs(self) -> dict[str, WeightSpec]:
