@@ -56,7 +56,7 @@ def _streamed(parser, text: str, prompt: str | None, cuts: list[int]):
 
 @settings(max_examples=300, deadline=None)
 @given(
-    name=st.sampled_from(sorted(REASONING_PARSERS)),
+    name=st.sampled_from(sorted(n for n, p in REASONING_PARSERS.items() if p.start == "<think>")),
     lead=st.sampled_from(["", "\n", "  "]),
     opened=st.booleans(),
     closed=st.booleans(),
@@ -81,12 +81,108 @@ def test_split_and_stream(name, lead, opened, closed, reasoning, answer, prompt_
 
 
 def test_unknown_parser_is_named():
-    with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
+    with pytest.raises(ValueError, match="deepseek_r1, openai_gptoss, qwen3"):
         reasoning_parser("nope")
     from fastllm.config import EngineConfig
 
     with pytest.raises(ValueError, match="reasoning_parser: unknown parser 'nope'"):
         EngineConfig(model="x", reasoning_parser="nope").validate()
+
+
+# ---- gpt-oss's harmony messages ---------------------------------------------------
+
+HARMONY_END = ["<|end|>", "<|return|>", "<|call|>", ""]
+_body = st.text(alphabet="ab <>|/\nmesagchnl", max_size=14).filter(
+    lambda s: (
+        not any(m in s for m in ("<|end|>", "<|return|>", "<|call|>", "<|start|>", "<|message|>"))
+    )
+)
+
+
+def _harmony(messages: list[tuple[str, str, str]]) -> str:
+    """Messages (channel, body, end marker) as a reply in harmony's format."""
+    out = []
+    for i, (channel, body, end) in enumerate(messages):
+        head = "" if i == 0 else "<|start|>assistant"
+        recipient = " to=functions.f <|constrain|>json" if channel == "commentary" else ""
+        out.append(f"{head}<|channel|>{channel}{recipient}<|message|>{body}{end}")
+    return "".join(out)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    messages=st.lists(
+        st.tuples(
+            st.sampled_from(["analysis", "final", "commentary"]),
+            _body,
+            st.sampled_from(HARMONY_END),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    cuts=st.lists(st.integers(0, 120), max_size=12),
+)
+def test_harmony_split_and_stream(messages, cuts):
+    """The analysis channel is the reasoning, the other channels the answer,
+    the markup removed; streamed deltas (cut anywhere) join to the whole."""
+    for i, (channel, body, end) in enumerate(messages[:-1]):
+        messages[i] = (channel, body, end or "<|end|>")  # only the last may be cut off
+    parser = reasoning_parser("openai_gptoss")
+    text = _harmony(messages)
+    whole = parser.split(text)
+    assert _streamed(parser, text, None, cuts) == whole
+    reasoning = "".join(b for c, b, _ in messages if c == "analysis")
+    answer = "".join(b for c, b, _ in messages if c != "analysis")
+    assert whole == (reasoning or None, answer or None)
+
+
+def test_harmony_edges():
+    parser = reasoning_parser("openai_gptoss")
+    assert parser.split("Hello <|end|> there") == (None, "Hello <|end|> there")  # no header
+    assert parser.split("<|channel|>analysis<|mess") == (None, None)  # a header cut off
+    assert parser.split("<|channel|>analysis<|message|>hmm") == ("hmm", None)
+    reply = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final"
+    assert parser.split(reply + "<|message|>Hi!<|return|>") == ("Think.", "Hi!")
+    assert parser.keeps_special_tokens and not reasoning_parser("qwen3").keeps_special_tokens
+
+
+HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>"]
+
+
+def test_harmony_engine_keeps_the_markers_and_refuses_grammars(tmp_path, tokenizer_dir):
+    """With ``openai_gptoss`` the engine decodes replies with the special
+    tokens kept (the split reads and removes them), whatever the request
+    asked; a grammar is refused by name."""
+    import torch
+    import transformers as tf
+    from tokenizers import AddedToken, Tokenizer
+
+    from fastllm import LLM, SamplingParams
+    from fastllm.sampling_params import StructuredOutputsParams
+
+    tok = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in HARMONY_TOKENS])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    cfg = open(os.path.join(tokenizer_dir, "tokenizer_config.json")).read()
+    (tmp_path / "tokenizer_config.json").write_text(cfg)
+    eos = tok.token_to_id("<|endoftext|>")
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(tiny_qwen3_config(tok.get_vocab_size(), eos))
+    model.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, reasoning_parser="openai_gptoss")
+    ids = [tok.token_to_id(t) for t in HARMONY_TOKENS]
+    params = SamplingParams(
+        max_tokens=24, seed=1, ignore_eos=True, logit_bias={i: 6.0 for i in ids}
+    )
+    (out,) = llm.generate(["hello"], params, use_tqdm=False)
+    c = out.outputs[0]
+    assert c.text == tok.decode(c.token_ids, skip_special_tokens=False)
+    assert any(t in c.text for t in HARMONY_TOKENS)  # the bias made the model write markers
+    parser = reasoning_parser("openai_gptoss")
+    assert (c.reasoning_content, c.content) == parser.split(c.text)
+    grammar = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[ab]+"))
+    with pytest.raises(ValueError, match="structured_outputs"):
+        llm.generate(["hello"], grammar, use_tqdm=False)
 
 
 # ---- a tiny Qwen3-style model ---------------------------------------------------

@@ -11,6 +11,13 @@ Both parsers read ``<think>…</think>`` blocks:
 - ``deepseek_r1``: the reply is thinking until ``</think>`` even when the
   opening tag is nowhere (DeepSeek-R1's template opens it in the prompt).
 
+``openai_gptoss`` reads gpt-oss's harmony format instead: a reply is a run
+of messages ``<|channel|>NAME<|message|>BODY<|end|>`` (each after the
+first opened by ``<|start|>assistant``); the ``analysis`` channel is the
+reasoning and the ``final`` and ``commentary`` channels the answer, with the
+markup removed. Its markers are special tokens, so an engine with this parser
+decodes replies with ``skip_special_tokens=False`` (``keeps_special_tokens``).
+
 Thinking that never closes (``max_tokens`` ran out) is all reasoning. The
 reasoning is the text between the tags without the whitespace that borders
 it, the answer is the text after the closing tag without its leading
@@ -32,6 +39,8 @@ class ReasoningParser:
     end: str = "</think>"
     #: Whether a reply that does not open a block still starts inside one.
     implicit_start: bool = False
+    #: Whether the markers are special tokens the reply's text must keep.
+    keeps_special_tokens: bool = False
 
     def prompt_opens(self, prompt: str | None) -> bool:
         """Whether ``prompt`` ends inside a thinking block (the template opened it)."""
@@ -51,9 +60,25 @@ class ReasoningParser:
         return (r1 + r2) or None, (c1 + c2) or None
 
 
+@dataclass(frozen=True)
+class HarmonyParser(ReasoningParser):
+    """gpt-oss's harmony messages: the ``analysis`` channel is the reasoning.
+    ``start`` / ``end`` delimit the analysis message (the thinking budget
+    closes it with ``end``)."""
+
+    start: str = "<|channel|>analysis<|message|>"
+    end: str = "<|end|>"
+    keeps_special_tokens: bool = True
+
+    def stream(self, prompt: str | None = None) -> HarmonyStream:  # type: ignore[override]
+        """A splitter for one reply (the prompt ends before the reply's header)."""
+        return HarmonyStream()
+
+
 REASONING_PARSERS: dict[str, ReasoningParser] = {
     "qwen3": ReasoningParser("qwen3"),
     "deepseek_r1": ReasoningParser("deepseek_r1", implicit_start=True),
+    "openai_gptoss": HarmonyParser("openai_gptoss"),
 }
 
 
@@ -153,3 +178,95 @@ def _partial_suffix(text: str, tag: str) -> int:
         if tag.startswith(text[-k:]):
             return k
     return 0
+
+
+# Harmony's markers (special tokens of gpt-oss's tokenizer).
+_MESSAGE, _CHANNEL, _START = "<|message|>", "<|channel|>", "<|start|>"
+# What ends a message's body: the message's end, the reply's end, a tool
+# call's end, or the next message's header.
+_BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>", _START)
+
+
+class HarmonyStream:
+    """Splits a harmony reply's text deltas into reasoning and content deltas.
+
+    Phases: ``header`` (up to ``<|message|>``: held back, never sent; its
+    channel decides where the body goes), ``body`` (sent as it comes, but a
+    tail that may begin a marker that ends it) and ``plain`` (a reply that
+    does not start with a header: all of it is the answer).
+    """
+
+    def __init__(self) -> None:
+        self.phase = "header"
+        self._buf = ""
+        self._channel: str | None = None
+        self._seen_message = False
+
+    @property
+    def thinking_done(self) -> bool:
+        """Whether the reply has moved past its analysis."""
+        return self.phase == "plain" or self._channel not in (None, "analysis")
+
+    def add(self, delta: str) -> tuple[str, str]:
+        """``(reasoning delta, content delta)`` for new text."""
+        self._buf += delta
+        return self._advance(final=False)
+
+    def finish(self) -> tuple[str, str]:
+        """The last deltas, once the reply has ended."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> tuple[str, str]:
+        reasoning: list[str] = []
+        content: list[str] = []
+        while True:
+            if self.phase == "plain":
+                content.append(self._buf)
+                self._buf = ""
+                break
+            if self.phase == "header":
+                if not self._seen_message and not self._may_be_header(final):
+                    self.phase = "plain"
+                    continue
+                i = self._buf.find(_MESSAGE)
+                if i < 0:
+                    if final:
+                        self._buf = ""  # a header cut off: nothing to show
+                    break
+                self._channel = _channel_of(self._buf[:i])
+                self._buf = self._buf[i + len(_MESSAGE) :]
+                self._seen_message = True
+                self.phase = "body"
+            ends = [(j, m) for m in _BODY_ENDS if (j := self._buf.find(m)) >= 0]
+            out = reasoning if self._channel == "analysis" else content
+            if ends:
+                j, marker = min(ends)
+                out.append(self._buf[:j])
+                self._buf = self._buf[j + (0 if marker == _START else len(marker)) :]
+                self.phase = "header"
+                continue
+            hold = 0 if final else max(_partial_suffix(self._buf, m) for m in _BODY_ENDS)
+            out.append(self._buf[: len(self._buf) - hold])
+            self._buf = self._buf[len(self._buf) - hold :]
+            break
+        return "".join(reasoning), "".join(content)
+
+    def _may_be_header(self, final: bool) -> bool:
+        """Whether the reply (nothing sent yet) starts, or may start, with a header."""
+        head = self._buf.lstrip()
+        if not head:
+            return not final
+        for marker in (_CHANNEL, _START):
+            if head.startswith(marker) or (not final and marker.startswith(head)):
+                return True
+        return False
+
+
+def _channel_of(header: str) -> str | None:
+    """The channel a message header names (``<|channel|>final``, possibly
+    with `` to=functions.f <|constrain|>json``), or None."""
+    i = header.rfind(_CHANNEL)
+    if i < 0:
+        return None
+    name = header[i + len(_CHANNEL) :].split("<|", 1)[0].split()
+    return name[0] if name else None

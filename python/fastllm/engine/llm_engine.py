@@ -204,6 +204,15 @@ class LLMEngine:
                 "does not have (start it with reasoning_parser=... or --reasoning-parser)",
                 "thinking_token_budget",
             )
+        if params.structured_outputs is not None and getattr(
+            self.reasoning, "keeps_special_tokens", False
+        ):
+            raise RequestError(
+                f"{where}: structured_outputs (and forced tool calls) are not supported with "
+                f"the {self.reasoning.name} reasoning parser: a grammar would have to allow "
+                "harmony's message headers",
+                "structured_outputs",
+            )
         if params.structured_outputs is not None:
             try:
                 self.structured.check()
@@ -230,6 +239,10 @@ class LLMEngine:
         rid = request_id if request_id is not None else self.next_request_id()
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
+        if self.reasoning is not None and self.reasoning.keeps_special_tokens:
+            # gpt-oss's harmony markers are special tokens: the reasoning
+            # split reads them from the text (and removes them).
+            params = params.clone(skip_special_tokens=False)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         req = Request(
             rid, prompt, list(prompt_token_ids), params, arrival_time or time.time(), seed
