@@ -93,7 +93,26 @@ def reasoning_parser(name: str | None) -> ReasoningParser | None:
     return parser
 
 
-class ReasoningStream:
+class _Splitter:
+    """Text deltas in, ``(reasoning delta, content delta)`` out; the held-back
+    text is ``_buf`` and ``_advance`` moves it on."""
+
+    _buf: str
+
+    def add(self, delta: str) -> tuple[str, str]:
+        """``(reasoning delta, content delta)`` for new text."""
+        self._buf += delta
+        return self._advance(final=False)
+
+    def finish(self) -> tuple[str, str]:
+        """The last deltas, once the reply has ended."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> tuple[str, str]:
+        raise NotImplementedError
+
+
+class ReasoningStream(_Splitter):
     """Splits a reply's text deltas into reasoning and content deltas.
 
     Phases: ``open`` (the reply may still open a block: leading whitespace and
@@ -115,15 +134,6 @@ class ReasoningStream:
     def thinking_done(self) -> bool:
         """Whether the answer has begun (the block closed, or there was none)."""
         return self.phase == "answer"
-
-    def add(self, delta: str) -> tuple[str, str]:
-        """``(reasoning delta, content delta)`` for new text."""
-        self._buf += delta
-        return self._advance(final=False)
-
-    def finish(self) -> tuple[str, str]:
-        """The last deltas, once the reply has ended."""
-        return self._advance(final=True)
 
     def _advance(self, final: bool) -> tuple[str, str]:
         reasoning = content = ""
@@ -187,7 +197,7 @@ _MESSAGE, _CHANNEL, _START = "<|message|>", "<|channel|>", "<|start|>"
 _BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>", _START)
 
 
-class HarmonyStream:
+class HarmonyStream(_Splitter):
     """Splits a harmony reply's text deltas into reasoning and content deltas.
 
     Phases: ``header`` (up to ``<|message|>``: held back, never sent; its
@@ -206,15 +216,6 @@ class HarmonyStream:
     def thinking_done(self) -> bool:
         """Whether the reply has moved past its analysis."""
         return self.phase == "plain" or self._channel not in (None, "analysis")
-
-    def add(self, delta: str) -> tuple[str, str]:
-        """``(reasoning delta, content delta)`` for new text."""
-        self._buf += delta
-        return self._advance(final=False)
-
-    def finish(self) -> tuple[str, str]:
-        """The last deltas, once the reply has ended."""
-        return self._advance(final=True)
 
     def _advance(self, final: bool) -> tuple[str, str]:
         reasoning: list[str] = []

@@ -259,74 +259,33 @@ mod tests {
     #[test]
     fn moe_route_errors_name_the_argument() {
         let logits = vec![0f32; 12];
-        let (mut ids, mut w) = (vec![0i32; 6], vec![0f32; 6]);
-        let err = |r: CoreResult<()>| r.unwrap_err().to_string();
-        let e = err(route(
-            &logits,
-            3,
-            4,
-            0,
-            Scoring::Softmax,
-            true,
-            &mut ids,
-            &mut w,
-        ));
-        assert!(e.starts_with("top_k"), "{e}");
-        let e = err(route(
-            &logits,
-            3,
-            4,
-            5,
-            Scoring::Softmax,
-            true,
-            &mut ids,
-            &mut w,
-        ));
-        assert!(e.starts_with("top_k: 5 exceeds"), "{e}");
-        let e = err(route(
-            &logits,
-            2,
-            4,
-            2,
-            Scoring::Softmax,
-            true,
-            &mut ids,
-            &mut w,
-        ));
-        assert!(e.starts_with("logits"), "{e}");
-        let e = err(route(
-            &logits,
-            3,
-            4,
-            2,
-            Scoring::Softmax,
-            true,
-            &mut ids[..5],
-            &mut w,
-        ));
-        assert!(e.starts_with("ids"), "{e}");
-        let e = err(route(
-            &logits,
-            3,
-            4,
-            2,
-            Scoring::Sigmoid,
-            true,
-            &mut ids,
-            &mut w[..4],
-        ));
-        assert!(e.starts_with("weights"), "{e}");
-        let e = err(route(
-            &[],
-            0,
-            0,
-            1,
-            Scoring::Sigmoid,
-            true,
-            &mut [],
-            &mut [],
-        ));
-        assert!(e.starts_with("logits"), "{e}");
+        // (logits, tokens, experts, top_k, ids, weights) -> the error's first word
+        let cases: [(&[f32], usize, usize, usize, usize, usize, &str); 7] = [
+            (&logits, 3, 4, 0, 6, 6, "top_k"),
+            (&logits, 3, 4, 5, 6, 6, "top_k: 5 exceeds"),
+            (&logits, 2, 4, 2, 6, 6, "logits"),
+            (&logits, 3, 4, 2, 5, 6, "ids"),
+            (&logits, 3, 4, 2, 6, 4, "weights"),
+            (&[], 0, 0, 1, 0, 0, "logits"),
+            (&logits, 3, 4, 2, 6, 6, ""),
+        ];
+        for (l, tokens, experts, k, n_ids, n_w, start) in cases {
+            let (mut ids, mut w) = (vec![0i32; n_ids], vec![0f32; n_w]);
+            let r = route(
+                l,
+                tokens,
+                experts,
+                k,
+                Scoring::Softmax,
+                true,
+                &mut ids,
+                &mut w,
+            );
+            match r {
+                Err(e) => assert!(!start.is_empty() && e.to_string().starts_with(start), "{e}"),
+                Ok(()) => assert!(start.is_empty(), "expected an error about {start}"),
+            }
+        }
         assert!(route(&[], 0, 4, 2, Scoring::Softmax, true, &mut [], &mut []).is_ok());
         assert_eq!(Scoring::parse(" Sigmoid"), Some(Scoring::Sigmoid));
         assert_eq!(Scoring::parse("relu"), None);
