@@ -454,7 +454,8 @@ class DecoderStack:
     ``layers``: one dict per layer with ``input_norm``, ``post_norm``
     ([hidden]), ``q_norm``, ``k_norm`` ([head_dim] or None, both or neither),
     ``qkv``, ``o``, ``gate_up``, ``down`` (``PackedLinear`` or
-    ``QuantizedLinear``, biases inside; shared, not copied), ``key_cache``,
+    ``QuantizedLinear``, biases inside; shared, not copied), or instead of
+    ``gate_up`` / ``down`` a ``moe`` (a ``MoeBlock``), ``key_cache``,
     ``value_cache`` ([blocks, kv_heads, block_size, head_dim]) and
     ``sliding_window`` (0: none). Norms and caches share one dtype (bf16 or
     f32); the stack keeps every tensor alive and checks them all here.
@@ -560,6 +561,34 @@ def moe_route(
     ``k = ids.shape[1]`` highest (ties: the lower expert first) go to ``ids``
     (int32 [T, k]) and their scores to ``weights`` (float32 [T, k]), in
     descending order, divided by their sum when ``renormalize``. Releases the GIL."""
+
+class MoeBlock:
+    """A whole mixture-of-experts block in one call: the router (``router``, a
+    float ``PackedLinear`` [experts, H] with float32 logits), each token's
+    ``top_k`` best experts by ``scoring`` ("softmax" or "sigmoid"),
+    renormalised when ``renormalize``, the ``experts`` (a ``MoeExperts``) and,
+    given all three, a shared expert added as ``sigmoid(x shared_gate) *
+    shared(x)`` (``shared_gate_up`` [2I, H], ``shared_down`` [H, I],
+    ``shared_gate`` [1, H], the experts' activation). The fused
+    ``DecoderStack`` takes it as a layer's ``moe``."""
+
+    top_k: int
+    num_experts: int
+
+    def __init__(
+        self,
+        router: PackedLinear,
+        experts: MoeExperts,
+        top_k: int,
+        scoring: str = "softmax",
+        renormalize: bool = True,
+        shared_gate_up: PackedLinear | QuantizedLinear | None = None,
+        shared_down: PackedLinear | QuantizedLinear | None = None,
+        shared_gate: PackedLinear | None = None,
+    ) -> None: ...
+    def forward(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """Writes the block of ``x`` [T, H] into ``out`` [T, H] (bf16 or f32,
+        one dtype). Releases the GIL."""
 
 class MoeExperts:
     """The experts of a mixture-of-experts layer, run on grouped tokens.

@@ -24,11 +24,13 @@ use std::sync::Arc;
 
 use crate::cpu::Element;
 use crate::error::{CoreError, CoreResult};
+use crate::layers::gated_act;
 use crate::linear::LinearWeight;
 
 /// A whole sparse MLP block: the router (a float linear [experts, hidden]
-/// with float32 logits), the routing rule and the experts. The fused
-/// decoder stack runs it in place of a dense MLP.
+/// with float32 logits), the routing rule, the experts and (Qwen2-MoE) a
+/// shared expert. The Python layer (`_core.MoeBlock`) and the fused decoder
+/// stack run it in place of a dense MLP.
 #[derive(Debug)]
 pub struct SparseMlp {
     pub router: LinearWeight,
@@ -36,6 +38,17 @@ pub struct SparseMlp {
     pub top_k: usize,
     pub scoring: Scoring,
     pub renormalize: bool,
+    pub shared: Option<SharedExpert>,
+}
+
+/// A dense expert every token runs through, scaled by `sigmoid(x w_gate)`
+/// and added: `gate_up` [2I, H], `down` [H, I] (the experts' activation),
+/// `gate` [1, H] (float, float32 logits).
+#[derive(Debug)]
+pub struct SharedExpert {
+    pub gate_up: LinearWeight,
+    pub down: LinearWeight,
+    pub gate: LinearWeight,
 }
 
 impl SparseMlp {
@@ -46,8 +59,26 @@ impl SparseMlp {
         top_k: usize,
         scoring: Scoring,
         renormalize: bool,
+        shared: Option<SharedExpert>,
     ) -> CoreResult<SparseMlp> {
         let (e, h) = (experts.num_experts(), experts.hidden());
+        if let Some(sh) = &shared {
+            let i = sh.down.in_features();
+            let shapes = [
+                ("shared_gate_up", &sh.gate_up, 2 * i, h),
+                ("shared_down", &sh.down, h, i),
+                ("shared_gate", &sh.gate, 1, h),
+            ];
+            for (name, w, n, k) in shapes {
+                if w.out_features() != n || w.in_features() != k {
+                    return Err(CoreError::invalid(format!(
+                        "{name}: expected a [{n}, {k}] weight, got [{}, {}]",
+                        w.out_features(),
+                        w.in_features()
+                    )));
+                }
+            }
+        }
         if router.out_features() != e || router.in_features() != h {
             return Err(CoreError::invalid(format!(
                 "router: expected a [{e}, {h}] weight (experts, hidden), got [{}, {}]",
@@ -66,6 +97,7 @@ impl SparseMlp {
             top_k,
             scoring,
             renormalize,
+            shared,
         })
     }
 
@@ -88,6 +120,40 @@ impl SparseMlp {
             &mut ids,
             &mut weights,
         )?;
-        self.experts.forward(out, x, &ids, &weights, tokens, k)
+        self.experts.forward(out, x, &ids, &weights, tokens, k)?;
+        match &self.shared {
+            Some(sh) => self.add_shared(sh, out, x, tokens),
+            None => Ok(()),
+        }
+    }
+
+    /// `out += sigmoid(x w_gate) * shared(x)`, each product and sum rounded
+    /// to the element type as torch does in the model's dtype.
+    fn add_shared<T: Element>(
+        &self,
+        sh: &SharedExpert,
+        out: &mut [T],
+        x: &[T],
+        tokens: usize,
+    ) -> CoreResult<()> {
+        let (h, i) = (self.experts.hidden(), sh.down.in_features());
+        let zero = T::from_f32(0.0);
+        let mut gate_up = vec![zero; tokens * 2 * i];
+        sh.gate_up
+            .forward(T::dst(&mut gate_up), T::src(x), tokens)?;
+        let mut act = vec![zero; tokens * i];
+        gated_act(T::dst(&mut act), T::src(&gate_up), i, self.experts.act)?;
+        let mut y = vec![zero; tokens * h];
+        sh.down.forward(T::dst(&mut y), T::src(&act), tokens)?;
+        let mut g = vec![0f32; tokens];
+        sh.gate.forward(f32::dst(&mut g), T::src(x), tokens)?;
+        for ((o, yr), &gt) in out.chunks_exact_mut(h).zip(y.chunks_exact(h)).zip(&g) {
+            let gate = T::from_f32(1.0 / (1.0 + (-gt).exp())).to_f32();
+            for (a, &b) in o.iter_mut().zip(yr) {
+                let p = T::from_f32(gate * b.to_f32()).to_f32();
+                *a = T::from_f32(a.to_f32() + p);
+            }
+        }
+        Ok(())
     }
 }

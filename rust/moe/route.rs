@@ -260,7 +260,8 @@ mod tests {
     fn moe_route_errors_name_the_argument() {
         let logits = vec![0f32; 12];
         // (logits, tokens, experts, top_k, ids, weights) -> the error's first word
-        let cases: [(&[f32], usize, usize, usize, usize, usize, &str); 7] = [
+        type Case<'a> = (&'a [f32], usize, usize, usize, usize, usize, &'a str);
+        let cases: [Case<'_>; 7] = [
             (&logits, 3, 4, 0, 6, 6, "top_k"),
             (&logits, 3, 4, 5, 6, 6, "top_k: 5 exceeds"),
             (&logits, 2, 4, 2, 6, 6, "logits"),

@@ -6,7 +6,7 @@
 //! alive, and shares the packed weights with the model's `PackedLinear` /
 //! `QuantizedLinear` objects. A step then only checks its own inputs.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use half::bf16;
 use pyo3::exceptions::PyValueError;
@@ -19,7 +19,7 @@ use super::tensor::{DType, TensorArg};
 use crate::attention::{BatchLayout, CacheShape, Element};
 use crate::linear::LinearWeight;
 use crate::models::llama::{self as decoder, DecoderLayer, DecoderShape, Mlp, StepInputs};
-use crate::moe::{Scoring, SparseMlp};
+use crate::moe::SparseMlp;
 
 /// A tensor the stack reads or writes: address and element count.
 #[derive(Clone, Copy)]
@@ -72,27 +72,7 @@ struct Layer {
 /// A layer's MLP weights (`decoder::Mlp` borrows them).
 enum LayerMlp {
     Dense(LinearWeight, LinearWeight),
-    Sparse(SparseMlp),
-}
-
-/// The `moe` dict of a mixture-of-experts layer: `router` (PackedLinear,
-/// [experts, hidden]), `experts` (MoeExperts), `top_k`, `scoring`
-/// ("softmax" or "sigmoid") and `renormalize`.
-fn sparse_mlp(d: &Bound<'_, PyDict>) -> PyResult<SparseMlp> {
-    let router = linear_weight(&item(d, "router")?, "router")?;
-    let experts = super::moe::experts_of(&item(d, "experts")?)?;
-    let scoring: String = item(d, "scoring")?.extract()?;
-    let scoring = Scoring::parse(&scoring)
-        .ok_or_else(|| PyValueError::new_err(format!("scoring: unknown value '{scoring}'")))?;
-    let top_k: usize = item(d, "top_k")?.extract()?;
-    let renormalize: bool = item(d, "renormalize")?.extract()?;
-    Ok(SparseMlp::new(
-        router,
-        experts,
-        top_k,
-        scoring,
-        renormalize,
-    )?)
+    Sparse(Arc<SparseMlp>),
 }
 
 /// The decoder layers of a Llama-family model (pre-norm attention with a
@@ -119,17 +99,6 @@ fn in_layer(py: Python<'_>, i: usize, err: PyErr) -> PyErr {
     }
 }
 
-/// A `ValueError` about a field of `what`, prefixed with it.
-fn prefixed(what: &str, err: PyErr) -> PyErr {
-    Python::attach(|py| {
-        if err.is_instance_of::<PyValueError>(py) {
-            PyValueError::new_err(format!("{what}: {}", err.value(py)))
-        } else {
-            err
-        }
-    })
-}
-
 fn item<'py>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Bound<'py, PyAny>> {
     d.get_item(key)?
         .ok_or_else(|| PyValueError::new_err(format!("missing key '{key}'")))
@@ -140,7 +109,7 @@ impl PyDecoderStack {
     /// `layers`: one dict per layer with the keys `input_norm`, `post_norm`
     /// (weights [hidden]), `q_norm` and `k_norm` ([head_dim] or None),
     /// `qkv`, `o`, `gate_up`, `down` (PackedLinear or QuantizedLinear, biases
-    /// inside), `key_cache`, `value_cache` ([blocks, kv_heads, block_size,
+    /// inside; or, for a mixture of experts, `moe`: a MoeBlock), `key_cache`, `value_cache` ([blocks, kv_heads, block_size,
     /// head_dim]) and `sliding_window` (0: none). Norms and caches share the
     /// model's dtype (bf16 or f32).
     #[new]
@@ -355,12 +324,7 @@ impl PyDecoderStack {
         };
         let sliding_window: i64 = item(d, "sliding_window")?.extract()?;
         let mlp = match d.get_item("moe")? {
-            Some(moe) if !moe.is_none() => {
-                let moe = moe.cast_into::<PyDict>().map_err(|_| {
-                    PyValueError::new_err("moe: expected a dict (router, experts, top_k, ...)")
-                })?;
-                LayerMlp::Sparse(sparse_mlp(&moe).map_err(|e| prefixed("moe", e))?)
-            }
+            Some(moe) if !moe.is_none() => LayerMlp::Sparse(super::moe::block_of(&moe)?),
             _ => LayerMlp::Dense(
                 linear_weight(&item(d, "gate_up")?, "gate_up")?,
                 linear_weight(&item(d, "down")?, "down")?,

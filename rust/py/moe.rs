@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use super::linear::linear_weight;
 use super::tensor::{check_no_overlap, DType, TensorArg};
 use crate::linear::LinearWeight;
-use crate::moe::{route, ExpertAct, Experts, Scoring};
+use crate::moe::{route, ExpertAct, Experts, Scoring, SharedExpert, SparseMlp};
 
 /// Writes each token's `top_k = ids.shape[1]` best experts into `ids`
 /// (int32 [T, k]) and their weights into `weights` (float32 [T, k]), from
@@ -210,7 +210,138 @@ impl PyMoeExperts {
     }
 }
 
+/// A whole mixture-of-experts block in one call: router, routing, experts
+/// and an optional shared expert (`moe::SparseMlp`).
+#[pyclass(name = "MoeBlock", module = "fastllm._core", frozen)]
+struct PyMoeBlock {
+    block: Arc<SparseMlp>,
+}
+
+/// The block of a `MoeBlock` object (shared, for the decoder stack).
+pub(super) fn block_of(obj: &Bound<'_, PyAny>) -> PyResult<Arc<SparseMlp>> {
+    let block = obj
+        .cast::<PyMoeBlock>()
+        .map_err(|_| PyValueError::new_err("moe: expected a MoeBlock"))?;
+    Ok(block.get().block.clone())
+}
+
+fn optional_weight(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option<LinearWeight>> {
+    match obj {
+        Some(o) if !o.is_none() => Ok(Some(linear_weight(o, name)?)),
+        _ => Ok(None),
+    }
+}
+
+#[pymethods]
+impl PyMoeBlock {
+    /// `router`: a float `PackedLinear` [experts, hidden] (float32 logits);
+    /// `experts`: a `MoeExperts`; each token's `top_k` best experts by
+    /// `scoring` ("softmax" or "sigmoid"), renormalised when `renormalize`;
+    /// the shared expert (all three or none): `shared_gate_up` [2I, H],
+    /// `shared_down` [H, I], `shared_gate` [1, H] (float).
+    #[new]
+    #[pyo3(signature = (router, experts, top_k, scoring="softmax", renormalize=true,
+                        shared_gate_up=None, shared_down=None, shared_gate=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        router: &Bound<'_, PyAny>,
+        experts: &Bound<'_, PyAny>,
+        top_k: usize,
+        scoring: &str,
+        renormalize: bool,
+        shared_gate_up: Option<&Bound<'_, PyAny>>,
+        shared_down: Option<&Bound<'_, PyAny>>,
+        shared_gate: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let router = linear_weight(router, "router")?;
+        let experts = experts_of(experts)?;
+        let scoring = Scoring::parse(scoring)
+            .ok_or_else(|| PyValueError::new_err(format!("scoring: unknown value '{scoring}'")))?;
+        let parts = (
+            optional_weight(shared_gate_up, "shared_gate_up")?,
+            optional_weight(shared_down, "shared_down")?,
+            optional_weight(shared_gate, "shared_gate")?,
+        );
+        let shared = match parts {
+            (Some(gate_up), Some(down), Some(gate)) => Some(SharedExpert {
+                gate_up,
+                down,
+                gate,
+            }),
+            (None, None, None) => None,
+            _ => {
+                return Err(PyValueError::new_err(
+                    "shared_gate_up, shared_down, shared_gate: give all three or none",
+                ))
+            }
+        };
+        let block = SparseMlp::new(router, experts, top_k, scoring, renormalize, shared)?;
+        Ok(PyMoeBlock {
+            block: Arc::new(block),
+        })
+    }
+
+    /// `out` [T, H] = the block on `x` [T, H] (bf16 or f32, one dtype).
+    /// Releases the GIL.
+    fn forward(
+        &self,
+        py: Python<'_>,
+        out: &Bound<'_, PyAny>,
+        x: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let h = self.block.experts.hidden();
+        let x = TensorArg::extract("x", x)?;
+        x.check(&[DType::BF16, DType::F32], 2)?;
+        x.expect_dim(1, h, "hidden_size")?;
+        let tokens = x.shape[0];
+        let out = TensorArg::extract("out", out)?;
+        out.check(&[x.dtype], 2)?;
+        out.expect_dim(0, tokens, "tokens of x")?;
+        out.expect_dim(1, h, "hidden_size")?;
+        check_no_overlap(&out, &x)?;
+        let block = &self.block;
+        // SAFETY: both tensors were checked (dtype, CPU, contiguity, shape)
+        // and share no memory; the caller keeps them alive.
+        unsafe {
+            match x.dtype {
+                DType::BF16 => {
+                    let (o, xs) = (out.slice_mut::<bf16>(), x.slice::<bf16>());
+                    py.detach(move || block.forward(o, xs, tokens))?
+                }
+                _ => {
+                    let (o, xs) = (out.slice_mut::<f32>(), x.slice::<f32>());
+                    py.detach(move || block.forward(o, xs, tokens))?
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[getter]
+    fn top_k(&self) -> usize {
+        self.block.top_k
+    }
+
+    #[getter]
+    fn num_experts(&self) -> usize {
+        self.block.experts.num_experts()
+    }
+
+    fn __repr__(&self) -> String {
+        let b = &self.block;
+        format!(
+            "MoeBlock(num_experts={}, top_k={}, scoring={}, renormalize={}, shared_expert={})",
+            b.experts.num_experts(),
+            b.top_k,
+            b.scoring.name(),
+            if b.renormalize { "True" } else { "False" },
+            if b.shared.is_some() { "True" } else { "False" }
+        )
+    }
+}
+
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyMoeBlock>()?;
     m.add_class::<PyMoeExperts>()?;
     m.add_function(wrap_pyfunction!(moe_route, m)?)?;
     Ok(())

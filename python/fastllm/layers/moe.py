@@ -6,10 +6,11 @@ which experts run), computed in the model's dtype and turned into
 probabilities in float32 as the reference implementations do. Each expert
 is a gated MLP with fused gate/up (``ExpertMLP``), so the engine packs or
 quantizes experts like any other linear layer. On the CPU, once the experts
-are packed, one ``_core.MoeExperts`` call runs the step's tokens grouped by
-expert (``rust/moe/``): each active expert's weights stream once per step,
-and experts that no token chose are never read. Elsewhere the block runs
-the same maths in torch, expert by expert.
+are packed, one ``_core.MoeBlock`` call runs the router, the routing, the
+step's tokens grouped by expert (``_core.MoeExperts``, ``rust/moe/``: each
+active expert's weights stream once per step, and experts that no token
+chose are never read) and the shared expert. Elsewhere the block runs the
+same maths in torch, expert by expert.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastllm import _core
-from fastllm.layers import Module
+from fastllm.layers import CPU_KERNEL_DTYPES, Module
 from fastllm.layers.activation import get_activation
 from fastllm.layers.linear import Linear
 
@@ -152,29 +153,47 @@ class SparseMoeBlock(Module):
         if shared_intermediate:
             self.shared_expert = ExpertMLP(hidden, shared_intermediate, act, False, alpha, limit)
             self.shared_expert_gate = Router(hidden, 1, False)
-        # The Rust grouped-expert kernel over the packed experts (``packed_kernel``).
+        # The Rust block (``_core.MoeBlock``) over the packed experts (``packed_kernel``).
         self.kernel = None
         self._kernel_of = None
 
     def packed_kernel(self):
-        """The ``_core.MoeExperts`` of the packed experts (built once they are
-        packed), or None while any expert runs torch."""
+        """The ``_core.MoeBlock`` of this block (router, routing, experts and
+        shared expert in one call; built once the experts are packed), or
+        None while any part runs torch."""
         first = self.experts[0].gate_up_proj.packed
         if first is None:
             return None
         if self._kernel_of is not first:
-            self.kernel = _core.MoeExperts(
-                [e.gate_up_proj.packed for e in self.experts],
-                [e.down_proj.packed for e in self.experts],
-                activation=self.kernel_act,
-                alpha=self.alpha,
-                limit=self.limit,
-            )
+            self.kernel = self._build_kernel()
             self._kernel_of = first
-            for router in (self.gate, self.shared_expert_gate):
-                if router is not None and router.weight.dtype in (torch.float32, torch.bfloat16):
-                    router.pack()
         return self.kernel
+
+    def _build_kernel(self):
+        routers = [r for r in (self.gate, self.shared_expert_gate) if r is not None]
+        if any(r.weight.dtype not in CPU_KERNEL_DTYPES for r in routers):
+            return None
+        for router in routers:
+            router.pack()
+        experts = _core.MoeExperts(
+            [e.gate_up_proj.packed for e in self.experts],
+            [e.down_proj.packed for e in self.experts],
+            activation=self.kernel_act,
+            alpha=self.alpha,
+            limit=self.limit,
+        )
+        shared = {}
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            shared = {
+                "shared_gate_up": self.shared_expert.gate_up_proj.packed,
+                "shared_down": self.shared_expert.down_proj.packed,
+                "shared_gate": self.shared_expert_gate.packed,
+            }
+            if any(v is None for v in shared.values()):
+                return None
+        return _core.MoeBlock(
+            self.gate.packed, experts, self.top_k, self.scoring, self.renormalize, **shared
+        )
 
     def _experts_torch(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -187,17 +206,13 @@ class SparseMoeBlock(Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         kernel = self.packed_kernel() if x.device.type == "cpu" else None
-        logits = self.gate(x)
         if kernel is not None:
             x = x.contiguous()
-            ids = torch.empty(x.shape[0], self.top_k, dtype=torch.int32)
-            w = torch.empty(x.shape[0], self.top_k, dtype=torch.float32)
-            _core.moe_route(ids, w, logits.contiguous(), self.scoring, self.renormalize)
             out = torch.empty_like(x)
-            kernel.forward(out, x, ids, w)
-        else:
-            ids, w = route_torch(logits, self.top_k, self.scoring, self.renormalize)
-            out = self._experts_torch(x, ids, w)
+            kernel.forward(out, x)
+            return out
+        ids, w = route_torch(self.gate(x), self.top_k, self.scoring, self.renormalize)
+        out = self._experts_torch(x, ids, w)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x)).to(x.dtype)
             out = out + gate * self.shared_expert(x)

@@ -50,6 +50,7 @@ FUSED_ARCHITECTURES = frozenset(
         # Mixtures of experts with Llama / Qwen3 attention: a layer's MLP is
         # the dense one or a sparse block (router, routing, grouped experts).
         "Qwen3MoeForCausalLM",
+        "Qwen2MoeForCausalLM",
         "MixtralForCausalLM",
     }
 )
@@ -94,13 +95,7 @@ def _mlp_why_not(mlp) -> str | None:
     """Why a layer's MLP (dense, or a ``SparseMoeBlock``) cannot run in the
     stack, or None."""
     if isinstance(mlp, SparseMoeBlock):
-        if mlp.shared_expert is not None:
-            return "mixture of experts has a shared expert"
-        if mlp.kernel_act != "silu":
-            return "experts' activation is not SiLU"
-        if mlp.packed_kernel() is None or mlp.gate.packed is None:
-            return "experts are not packed"
-        return None
+        return "experts are not packed" if mlp.packed_kernel() is None else None
     if any(_packed(lin) is None for lin in (mlp.gate_up_proj, mlp.down_proj)):
         return "MLP has a linear layer that is not packed"
     if not mlp.act.fused_silu:
@@ -111,14 +106,7 @@ def _mlp_why_not(mlp) -> str | None:
 def _mlp_entries(mlp) -> dict:
     """A layer dict's MLP entries: ``gate_up`` / ``down``, or ``moe``."""
     if isinstance(mlp, SparseMoeBlock):
-        moe = {
-            "router": mlp.gate.packed,
-            "experts": mlp.packed_kernel(),
-            "top_k": mlp.top_k,
-            "scoring": mlp.scoring,
-            "renormalize": mlp.renormalize,
-        }
-        return {"gate_up": None, "down": None, "moe": moe}
+        return {"gate_up": None, "down": None, "moe": mlp.packed_kernel()}
     return {"gate_up": _packed(mlp.gate_up_proj), "down": _packed(mlp.down_proj), "moe": None}
 
 
