@@ -4,9 +4,10 @@ layers in one Rust call per step, against the same model run layer by layer.
 Both paths run the same kernels with the same roundings, so the contract is
 bit-identity: every logit of every step equal (``torch.equal``), for float32,
 bfloat16 and quantized weights, on Llama, Llama 3 rope, Mistral (sliding
-window), Qwen2 (q/k/v biases), Qwen3 (q/k norms, tied head), Qwen3-MoE,
-Qwen2-MoE and Mixtral (mixture-of-experts layers, a dense one between them,
-a shared expert), over prefill,
+window), Qwen2 (q/k/v biases), Qwen3 (q/k norms, tied head), Granite (its
+multipliers), Qwen3-MoE, Qwen2-MoE, Mixtral and Granite MoE
+(mixture-of-experts layers, a dense one between them, a shared expert), over
+prefill,
 chunked prefill beside decode, and decode of several sequences with shuffled
 block tables. The layer-by-layer path is itself checked against transformers
 in ``test_models.py`` (which runs the stack too, as the engine does).
@@ -35,9 +36,9 @@ pytestmark = pytest.mark.skipif(
 
 # The mixtures of experts (``tests/test_moe_models.py``'s configs): Qwen3-MoE
 # with a dense layer between sparse ones, Qwen2-MoE with a shared expert,
-# Mixtral with a window.
-MOE_NAMES = ["qwen3_moe", "qwen2_moe", "mixtral"]
-NAMES = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "phi3", *MOE_NAMES]
+# Mixtral with a window, Granite MoE with Granite's multipliers.
+MOE_NAMES = ["qwen3_moe", "qwen2_moe", "mixtral", "granitemoe"]
+NAMES = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "phi3", "granite", *MOE_NAMES]
 
 
 @pytest.fixture(scope="module")

@@ -474,6 +474,7 @@ class DecoderStack:
         intermediate_size: int,
         eps: float,
         scale: float,
+        residual_multiplier: float = 1.0,
     ) -> None: ...
     def forward(
         self,

@@ -43,6 +43,9 @@ pub struct DecoderShape {
     pub eps: f32,
     /// Attention score scale (`head_dim ** -0.5`).
     pub scale: f32,
+    /// Factor on each residual branch before it is added (Granite's
+    /// `residual_multiplier`; 1: a plain sum).
+    pub residual_scale: f32,
 }
 
 impl DecoderShape {
@@ -182,10 +185,18 @@ impl<T: Element> Scratch<T> {
     }
 }
 
-/// `x += y`, each sum rounded to the element type.
-fn add_residual<T: Element>(x: &mut [T], y: &[T]) {
+/// `x += y` (or `x += y * m`, the product rounded first), each result
+/// rounded to the element type, as torch's `x + y * m` does.
+fn add_residual<T: Element>(x: &mut [T], y: &[T], m: f32) {
+    if m == 1.0 {
+        for (a, b) in x.iter_mut().zip(y) {
+            *a = T::from_f32(a.to_f32() + b.to_f32());
+        }
+        return;
+    }
     for (a, b) in x.iter_mut().zip(y) {
-        *a = T::from_f32(a.to_f32() + b.to_f32());
+        let p = T::from_f32(b.to_f32() * m).to_f32();
+        *a = T::from_f32(a.to_f32() + p);
     }
 }
 
@@ -295,7 +306,7 @@ pub fn decoder_stack<T: Element>(
         layer
             .o
             .forward(T::dst(&mut b.proj), T::src(&b.attn), tokens)?;
-        add_residual(x, &b.proj);
+        add_residual(x, &b.proj, s.residual_scale);
         rms_norm(
             T::dst(&mut b.normed),
             T::src(x),
@@ -311,7 +322,7 @@ pub fn decoder_stack<T: Element>(
             }
             Mlp::Sparse(moe) => moe.forward(&mut b.proj, &b.normed, tokens)?,
         }
-        add_residual(x, &b.proj);
+        add_residual(x, &b.proj, s.residual_scale);
     }
     Ok(())
 }
@@ -441,6 +452,7 @@ mod tests {
             intermediate: 40,
             eps: 1e-5,
             scale: 0.25,
+            residual_scale: 1.0,
         };
         let theta = 10000.0f64;
         let (block_size, num_blocks) = (4usize, 12usize);
@@ -589,6 +601,7 @@ mod tests {
             intermediate: 6,
             eps: 1e-6,
             scale: 0.5,
+            residual_scale: 1.0,
         };
         let lin = |n: usize, k: usize| {
             let w = vec![0.1f32; n * k];

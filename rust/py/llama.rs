@@ -109,10 +109,14 @@ impl PyDecoderStack {
     /// `layers`: one dict per layer with the keys `input_norm`, `post_norm`
     /// (weights [hidden]), `q_norm` and `k_norm` ([head_dim] or None),
     /// `qkv`, `o`, `gate_up`, `down` (PackedLinear or QuantizedLinear, biases
-    /// inside; or, for a mixture of experts, `moe`: a MoeBlock), `key_cache`, `value_cache` ([blocks, kv_heads, block_size,
-    /// head_dim]) and `sliding_window` (0: none). Norms and caches share the
-    /// model's dtype (bf16 or f32).
+    /// inside; or, for a mixture of experts, `moe`: a MoeBlock), `key_cache`,
+    /// `value_cache` ([blocks, kv_heads, block_size, head_dim]) and
+    /// `sliding_window` (0: none). Norms and caches share the model's dtype
+    /// (bf16 or f32).
+    /// `residual_multiplier` scales each residual branch (Granite).
     #[new]
+    #[pyo3(signature = (layers, hidden_size, num_heads, num_kv_heads, head_dim, rotary_dim,
+                        intermediate_size, eps, scale, residual_multiplier=1.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -125,7 +129,13 @@ impl PyDecoderStack {
         intermediate_size: usize,
         eps: f32,
         scale: f32,
+        residual_multiplier: f32,
     ) -> PyResult<Self> {
+        if !(residual_multiplier.is_finite() && residual_multiplier > 0.0) {
+            return Err(PyValueError::new_err(format!(
+                "residual_multiplier: must be a positive number, got {residual_multiplier}"
+            )));
+        }
         let shape = DecoderShape {
             hidden: hidden_size,
             heads: num_heads,
@@ -135,6 +145,7 @@ impl PyDecoderStack {
             intermediate: intermediate_size,
             eps,
             scale,
+            residual_scale: residual_multiplier,
         };
         if !rotary_dim.is_multiple_of(2) || rotary_dim > head_dim {
             return Err(PyValueError::new_err(format!(

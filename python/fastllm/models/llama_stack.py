@@ -52,6 +52,11 @@ FUSED_ARCHITECTURES = frozenset(
         "Qwen3MoeForCausalLM",
         "Qwen2MoeForCausalLM",
         "MixtralForCausalLM",
+        # Granite 3.x (dense and MoE): the residual multiplier in the stack;
+        # the attention multiplier is its score scale, and the embedding and
+        # logits factors lie outside the decoder layers.
+        "GraniteForCausalLM",
+        "GraniteMoeForCausalLM",
     }
 )
 
@@ -77,6 +82,8 @@ def why_not(model) -> str | None:
         reason = _mlp_why_not(mlp)
         if reason is not None:
             return f"layer {i}'s {reason}"
+        if _residual_multiplier(layer) != _residual_multiplier(model.model.layers[0]):
+            return f"layer {i}'s residual multiplier differs from layer 0's"
         if attn.attn.k_cache is None or attn.attn.v_cache is None:
             return f"layer {i} has no KV cache"
         if attn.attn.kv_group != 0:
@@ -89,6 +96,12 @@ def why_not(model) -> str | None:
         if any(n.weight.dtype != dtype for n in norms):
             return f"layer {i}'s norm weights are not in the cache dtype {dtype}"
     return None
+
+
+def _residual_multiplier(layer) -> float:
+    """The factor on a layer's residual branches (Granite's; 1: none)."""
+    m = getattr(layer, "residual_multiplier", None)
+    return 1.0 if m is None else float(m)
 
 
 def _mlp_why_not(mlp) -> str | None:
@@ -149,6 +162,7 @@ def build(model) -> _core.DecoderStack | None:
         intermediate_size=intermediate,
         eps=first.input_layernorm.eps,
         scale=first.self_attn.attn.scale,
+        residual_multiplier=_residual_multiplier(first),
     )
 
 
