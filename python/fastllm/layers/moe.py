@@ -53,7 +53,6 @@ class ExpertMLP(Module):
         super().__init__()
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
-        self.act_name = act
         self.alpha, self.limit = alpha, limit
         self.act = None if act == "swiglu_oai" else get_activation(act)
 
