@@ -42,14 +42,12 @@ gguf = pytest.importorskip("gguf")
 from fastllm import _core  # noqa: E402
 from fastllm.config import ModelConfig  # noqa: E402
 from fastllm.gguf.config import hf_config  # noqa: E402
-from fastllm.gguf.loader import load_gguf_model  # noqa: E402
 from fastllm.gguf.reader import GGUFError, GGUFFile  # noqa: E402
-from fastllm.layers.linear import pack_linears  # noqa: E402
 from fastllm.layers.moe import SparseMoeBlock  # noqa: E402
 from fastllm.layers.quantization import quantize_model  # noqa: E402
 from fastllm.models.loader import load_model  # noqa: E402
 from gguf_models import unpermute  # noqa: E402
-from paged_helpers import PagedRunner  # noqa: E402
+from test_gguf import _load_gguf, _logits  # noqa: E402
 from test_moe_models import (  # noqa: E402
     CONFIGS,
     _close,
@@ -284,18 +282,6 @@ def saved(tmp_path_factory) -> dict[str, tuple[str, torch.nn.Module]]:
         folder = str(tmp_path_factory.mktemp(f"gguf-{name}"))
         out[name] = (folder, build(config, folder))
     return out
-
-
-def _load_gguf(path: str, dtype=torch.float32):
-    with GGUFFile(path) as g:
-        config = ModelConfig.from_dict(hf_config(g), path=path)
-        model, report = load_gguf_model(config, g, dtype, "cpu")
-    pack_linears(model)
-    return model, report
-
-
-def _logits(model, seqs):
-    return PagedRunner(model, torch.float32).step(list(enumerate(seqs)))
 
 
 def _blocks(model) -> list[SparseMoeBlock]:

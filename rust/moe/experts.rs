@@ -308,11 +308,7 @@ impl Experts {
         if let Some(err) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
             return Err(err);
         }
-        for (yr, &(t, w)) in b.y[..r * h].chunks_exact(h).zip(rows) {
-            for (a, &v) in acc[t * h..(t + 1) * h].iter_mut().zip(yr) {
-                *a += w * v.to_f32();
-            }
-        }
+        add_weighted(acc, &b.y[..r * h], rows, h);
         Ok(())
     }
 
@@ -344,12 +340,18 @@ impl Experts {
         gated_act(T::dst(act), T::src(&b.gate_up[..n * 2 * i]), i, self.act)?;
         let y = grown(&mut b.y, n * h);
         self.down[e].forward(T::dst(y), T::src(&b.act[..n * i]), n)?;
-        for (yr, &(t, w)) in b.y.chunks_exact(h).zip(rows) {
-            for (a, &v) in acc[t * h..(t + 1) * h].iter_mut().zip(yr) {
-                *a += w * v.to_f32();
-            }
-        }
+        add_weighted(acc, &b.y[..n * h], rows, h);
         Ok(())
+    }
+}
+
+/// `acc[t] += w * y[r]` for each expert output row `y[r]` and its entry
+/// `rows[r] = (t, w)`, in row order.
+fn add_weighted<T: Element>(acc: &mut [f32], y: &[T], rows: &[(usize, f32)], h: usize) {
+    for (yr, &(t, w)) in y.chunks_exact(h).zip(rows) {
+        for (a, &v) in acc[t * h..(t + 1) * h].iter_mut().zip(yr) {
+            *a += w * v.to_f32();
+        }
     }
 }
 

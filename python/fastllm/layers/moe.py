@@ -70,10 +70,10 @@ class ExpertMLP(Module):
 class Router(Module):
     """The router's logits ``x W^T (+ b)``, a float matrix of [experts, hidden].
 
-    Once the block's experts are packed for the CPU kernels, the router is
-    packed too (float panels of the same weights, float32 logits): a torch
-    GEMV between two Rust kernel calls leaves torch's worker threads spinning
-    on the cores the kernels' team needs (0.3 ms per layer on 2 cores)."""
+    On the CPU the block's ``_core.MoeBlock`` runs it from float panels of
+    the same weights (``pack``), with float32 logits: a torch GEMV between
+    two Rust kernel calls leaves torch's worker threads spinning on the cores
+    the kernels' team needs (0.3 ms per layer on 2 cores)."""
 
     def __init__(self, hidden: int, num_experts: int, bias: bool) -> None:
         super().__init__()
@@ -82,16 +82,12 @@ class Router(Module):
         self.packed = None
 
     def pack(self) -> None:
-        """Runs the router on the CPU's packed float kernel from now on."""
+        """The router's float panels (``packed``), for ``_core.MoeBlock``."""
         bias = None if self.bias is None else self.bias.detach().contiguous()
         self.packed = _core.PackedLinear(self.weight.detach().contiguous(), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 logits [T, experts] (the torch path computes them in the model's dtype)."""
-        if self.packed is not None and x.device.type == "cpu":
-            out = torch.empty(x.shape[0], self.packed.out_features, dtype=torch.float32)
-            self.packed.forward(out, x.contiguous())
-            return out
+        """float32 logits [T, experts], computed in the model's dtype (the torch path)."""
         return F.linear(x, self.weight, self.bias).float()
 
 
