@@ -5,11 +5,17 @@
 # llama.cpp comes from the PyPI sdist of llama-cpp-python (its C++ source is vendored
 # under vendor/llama.cpp), so only a package registry is needed. The build is CPU only,
 # Release, with GGML_NATIVE=ON (the ISA of this machine: AVX-512, VNNI, BF16 where the
-# CPU has them), static, and only the tools the comparison needs.
+# CPU has them), static, and only the tools the comparisons need: llama-bench,
+# llama-quantize, llama-batched-bench, and llama-server (with llama-cli, which shares
+# its code) for benches/multi_turn_vs_llama_cpp.py; the server's web UI is left out
+# (an empty asset table: nothing is downloaded or built with npm).
 #
 # Usage: benches/build_llama_cpp.sh [STEP...]    steps: fetch build convert quantize (default all)
 # Environment (defaults in brackets):
 #   LLAMA_DIR     working folder, outside the repo         [/work/llamacpp]
+#   LLAMA_BUILD   cmake build folder                       [$LLAMA_DIR/build]
+#                 (keep one folder per configuration: on an AMX CPU the build below
+#                 turns GGML_NATIVE off, so a folder configured natively recompiles all)
 #   LLAMA_CPP_PY  llama-cpp-python version to take it from [0.3.36]
 #   MODEL         HF folder of the benchmark model         [/work/benchmodels/qwen2-0.5b-random]
 #   GGUF_DIR      where the GGUF files go                  [/work/benchmodels/gguf]
@@ -17,7 +23,8 @@
 #   TORCH_PY      a Python with torch, transformers, numpy, safetensors, pyyaml that
 #                 runs the converter (nothing is installed into it)  [repo's .venv/bin/python]
 # The model folder is made by benches/make_bench_model.py when missing.
-# Binaries: $LLAMA_DIR/build/bin/{llama-bench,llama-quantize}; GGUF files:
+# Binaries: $LLAMA_BUILD/bin/{llama-bench,llama-quantize,llama-batched-bench,llama-server,
+#   llama-cli}; GGUF files:
 #   $GGUF_DIR/NAME-{bf16,q8_0,q4_0,iq4_nl}.gguf and $GGUF_DIR/pure/ (see quantize)
 set -euo pipefail
 
@@ -31,7 +38,7 @@ TORCH_PY=${TORCH_PY:-$REPO/.venv/bin/python}
 [ -x "$TORCH_PY" ] || TORCH_PY=python3
 VENV=$LLAMA_DIR/venv
 SRC=$LLAMA_DIR/src/llama_cpp_python-$LLAMA_CPP_PY/vendor/llama.cpp
-BUILD=$LLAMA_DIR/build
+BUILD=${LLAMA_BUILD:-$LLAMA_DIR/build}
 NAME=$(basename "$MODEL")
 STEPS=("$@")
 [ ${#STEPS[@]} -gt 0 ] || STEPS=(fetch build convert quantize)
@@ -64,19 +71,29 @@ build() {
     -DBUILD_SHARED_LIBS=OFF \
     "${isa[@]}" -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
-    -DLLAMA_BUILD_TOOLS=ON
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON \
+    -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
   nice -n 19 "$VENV/bin/cmake" --build "$BUILD" --config Release -j "$JOBS" \
-    --target llama-bench llama-quantize llama-batched-bench
+    --target llama-bench llama-quantize llama-batched-bench llama-server llama-cli
   # the ISA the CPU backend was compiled for: GGML_NATIVE passes -march=native
   grep -ho 'march=[a-z0-9-]*\|-mamx[a-z0-9-]*' "$BUILD/ggml/src/CMakeFiles/ggml-cpu.dir/flags.make" | sort -u || true
   echo "-march=native enables:" $(${CC:-cc} -march=native -Q --help=target 2>/dev/null |
     awk '$2 == "[enabled]" && $1 ~ /^-m(avx|fma|f16c|bmi2|amx)/ {print $1}')
   "$BUILD/bin/llama-bench" --help >/dev/null
+  "$BUILD/bin/llama-server" --version
 }
 
 convert() {
-  [ -d "$MODEL" ] || "$TORCH_PY" "$REPO/benches/make_bench_model.py" "$(dirname "$MODEL")"
+  if [ ! -d "$MODEL" ]; then
+    # make_bench_model.py builds qwen2-0.5b-random by default, any other NAME-random
+    # folder when --models names it
+    local which=()
+    case "$NAME" in
+      qwen2-0.5b-random | llama-tiny-random) ;;
+      *) which=(--models="${NAME%-random}") ;;
+    esac
+    "$TORCH_PY" "$REPO/benches/make_bench_model.py" "$(dirname "$MODEL")" ${which[@]+"${which[@]}"}
+  fi
   # The converter runs on TORCH_PY (torch, transformers, numpy, safetensors, yaml), used
   # read-only; gguf comes from the vendored gguf-py and sentencepiece (imported
   # unconditionally by the Qwen2 vocab path) from a --target folder of our own.
@@ -87,8 +104,14 @@ convert() {
   # does not know its pre-tokenizer hash; it is a plain ByteLevel one (GPT-2 regex), so
   # an unknown hash is mapped to "gpt-2". This only affects text tokenization in
   # llama.cpp, never the speed figures (llama-bench feeds token ids).
+  # Qwen3.5's converter expects multi-token-prediction layers unless told there are
+  # none (--no-mtp); the benchmark models have none.
+  local extra=()
+  if grep -q '"Qwen3_5' "$MODEL/config.json" && ! grep -q '"mtp_num_hidden_layers": *[1-9]' "$MODEL/config.json"; then
+    extra=(--no-mtp)
+  fi
   PYTHONPATH="$SRC:$SRC/gguf-py:$LLAMA_DIR/pylib" nice -n 19 "$TORCH_PY" - "$MODEL" \
-    --outtype bf16 --outfile "$GGUF_DIR/$NAME-bf16.gguf" <<PY
+    --outtype bf16 --outfile "$GGUF_DIR/$NAME-bf16.gguf" ${extra[@]+"${extra[@]}"} <<PY
 import runpy, sys
 from conversion import base
 orig = base.TextModel.get_vocab_base_pre

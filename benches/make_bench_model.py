@@ -26,7 +26,22 @@
    KV heads of 64, 64 experts with 8 active (top-k renormalised), expert FFN
    384, the tokenizer's vocabulary, untied head. 1.89B parameters in all,
    0.37B active per token (experts 0.23B, attention 0.13B); bf16 weights.
-Usage: python benches/make_bench_model.py [OUT_DIR] [--models=qwen2,tiny,gemma3-1b,phi4-mini,bert-base,qwen3-embed,qwen3-moe]
+7. Hybrid recurrent models (with --models naming them), random bf16 weights, the
+   tokenizer's vocabulary (8192: the embedding, also the tied head, is 17M of each):
+   qwen3.5-2b-random (--models=qwen3.5-2b), Qwen3_5ForCausalLM with Qwen3.5-2B's
+   text shape: 24 layers of 2048, every 4th full attention (layers 3, 7, ..., 23:
+   8 heads and 2 KV heads of 256, gated output, partial rotary 0.25, rope theta
+   1e7), the other 18 Gated DeltaNet (16 key and 16 value heads of 128, conv kernel
+   4), FFN 6144, tied head, 32768 positions (the real model allows 262144; the
+   shape is the same). 1.39B parameters: MLPs 0.91B, DeltaNet 0.38B, attention
+   0.09B (the real 248320-token embedding would make it 1.88B).
+   lfm2-1.2b-random (--models=lfm2-1.2b), Lfm2ForCausalLM with LFM2-1.2B's shape:
+   16 layers of 2048, attention at layers 2, 5, 8, 10, 12, 14 (32 heads and 8 KV
+   heads of 64, rope theta 1e6), short convolutions (3 taps) elsewhere, FFN 12288
+   auto-adjusted to 8192 (block_multiple_of 256), tied head, 128000 positions.
+   1.05B parameters: MLPs 0.81B, convolution blocks 0.17B, attention 0.06B (the
+   real 65536-token embedding would make it 1.17B).
+Usage: python benches/make_bench_model.py [OUT_DIR] [--models=qwen2,tiny,gemma3-1b,phi4-mini,bert-base,qwen3-embed,qwen3-moe,qwen3.5-2b,lfm2-1.2b]
 (default qwen2,tiny; needs torch, transformers, tokenizers; `pip install "fastllm[bench]"`
 has them)
 """
@@ -63,6 +78,8 @@ PHI4_DIR = os.path.join(ROOT, "phi4-mini-random")
 BERT_DIR = os.path.join(ROOT, "bert-base-random")
 QWEN3_EMBED_DIR = os.path.join(ROOT, "qwen3-embed-random")
 QWEN3_MOE_DIR = os.path.join(ROOT, "qwen3-moe-random")
+QWEN3_5_DIR = os.path.join(ROOT, "qwen3.5-2b-random")
+LFM2_DIR = os.path.join(ROOT, "lfm2-1.2b-random")
 TOK_VOCAB = 8192
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -162,6 +179,35 @@ def qwen3_moe(V, eos):
     )
 
 
+def qwen3_5_2b(V, eos):
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=V, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=256, full_attention_interval=4,
+        linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                         "partial_rotary_factor": 0.25},
+        rms_norm_eps=1e-6, tie_word_embeddings=True,
+        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+    )
+
+
+def lfm2_1_2b(V, eos):
+    from transformers import Lfm2Config
+
+    return Lfm2Config(
+        vocab_size=V, hidden_size=2048, intermediate_size=12288, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, full_attn_idxs=[2, 5, 8, 10, 12, 14],
+        conv_L_cache=3, block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0,
+        block_multiple_of=256, max_position_embeddings=128000,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        norm_eps=1e-5, tie_word_embeddings=True,
+        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+    )
+
+
 def write_sentence_transformers(folder, pooling, dim):
     """modules.json, 1_Pooling/config.json and 2_Normalize, as sentence-transformers saves them."""
     modules = [
@@ -225,7 +271,9 @@ def main():
     built = []
     for name, folder, make in (("gemma3-1b", GEMMA3_DIR, gemma3_1b),
                                ("phi4-mini", PHI4_DIR, phi4_mini),
-                               ("qwen3-moe", QWEN3_MOE_DIR, qwen3_moe)):
+                               ("qwen3-moe", QWEN3_MOE_DIR, qwen3_moe),
+                               ("qwen3.5-2b", QWEN3_5_DIR, qwen3_5_2b),
+                               ("lfm2-1.2b", LFM2_DIR, lfm2_1_2b)):
         if name in MODELS:
             save_large(make(V, eos), folder, tok, eos)
             built.append(folder)

@@ -18,6 +18,7 @@ pub mod linear;
 pub mod models;
 pub mod moe;
 pub mod quant;
+pub mod recurrent;
 pub mod sampling;
 pub mod structured;
 

@@ -27,6 +27,7 @@ class PagedRunner:
         num_blocks: int = 64,
         seed: int = 0,
         fuse: bool = True,
+        num_slots: int = 16,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
@@ -47,6 +48,16 @@ class PagedRunner:
         random.Random(seed).shuffle(self.free)
         self.blocks: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
+        # A hybrid model's recurrent layers: one state slot per sequence id,
+        # NaN until the sequence's first step zeroes it.
+        self.states: list[torch.Tensor] = []
+        recurrent = getattr(model, "recurrent_layers", lambda: [])()
+        for layer in recurrent:
+            layer.states = [
+                torch.full((num_slots, *shape), float("nan"), dtype=dt, device=self.device)
+                for shape, dt in layer.state_shapes(dtype)
+            ]
+            self.states.extend(layer.states)
 
     def step(self, chunks: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
         """Runs one step; ``chunks`` are (sequence id, new tokens); returns logits per chunk."""
@@ -54,6 +65,9 @@ class PagedRunner:
         for seq, tokens in chunks:
             blocks = self.blocks.setdefault(seq, [])
             start = self.lengths.get(seq, 0)
+            if start == 0:
+                for state in self.states:
+                    state[seq] = 0
             end = start + len(tokens)
             while len(blocks) * self.block_size < end:
                 blocks.append(self.free.pop())
@@ -75,6 +89,9 @@ class PagedRunner:
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             max_query_len=max(len(t) for _, t in chunks),
             max_seq_len=max(seq_lens),
+            state_slots=torch.tensor([seq for seq, _ in chunks], dtype=torch.int64, device=dev)
+            if self.states
+            else None,
         )
         set_context(meta)
         try:

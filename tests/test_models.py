@@ -197,15 +197,17 @@ CONFIGS = _configs()
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     """Weights large enough that logits are O(1) and biases nonzero (HF inits
-    them to 0); norm scales near 1 (Gemma stores ``w`` of its ``1 + w``)."""
+    them to 0); norm scales near 1 (Gemma and Qwen3.5 store ``w`` of their ``1 + w``)."""
     g = torch.Generator().manual_seed(seed)
-    offset = 0.0 if model.config.model_type.startswith("gemma") else 1.0
+    zero_centered = model.config.model_type.startswith(("gemma", "qwen3_5"))
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
             is_norm = any(k in name for k in ("norm", "ln_", "layernorm"))
             if is_norm and name.endswith("weight"):
-                p.copy_(offset + 0.1 * noise)
+                # Qwen3.5's gated head norm (``linear_attn.norm``) scales by w itself
+                plain = not zero_centered or name.endswith("linear_attn.norm.weight")
+                p.copy_(float(plain) + 0.1 * noise)
             elif p.ndim == 1:
                 p.copy_(0.1 * noise)
             else:
@@ -699,10 +701,12 @@ def test_dummy_load_format(tmp_path, saved: dict) -> None:
 
 def test_every_architecture_is_tested() -> None:
     """Each registered architecture has a config here, or in
-    ``tests/test_moe_models.py`` (the mixture-of-experts families)."""
+    ``tests/test_moe_models.py`` (the mixture-of-experts families) or
+    ``tests/test_hybrid_models.py`` (the hybrid recurrent ones)."""
+    from test_hybrid_models import CONFIGS as HYBRID_CONFIGS
     from test_moe_models import CONFIGS as MOE_CONFIGS
 
-    configs = [*CONFIGS.values(), *MOE_CONFIGS.values()]
+    configs = [*CONFIGS.values(), *MOE_CONFIGS.values(), *HYBRID_CONFIGS.values()]
     tested = {type(c).__name__.replace("TextConfig", "").replace("Config", "") for c in configs}
     assert {a.split("For")[0].replace("LMHeadModel", "") for a in ARCHITECTURES} <= tested
 

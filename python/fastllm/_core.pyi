@@ -623,3 +623,47 @@ class MoeExperts:
         [T, H]: ``x`` and ``out`` bf16 or f32 (one dtype), ``ids`` int32 [T, k]
         (every id in 0..num_experts), ``weights`` float32 [T, k]. Only the experts
         that receive a token are read; sums in f32, rounded once. Releases the GIL."""
+
+# ---- recurrent token mixers (hybrid models) ----
+
+def causal_conv1d(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_slots: torch.Tensor,
+    silu: bool,
+) -> None:
+    """Depthwise causal convolution of packed sequences (LFM2, Qwen3.5): ``x``, ``out``
+    [T, C], ``weight`` [C, K] (K 2..8), ``bias`` [C] or None, ``conv_state`` [S, C, K - 1]
+    (the last K - 1 inputs before the call, oldest first), one dtype (bf16 or f32).
+    Sequence i owns rows ``query_start_loc[i]:query_start_loc[i + 1]`` (int32
+    [num_seqs + 1], from 0 to T) and state ``conv_state[state_slots[i]]`` (int64
+    [num_seqs]). ``out[t, c] = bias[c] + sum_j weight[c, j] * xin[t - K + 1 + j, c]``
+    over the state followed by the rows, in f32, then ``y * sigmoid(y)`` if ``silu``,
+    rounded once; the state becomes the last K - 1 inputs. Releases the GIL."""
+
+def gated_delta_rule(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_slots: torch.Tensor,
+    scale: float,
+    l2norm: bool,
+) -> None:
+    """Gated DeltaNet (Qwen3.5) over packed sequences, in f32: ``q``, ``k`` [T, Hk, Dk],
+    ``v`` [T, Hv, Dv] (one dtype, bf16 or f32; value head h reads q/k head
+    ``h // (Hv // Hk)``), ``g`` (log decay, <= 0) and ``beta`` [T, Hv] float32, ``state``
+    [S, Hv, Dk, Dv] float32, ``out`` [T, Hv, Dv] in v's dtype. Sequences as in
+    ``causal_conv1d``. q and k L2-normalised if ``l2norm``, q times ``scale``; per row
+    ``S = exp(g) S; delta = beta (v - S^T k); S += k delta^T; out = S^T q``, and
+    ``state[state_slots[i]]`` becomes S after the sequence's last row. Sequences of 3
+    rows or more run 16-row chunks (UT transform), shorter ones row by row. Releases
+    the GIL."""

@@ -29,7 +29,21 @@ _GPT2_NAMES = {
 # ``model_type``: the ``text_config`` becomes the model's config (fields it
 # leaves out take the text model's defaults below), and the weights are found
 # under the text model's prefix.
-TEXT_PART_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3_text"}
+TEXT_PART_ARCHITECTURES = {
+    "Gemma3ForConditionalGeneration": "gemma3_text",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5_text",
+}
+
+# Fields a multimodal checkpoint's top level decides for its text part (with
+# the multimodal configuration class's default): Qwen3.5 ties the head by the
+# top-level flag, whatever ``text_config`` says.
+_TOP_LEVEL_FIELDS: dict[str, dict[str, Any]] = {
+    "Qwen3_5ForConditionalGeneration": {"tie_word_embeddings": False},
+}
+
+#: ``layer_types`` entries of a hybrid model's recurrent layers (no KV cache:
+#: ``layers/recurrent.py``): Qwen3.5's Gated DeltaNet, LFM2's short convolutions.
+RECURRENT_LAYER_TYPES = ("linear_attention", "conv")
 
 
 def causal_lm_architecture(arch: str) -> str:
@@ -77,6 +91,21 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 _FAMILY_DEFAULTS["gemma3"] = _FAMILY_DEFAULTS["gemma3_text"]
+_FAMILY_DEFAULTS["qwen3_5_text"] = {
+    "head_dim": 256,
+    "partial_rotary_factor": 0.25,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 32768,
+}
+_FAMILY_DEFAULTS["lfm2"] = {
+    "rope_theta": 1_000_000.0,
+    "max_position_embeddings": 128_000,
+    "tie_word_embeddings": True,
+}
+# Older names of fields, by ``model_type`` (LFM2's first configs).
+_FAMILY_ALIASES: dict[str, dict[str, str]] = {
+    "lfm2": {"tie_embedding": "tie_word_embeddings", "block_ff_dim": "intermediate_size"},
+}
 
 
 def _text_part(hf: dict[str, Any], path: str) -> dict[str, Any]:
@@ -93,9 +122,14 @@ def _text_part(hf: dict[str, Any], path: str) -> dict[str, Any]:
         for key in ("eos_token_id", "bos_token_id", "pad_token_id", "dtype", "torch_dtype"):
             if merged.get(key) is None and hf.get(key) is not None:
                 merged[key] = hf[key]
+        for key, default in _TOP_LEVEL_FIELDS.get(archs[0], {}).items():
+            merged[key] = hf.get(key, default)
         merged["architectures"] = [archs[0]]
         merged["text_part_of"] = archs[0]
         hf = merged
+    aliases = _FAMILY_ALIASES.get(str(hf.get("model_type")), {})
+    if any(old in hf and new not in hf for old, new in aliases.items()):
+        hf = {**hf, **{new: hf[old] for old, new in aliases.items() if old in hf and new not in hf}}
     defaults = _FAMILY_DEFAULTS.get(str(hf.get("model_type")))
     if defaults:
         hf = {**{k: v for k, v in defaults.items() if k not in hf}, **hf}
@@ -288,18 +322,19 @@ class ModelConfig:
 
     def layer_attention_types(self) -> list[str] | None:
         """Each decoder layer's attention, ``"sliding_attention"`` or
-        ``"full_attention"``, where the config says (``layer_types``, or the
+        ``"full_attention"`` (or a hybrid model's recurrent layer,
+        ``RECURRENT_LAYER_TYPES``), where the config says (``layer_types``, or the
         Gemma families' patterns: Gemma 2 alternates from a sliding first
         layer, Gemma 3 has ``sliding_window_pattern - 1`` sliding layers
         before each full one); None where it does not."""
         n = self.num_hidden_layers
         types = self.hf.get("layer_types")
         if types is not None:
-            ok = ("sliding_attention", "full_attention")
+            ok = ("sliding_attention", "full_attention", *RECURRENT_LAYER_TYPES)
             if not isinstance(types, list) or len(types) != n or any(t not in ok for t in types):
                 raise ValueError(
-                    f"config.json: layer_types must list {n} of 'sliding_attention' and "
-                    f"'full_attention', got {types!r}"
+                    f"config.json: layer_types must list {n} of "
+                    f"{', '.join(repr(t) for t in ok)}, got {types!r}"
                 )
             return list(types)
         if self.model_type == "gemma2":
@@ -434,6 +469,12 @@ class EngineConfig:
     # needed by thinking_token_budget, by structured outputs that apply to the
     # answer after the thinking, and by the reasoning_content split
     reasoning_parser: str | None = None
+    # Hybrid models (recurrent layers): the prefix lengths, in tokens (a
+    # multiple of block_size), at which sequences' recurrent states are
+    # snapshotted for the prefix cache, and how many snapshots are kept
+    # (each costs one sequence's recurrent state; engine/state_cache.py)
+    state_snapshot_interval: int = 256
+    max_state_snapshots: int = 32
 
     def validate(self) -> None:
         """Checks every field, naming the field in the error."""
@@ -445,6 +486,15 @@ class EngineConfig:
 
         for name in ("tensor_parallel_size", "block_size", "max_num_seqs"):
             positive(name)
+        positive("state_snapshot_interval")
+        m = self.max_state_snapshots
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"max_state_snapshots must be an integer >= 0, got {m!r}")
+        if self.state_snapshot_interval % self.block_size:
+            raise ValueError(
+                f"state_snapshot_interval ({self.state_snapshot_interval}) must be a multiple "
+                f"of block_size ({self.block_size})"
+            )
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             positive(name)
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int):

@@ -70,6 +70,18 @@ def add_engine_args(
         action="store_false",
         help="turn the prefix cache off",
     )
+    g.add_argument(
+        "--state-snapshot-interval",
+        type=int,
+        default=256,
+        help="hybrid models: tokens between recurrent-state snapshots of the prefix cache",
+    )
+    g.add_argument(
+        "--max-state-snapshots",
+        type=int,
+        default=32,
+        help="hybrid models: recurrent-state snapshots kept for the prefix cache",
+    )
     g.add_argument("--seed", type=int, default=None, help=seed_help)
     g.add_argument(
         "--load-format",
@@ -234,6 +246,8 @@ def engine_config(args: argparse.Namespace):
         seed=args.seed if args.seed is not None else 0,
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
+        state_snapshot_interval=args.state_snapshot_interval,
+        max_state_snapshots=args.max_state_snapshots,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         load_format=args.load_format,

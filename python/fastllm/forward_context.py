@@ -34,6 +34,9 @@ class AttentionMetadata:
     # 0's are the two above); None when every layer shares them.
     group_slot_mappings: list[torch.Tensor] | None = None
     group_block_tables: list[torch.Tensor] | None = None
+    # Hybrid models: the recurrent-state slot of each sequence, int64 [num_seqs]
+    # (``engine/state_cache.py``); None for models without recurrent layers.
+    state_slots: torch.Tensor | None = None
 
     def for_group(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(slot_mapping, block_tables) of the layers of ``group``."""

@@ -71,6 +71,8 @@ class LLM:
         skip_tokenizer_init: bool = False,
         reasoning_parser: str | None = None,
         runner: str = "auto",
+        state_snapshot_interval: int = 256,
+        max_state_snapshots: int = 32,
     ) -> None:
         if model is None:
             from fastllm.demo import demo_model_path
@@ -103,6 +105,8 @@ class LLM:
             skip_tokenizer_init=skip_tokenizer_init,
             reasoning_parser=reasoning_parser,
             runner=runner,
+            state_snapshot_interval=state_snapshot_interval,
+            max_state_snapshots=max_state_snapshots,
         )
         self.config.validate()
         #: the pooling model (runner="pooling", or an encoder folder), else None

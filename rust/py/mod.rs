@@ -20,6 +20,7 @@ mod llama;
 mod moe;
 mod platform;
 mod quant;
+mod recurrent;
 mod sampling;
 mod structured;
 mod tensor;
@@ -50,5 +51,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     quant::register(m)?;
     llama::register(m)?;
     moe::register(m)?;
+    recurrent::register(m)?;
     Ok(())
 }

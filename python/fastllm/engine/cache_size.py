@@ -37,6 +37,8 @@ class CachePlan:
     budget_from: str  # what set the budget, in words
     layout: str = ""  # how layers share blocks (``KVLayout.describe``), for the log
     groups: int = 1  # block tables per sequence (``KVLayout.num_groups``)
+    state_bytes: int = 0  # hybrid models: the recurrent-state slots, taken from the budget
+    state_slots: int = 0
 
     @property
     def num_bytes(self) -> int:
@@ -51,10 +53,17 @@ class CachePlan:
 
     def describe(self) -> str:
         """One line for the log and the server's startup block."""
+        states = ""
+        if self.state_slots:
+            states = (
+                f"; recurrent states: {self.state_slots} slots (running sequences and "
+                f"snapshots), {self.state_bytes / 2**20:.1f} MiB"
+            )
         return (
             f"{self.num_blocks} blocks of {self.block_size} tokens, "
             f"{self.num_bytes / 2**20:.1f} MiB, {self.num_tokens} tokens in all; "
             f"longest sequence {self.max_model_len} tokens ({self.budget_from}){self.layout}"
+            f"{states}"
         )
 
 
@@ -100,15 +109,27 @@ def plan_kv_cache(
     seq_blocks: Callable[[int], int] | None = None,
     layout: str = "",
     groups: int = 1,
+    state_bytes: int = 0,
+    state_slots: int = 0,
 ) -> CachePlan:
     """The cache for this engine; a ``ValueError`` naming the settings to change
     when even one sequence cannot fit. ``seq_blocks(n)``: the blocks a
     sequence of ``n`` tokens holds at most (default: one per ``block_size``
-    tokens; fewer where windowed layers free theirs, ``KVLayout``)."""
+    tokens; fewer where windowed layers free theirs, ``KVLayout``). A hybrid
+    model's recurrent states (``state_bytes`` for ``state_slots`` slots) come
+    out of the budget first."""
     if kv_cache_memory_bytes is not None:
         budget, source = kv_cache_memory_bytes, f"kv_cache_memory_bytes={kv_cache_memory_bytes}"
     else:
         budget, source = _budget(device, gpu_memory_utilization)
+    if state_bytes:
+        if state_bytes >= budget:
+            raise ValueError(
+                f"the recurrent states ({state_slots} slots: max_num_seqs plus "
+                f"max_state_snapshots, {state_bytes / 2**20:.0f} MiB) do not fit in the "
+                f"cache budget ({source}); lower max_num_seqs or max_state_snapshots"
+            )
+        budget -= state_bytes
     per_seq = seq_blocks or (lambda n: -(-n // block_size))
     blocks_per_seq = per_seq(max_model_len)
     wanted = blocks_per_seq * max_num_seqs + 1
@@ -140,4 +161,14 @@ def plan_kv_cache(
             fits,
         )
         max_model_len = fits
-    return CachePlan(num_blocks, block_size, block_bytes, max_model_len, source, layout, groups)
+    return CachePlan(
+        num_blocks,
+        block_size,
+        block_bytes,
+        max_model_len,
+        source,
+        layout,
+        groups,
+        state_bytes,
+        state_slots,
+    )

@@ -21,6 +21,11 @@ of the groups' matches, each counted from the first block (a windowed
 group's early blocks stay cached after it frees them, until the pool evicts
 them). Of a hit, a windowed group takes only the blocks its window can see
 from the resume point.
+
+Hybrid models (recurrent layers beside attention ones) also give each
+sequence a recurrent-state slot (``states``, ``engine/state_cache.py``); a
+cached prefix is then reusable only up to the longest prefix that also has
+a state snapshot.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 
 from fastllm import _core
 from fastllm.engine.sequence import Sequence
+from fastllm.engine.state_cache import StateCache
 
 
 @dataclass(frozen=True)
@@ -98,8 +104,11 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool,
         windows: tuple[int | None, ...] = (None,),
+        states: StateCache | None = None,
     ) -> None:
         self.block_size = block_size
+        #: The recurrent-state slots and snapshots of a hybrid model (None: none).
+        self.states = states
         self.enable_prefix_caching = enable_prefix_caching
         #: The window of each layer group (``KVLayout.windows``).
         self.windows = tuple(windows)
@@ -154,6 +163,8 @@ class KVCacheManager:
         tokens = seq.token_ids[:usable]
         matches = [self.pool.match_prefix(tokens, g) for g in range(len(self.windows))]
         hit = min(len(m) for m in matches)
+        if hit and self.states is not None:
+            hit = self.states.resume_point(seq, hit * self.block_size) // self.block_size
         if hit == 0:
             return
         self._ensure_tables(seq)
@@ -185,6 +196,8 @@ class KVCacheManager:
             )
             plans.append((table, missing, shared))
         if sum(m + int(s) for _, m, s in plans) > self.pool.num_free_blocks():
+            return False
+        if self.states is not None and not self.states.ensure_slot(seq):
             return False
         for table, missing, shared in plans:
             if shared:
@@ -245,6 +258,8 @@ class KVCacheManager:
         child.num_freed = list(parent.num_freed)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
+        if self.states is not None:
+            self.states.fork(parent, child)
 
     def free(self, seq: Sequence) -> None:
         """Returns a sequence's blocks; the last ones are freed first so they are
@@ -252,6 +267,8 @@ class KVCacheManager:
         first: an interrupt part-way leaves blocks unfreed (which
         ``LLMEngine.reclaim_blocks`` returns once idle), never a table that
         lists a freed block (which a later free would free twice)."""
+        if self.states is not None:
+            self.states.free(seq)
         tables, freed = seq.block_tables, seq.num_freed
         seq.block_tables = []
         seq.num_registered = []

@@ -65,6 +65,7 @@ class LLMEngine:
             config.block_size,
             config.enable_prefix_caching,
             self.runner.layout.windows,
+            self.states,
         )
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, eos
@@ -105,11 +106,23 @@ class LLMEngine:
         from fastllm.engine.cache_size import plan_kv_cache
         from fastllm.engine.kv_cache_manager import KVLayout
         from fastllm.engine.model_runner import ModelRunner
+        from fastllm.engine.state_cache import StateCache
         from fastllm.layers.rotary import limit_positions
 
         mc, bs = loaded.model_config, config.block_size
-        layout = KVLayout.of([layer.sliding_window for layer in loaded.model.attention_layers()])
+        attention = loaded.model.attention_layers()
+        layout = KVLayout.of([layer.sliding_window for layer in attention])
         step = self.max_num_batched_tokens
+        #: A hybrid model's recurrent-state slots and snapshots (None: no recurrent layers).
+        self.states: StateCache | None = None
+        slot_bytes = ModelRunner.state_slot_bytes(loaded.model, loaded.dtype)
+        if slot_bytes:
+            self.states = StateCache(
+                config.max_num_seqs,
+                config.max_state_snapshots,
+                config.state_snapshot_interval,
+                config.enable_prefix_caching,
+            )
         self.cache = plan_kv_cache(
             device=loaded.device,
             block_bytes=ModelRunner.block_bytes(
@@ -124,13 +137,15 @@ class LLMEngine:
             seq_blocks=lambda n: layout.blocks_per_seq(n, bs, step),
             layout=layout.describe(),
             groups=layout.num_groups,
+            state_bytes=slot_bytes * (self.states.num_slots if self.states else 0),
+            state_slots=self.states.num_slots if self.states else 0,
         )
         self.max_model_len = self.cache.max_model_len
         limit_positions(loaded.model, self.max_model_len)
         logger.info("KV cache: %s", self.cache.describe())
         self.runner = ModelRunner(
             loaded.model,
-            num_layers=mc.num_hidden_layers,
+            num_layers=len(attention),
             num_kv_heads=mc.num_key_value_heads,
             head_size=mc.head_dim,
             num_blocks=self.cache.num_blocks,
@@ -140,6 +155,7 @@ class LLMEngine:
             vocab_size=mc.vocab_size,
             fuse_decoder=loaded.fuse_decoder,
             layout=layout,
+            num_state_slots=self.states.num_slots if self.states else 0,
         )
 
     def require_tokenizer(self) -> Tokenizer:
@@ -218,6 +234,13 @@ class LLMEngine:
                 self.structured.check()
             except ValueError as e:
                 raise RequestError(f"{where}: {e}", "structured_outputs") from None
+        if self.states is not None and params.n > self.config.max_num_seqs:
+            raise RequestError(
+                f"{where}: n={params.n} completions need as many recurrent-state slots, and "
+                f"this hybrid model has max_num_seqs={self.config.max_num_seqs}; lower n or "
+                "raise max_num_seqs",
+                "n",
+            )
         n = len(prompt_token_ids)
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise RequestError(
@@ -336,6 +359,8 @@ class LLMEngine:
         references were dropped; does nothing while any request is unfinished."""
         if self.has_unfinished_requests():
             return 0
+        if self.states is not None:
+            self.states.reclaim()
         pool = self.kv.pool
         dropped = 0
         if pool.num_free_blocks() == pool.num_blocks:

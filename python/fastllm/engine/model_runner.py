@@ -38,6 +38,7 @@ class ModelRunner:
         vocab_size: int | None = None,
         fuse_decoder: bool = False,
         layout: KVLayout | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         self.model = model
         # Grammar masks overlap the forward pass when it runs on the GPU (the CPU is
@@ -73,6 +74,16 @@ class ModelRunner:
             layer.kv_group = group
             layer.k_cache = self.k_caches[slot]
             layer.v_cache = self.v_caches[slot]
+        # A hybrid model's recurrent layers: each state tensor has one slot per
+        # running sequence and per snapshot (``engine/state_cache.py``), in
+        # place of KV blocks; uninitialised until a slot is zeroed or copied.
+        self.state_tensors: list[torch.Tensor] = []
+        for layer in recurrent_layers(model):
+            layer.states = [
+                torch.empty((num_state_slots, *shape), dtype=dt, device=device)
+                for shape, dt in layer.state_shapes(dtype)
+            ]
+            self.state_tensors.extend(layer.states)
         # The loader decided whether the decoder layers run as one fused call
         # per step (``loading.load``); the fusion needs the caches made above.
         self.fused_layers = bool(fuse_decoder and model.fuse_decoder_layers())
@@ -85,6 +96,23 @@ class ModelRunner:
         layers a block holds: ``KVLayout.layers_per_block``)."""
         elem = torch.empty(0, dtype=dtype).element_size()
         return 2 * num_layers * num_kv_heads * head_size * block_size * elem
+
+    @staticmethod
+    def state_slot_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
+        """Bytes of one sequence's recurrent state, every recurrent layer (0: none)."""
+        total = 0
+        for layer in recurrent_layers(model):
+            for shape, dt in layer.state_shapes(dtype):
+                total += torch.empty(0, dtype=dt).element_size() * int(np.prod(shape))
+        return total
+
+    def _copy_states(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for t in self.state_tensors:
+            t[dst] = t[src]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copies KV blocks (src -> dst) in every layer slot, for copy-on-write
@@ -145,6 +173,13 @@ class ModelRunner:
         all its rows in this step.
         """
         self.copy_blocks(sched.block_copies)
+        states = sched.state_ops
+        if states is not None:
+            self._copy_states(states.copies)
+            if states.resets:
+                idx = torch.tensor(states.resets, device=self.device)
+                for t in self.state_tensors:
+                    t[idx] = 0
         n_tokens = sched.num_tokens
         input_ids = np.empty(n_tokens, dtype=np.int64)
         positions = np.empty(n_tokens, dtype=np.int64)
@@ -183,6 +218,9 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
             group_slot_mappings=mappings if num_groups > 1 else None,
             group_block_tables=tables if num_groups > 1 else None,
+            state_slots=None
+            if states is None
+            else torch.tensor([e.seq.state_slot for e in sched.scheduled], device=dev),
         )
         logit_rows = [e.row + e.num_new_tokens - 1 for e in sched.sampled]
         set_context(meta)
@@ -193,6 +231,8 @@ class ModelRunner:
                 )
             finally:
                 set_context(None)
+            if states is not None:
+                self._copy_states(states.saves)
             for entry in sched.scheduled:
                 if entry.seq.pooling is not None:
                     # a pooling request: its hidden states, as the prompt is computed
@@ -251,6 +291,12 @@ class ModelRunner:
                 return tokens, lps, ranks, _top_logprobs(logits, batch.num_logprobs)
             logits = logits.cpu()
         return _core.sample(logits, batch)
+
+
+def recurrent_layers(model: torch.nn.Module) -> list:
+    """The model's recurrent token mixers (``layers/recurrent.py``), in order; [] for most models."""
+    layers = getattr(model, "recurrent_layers", None)
+    return list(layers()) if layers is not None else []
 
 
 def sampling_batch(seqs: list[Sequence], seeds: list[int]) -> _core.SamplingBatch:

@@ -12,6 +12,7 @@ from functools import cached_property
 
 from fastllm.engine.kv_cache_manager import KVCacheManager
 from fastllm.engine.sequence import Sequence, SequenceStatus
+from fastllm.engine.state_cache import StateOps
 from fastllm.engine.thinking import ANSWER, OPEN
 from fastllm.outputs import Logprob
 
@@ -47,6 +48,8 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Recurrent-state resets and copies around the forward pass (hybrid models).
+    state_ops: StateOps | None = None
     num_preempted: int = 0
 
     @property
@@ -141,13 +144,16 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Chooses this step's work: running sequences first, then waiting ones."""
         out = SchedulerOutput()
+        states = self.kv.states
+        if states is not None:
+            states.drop_reserved()  # a step that raised never ran its saves
         chosen: list[tuple[Sequence, int]] = []
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = self._chunk(seq, budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -176,7 +182,7 @@ class Scheduler:
                 fresh = not seq.block_table
                 if fresh:
                     self.kv.acquire_prefix(seq)
-                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                num_new = self._chunk(seq, budget)
                 if not self.kv.allocate_slots(seq, num_new):
                     if fresh:
                         self.kv.free(seq)
@@ -189,7 +195,19 @@ class Scheduler:
                 budget -= num_new
         out.scheduled = self._lay_out(chosen)
         out.block_copies = self.kv.take_pending_copies()
+        if states is not None:
+            for seq, n in chosen:
+                states.save_after_step(seq, seq.num_computed_tokens + n)
+            out.state_ops = states.take_pending()
         return out
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """How many of ``seq``'s tokens to compute next, within ``budget``
+        (a hybrid model's prompt chunk ends at its last state snapshot point)."""
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if self.kv.states is not None and num_new > 1:
+            num_new = self.kv.states.cut(seq, seq.num_computed_tokens, num_new)
+        return num_new
 
     def _lay_out(self, chosen: list[tuple[Sequence, int]]) -> list[ScheduledSeq]:
         """Packed rows, who samples and how many, and who wants every row's logits."""
@@ -236,6 +254,8 @@ class Scheduler:
         for entry in sched.scheduled:
             entry.seq.num_computed_tokens += entry.num_new_tokens
             self.kv.register_computed_blocks(entry.seq)
+        if self.kv.states is not None:
+            self.kv.states.commit()
         update = StepUpdate()
         for entry, samples in zip(sched.sampled, result.samples, strict=True):
             parent = entry.seq

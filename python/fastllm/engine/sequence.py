@@ -55,6 +55,12 @@ class Sequence:
         self.num_freed: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
+        # Hybrid models (``engine/state_cache.py``): the slot of this sequence's
+        # recurrent state, the snapshot slot it resumes from, and the chain
+        # keys of its prefix's snapshot points.
+        self.state_slot: int | None = None
+        self.state_restore: int | None = None
+        self.state_keys: list[int] = []
         self.finish_reason: str | None = None  # "stop", "length" or "abort"
         self.stop_reason: int | str | None = None
         # SamplingParams.bad_words as token ids (set by the engine, which has the tokenizer).

@@ -31,6 +31,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "olmoe": ("OlmoeForCausalLM", "olmoe"),
     "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
+    "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+    "lfm2": ("Lfm2ForCausalLM", "lfm2"),
 }
 # A ``llama`` file with ``llama.expert_count`` is Mixtral (llama.cpp runs both
 # as ``llama``).
@@ -126,7 +128,10 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     vocab = tensors["token_embd.weight"].shape[0]
     hidden = _int(gguf, p + "embedding_length")
     heads = _int(gguf, p + "attention.head_count")
-    kv_heads = _int(gguf, p + "attention.head_count_kv", heads)
+    if arch == "lfm2":  # one count per layer: 0 for the convolution layers
+        kv_heads, lfm2_types = _lfm2_layers(gguf, p, heads)
+    else:
+        kv_heads = _int(gguf, p + "attention.head_count_kv", heads)
     hf: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": model_type,
@@ -163,6 +168,10 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
         _gemma(gguf, arch, p, hf, head_size)
     elif arch == "phi3":
         _phi3(gguf, p, hf, head_size)
+    elif arch == "qwen35":
+        _qwen35(gguf, p, hf, head_size)
+    elif arch == "lfm2":
+        _lfm2(gguf, p, hf, head_size, lfm2_types)
     elif arch == "phi2":
         hf["layer_norm_eps"] = _float(gguf, p + "attention.layernorm_epsilon", 1e-5)
         hf["rope_theta"] = _float(gguf, p + "rope.freq_base", 10000.0)
@@ -407,6 +416,136 @@ def _phi3(gguf: GGUFFile, p: str, hf: dict[str, Any], head_size: int) -> None:
     hf["rope_parameters"] = rope
 
 
+def _flags(gguf: GGUFFile, key: str, n: int) -> list[bool] | None:
+    """Metadata ``key`` as one flag per layer (its first ``n`` entries: a
+    Qwen3.5 file lists its multi-token-prediction layers after the model's),
+    or None when the file lacks it."""
+    value = gguf.get(key)
+    if value is None:
+        return None
+    flags = [bool(v) for v in np.asarray(value).reshape(-1).tolist()]
+    if len(flags) < n:
+        raise GGUFError(
+            f"{gguf.path}: metadata key {key!r} has {len(flags)} entries for {n} layers"
+        )
+    return flags[:n]
+
+
+def _qwen35(gguf: GGUFFile, p: str, hf: dict[str, Any], head_size: int) -> None:
+    """Qwen3.5 (text): the Gated DeltaNet layers' sizes from the ``ssm.*``
+    keys as llama.cpp names them (``group_count`` key heads of
+    ``state_size``, ``time_step_rank`` value heads sharing ``inner_size``,
+    ``conv_kernel`` taps), which layers are recurrent
+    (``attention.recurrent_layers``, else every ``full_attention_interval``-th
+    layer attends), partial rotary from ``rope.dimension_count``. The blocks
+    past ``block_count - nextn_predict_layers`` are multi-token-prediction
+    heads, which fastllm does not run. ``rope.dimension_sections`` (MRoPE)
+    is left out: a text prompt's positions are equal on every axis, where
+    MRoPE is the plain rotary embedding."""
+    nextn = gguf.get(p + "nextn_predict_layers") or 0
+    if isinstance(nextn, bool) or not isinstance(nextn, int) or nextn < 0:
+        raise GGUFError(
+            f"{gguf.path}: metadata key {p + 'nextn_predict_layers'!r} must be a count, "
+            f"got {nextn!r}"
+        )
+    n = hf["num_hidden_layers"] - nextn
+    if n <= 0:
+        raise GGUFError(
+            f"{gguf.path}: {p}nextn_predict_layers ({nextn}) leaves no layers of "
+            f"{p}block_count ({hf['num_hidden_layers']})"
+        )
+    hf["num_hidden_layers"] = n
+    hf["rms_norm_eps"] = _float(gguf, p + "attention.layer_norm_rms_epsilon", 1e-6)
+    hf["rope_theta"] = _float(gguf, p + "rope.freq_base", 10000.0)
+    rope_dim = _int(gguf, p + "rope.dimension_count", head_size)
+    if rope_dim > head_size or rope_dim % 2:
+        raise GGUFError(
+            f"{gguf.path}: {p}rope.dimension_count ({rope_dim}) must be even and at most the "
+            f"head size ({head_size})"
+        )
+    hf["partial_rotary_factor"] = rope_dim / head_size
+    scaling = _rope_scaling(gguf, p)
+    if scaling is not None:
+        hf["rope_scaling"] = scaling
+    value_heads = _int(gguf, p + "ssm.time_step_rank")
+    inner = _int(gguf, p + "ssm.inner_size")
+    if inner % value_heads:
+        raise GGUFError(
+            f"{gguf.path}: {p}ssm.inner_size ({inner}) is not a multiple of "
+            f"{p}ssm.time_step_rank ({value_heads}), the value heads"
+        )
+    hf["linear_num_key_heads"] = _int(gguf, p + "ssm.group_count")
+    hf["linear_num_value_heads"] = value_heads
+    hf["linear_key_head_dim"] = _int(gguf, p + "ssm.state_size")
+    hf["linear_value_head_dim"] = inner // value_heads
+    hf["linear_conv_kernel_dim"] = _int(gguf, p + "ssm.conv_kernel")
+    interval = _int(gguf, p + "full_attention_interval", 4)
+    hf["full_attention_interval"] = interval
+    recurrent = _flags(gguf, p + "attention.recurrent_layers", n)
+    if recurrent is None:
+        recurrent = [(i + 1) % interval != 0 for i in range(n)]
+    hf["layer_types"] = ["linear_attention" if r else "full_attention" for r in recurrent]
+    attn = [i for i, r in enumerate(recurrent) if not r]
+    hf["attention_bias"] = bool(attn) and any(
+        f"blk.{attn[0]}.{t}.bias" in gguf.tensors for t in ("attn_q", "attn_qkv")
+    )
+
+
+def _lfm2_layers(gguf: GGUFFile, p: str, heads: int) -> tuple[int, list[str]]:
+    """LFM2's key/value heads and layer types from ``attention.head_count_kv``,
+    which the converter writes per layer: 0 for a convolution layer (as
+    llama.cpp reads it), the count for an attention layer."""
+    key = p + "attention.head_count_kv"
+    n = _int(gguf, p + "block_count")
+    value = _value(gguf, key, None)
+    counts = np.asarray(value).reshape(-1).tolist()
+    if isinstance(value, np.ndarray | list):
+        if len(counts) != n:
+            raise GGUFError(
+                f"{gguf.path}: metadata key {key!r} has {len(counts)} entries for {n} layers"
+            )
+    else:
+        counts = counts * n
+    if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
+        raise GGUFError(f"{gguf.path}: metadata key {key!r} must hold counts, got {counts}")
+    attention = sorted({c for c in counts if c})
+    if len(attention) > 1:
+        raise GGUFError(
+            f"{gguf.path}: metadata key {key!r} gives the attention layers different "
+            f"key/value head counts ({counts}), which fastllm does not support"
+        )
+    types = ["full_attention" if c else "conv" for c in counts]
+    return (attention[0] if attention else heads), types
+
+
+def _lfm2(gguf: GGUFFile, p: str, hf: dict[str, Any], head_size: int, types: list[str]) -> None:
+    """LFM2: the convolution width (``shortconv.l_cache``), which layers
+    attend (``_lfm2_layers``), biases of the convolution layers, and the MLP
+    width as the file stores it (the converter writes the adjusted one)."""
+    hf["norm_eps"] = _float(gguf, p + "attention.layer_norm_rms_epsilon", 1e-5)
+    hf["rope_theta"] = _float(gguf, p + "rope.freq_base", 10000.0)
+    rope_dim = gguf.get(p + "rope.dimension_count")
+    if rope_dim is not None and _int(gguf, p + "rope.dimension_count") != head_size:
+        raise GGUFError(
+            f"{gguf.path}: {p}rope.dimension_count ({rope_dim}) differs from the head size "
+            f"({head_size}): partial rotary is not supported for lfm2"
+        )
+    if gguf.get(p + "attention.sliding_window"):
+        raise GGUFError(
+            f"{gguf.path}: {p}attention.sliding_window is set: windowed LFM2 attention "
+            "is not supported"
+        )
+    scaling = _rope_scaling(gguf, p)
+    if scaling is not None:
+        hf["rope_scaling"] = scaling
+    hf["conv_L_cache"] = _int(gguf, p + "shortconv.l_cache")
+    hf["layer_types"] = types
+    hf["full_attn_idxs"] = [i for i, t in enumerate(types) if t == "full_attention"]
+    conv = [i for i, t in enumerate(types) if t == "conv"]
+    hf["conv_bias"] = bool(conv) and f"blk.{conv[0]}.shortconv.in_proj.bias" in gguf.tensors
+    hf["block_auto_adjust_ff_dim"] = False
+
+
 def _rope_scaling(gguf: GGUFFile, p: str) -> dict[str, Any] | None:
     """rope scaling from ``{arch}.rope.scaling.*`` (linear, YaRN) and a
     ``rope_freqs.weight`` tensor."""
@@ -447,9 +586,18 @@ def _rope_scaling(gguf: GGUFFile, p: str) -> dict[str, Any] | None:
     )
 
 
+# Matrices the converter writes in F32 whatever the file's type.
+_F32_MATRICES = (".ssm_conv1d.weight", ".shortconv.conv.weight")
+
+
 def _float_dtype(gguf: GGUFFile) -> str | None:
-    """The float type of the matrices when the file holds float matrices."""
-    kinds = {t.type.name for t in gguf.tensors.values() if len(t.shape) == 2}
+    """The float type of the matrices when the file holds float matrices (the
+    convolutions, which the converter always writes in F32, aside)."""
+    kinds = {
+        t.type.name
+        for name, t in gguf.tensors.items()
+        if len(t.shape) == 2 and not name.endswith(_F32_MATRICES)
+    }
     if kinds == {"BF16"}:
         return "bfloat16"
     if kinds == {"F32"}:

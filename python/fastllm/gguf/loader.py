@@ -29,6 +29,18 @@ llama.cpp's converter permutes the rows of Llama-family q and k weights for
 its rotary layout; the permutation is undone here (a reordering of whole
 block rows, exact for quantized tensors too).
 
+Hybrid recurrent families: Qwen3.5 (``qwen35``) files hold the Gated
+DeltaNet's projections apart (``attn_qkv``, ``attn_gate``, ``ssm_beta``,
+``ssm_alpha``: fastllm's one ``in_proj``), ``ssm_a`` as ``-exp(A_log)`` (its
+log is taken back), the convolution as [channels, taps], every RMSNorm but
+``ssm_norm`` as the ``1 + w`` that the model scales by (``w`` is the file's
+value minus 1, ``_ONE_PLUS_NORM_ARCHS``), and, where value heads share key heads, the value heads reordered from
+grouped by key head to tiled (``_qwen35_v_order``): rows of the projections,
+the convolution's value channels and ``out_proj``'s columns are put back,
+whole kernel blocks for a quantized ``out_proj`` (the head size a multiple
+of 32), else through q8_0. LFM2 (``lfm2``) files hold the short
+convolution as [channels, taps] and the final norm as ``token_embd_norm``.
+
 After the first load of a file its quantized matrices are cached on disk in
 the kernels' layout, and later loads map them instead (``gguf/cache.py``).
 """
@@ -37,7 +49,8 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -50,6 +63,7 @@ from fastllm.gguf.cache import PanelCache, cache_dir
 from fastllm.gguf.reader import GGUFError, GGUFFile, TensorInfo, readonly_tensor
 from fastllm.layers.linear import Embedding, Linear, adopt_packed_head
 from fastllm.layers.moe import Router, SparseMoeBlock
+from fastllm.layers.norm import ZeroCenteredRMSNorm
 from fastllm.models import get_model_class
 from fastllm.models.weights import WeightSpec
 
@@ -101,7 +115,11 @@ _MOE_LAYER = {
 # gpt-oss's norm before the experts; its attention sinks (``_PARAM_NAMES``).
 _GPT_OSS_LAYER = {**_MOE_LAYER, "post_attention_layernorm": "post_attention_norm"}
 # Per-layer parameters named whole: fastllm's name -> GGUF's.
-_PARAM_NAMES = {"self_attn.sinks": "attn_sinks.weight"}
+_PARAM_NAMES = {
+    "self_attn.sinks": "attn_sinks.weight",
+    "linear_attn.A_log": "ssm_a",  # stored as -exp(A_log)
+    "linear_attn.dt_bias": "ssm_dt.bias",
+}
 # Gemma's four norms per block and OLMo 2's two post-norms.
 _GEMMA_LAYER = {
     **_LLAMA_LAYER,
@@ -123,6 +141,42 @@ _PHI3_LAYER = {
     "mlp.gate_up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+# Qwen3.5: gated attention layers (q_proj yields each head's query and gate,
+# as the checkpoint stores it) and Gated DeltaNet layers, whose in_proj is
+# four tensors in the file; the norm after the mixer is ``post_attention_norm``.
+_QWEN35_LAYER = {
+    **{k: v for k, v in _LLAMA_LAYER.items() if k != "post_attention_layernorm"},
+    "post_attention_layernorm": "post_attention_norm",
+    "linear_attn.in_proj_qkv": "attn_qkv",
+    "linear_attn.in_proj_z": "attn_gate",
+    "linear_attn.in_proj_b": "ssm_beta",
+    "linear_attn.in_proj_a": "ssm_alpha",
+    "linear_attn.conv1d": "ssm_conv1d",
+    "linear_attn.norm": "ssm_norm",
+    "linear_attn.out_proj": "ssm_out",
+}
+# LFM2, by its checkpoints' names (``Lfm2ForCausalLM.weight_specs``).
+_LFM2_LAYER = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.out_proj": "attn_output",
+    "self_attn.q_layernorm": "attn_q_norm",
+    "self_attn.k_layernorm": "attn_k_norm",
+    "operator_norm": "attn_norm",
+    "ffn_norm": "ffn_norm",
+    "feed_forward.w1": "ffn_gate",
+    "feed_forward.w3": "ffn_up",
+    "feed_forward.w2": "ffn_down",
+    "conv.in_proj": "shortconv.in_proj",
+    "conv.conv": "shortconv.conv",
+    "conv.out_proj": "shortconv.out_proj",
+}
+_LFM2_GLOBAL = {
+    "model.embed_tokens": "token_embd",
+    "model.embedding_norm": "token_embd_norm",  # the final norm
+    "lm_head": "output",
+}
 # general.architecture -> (global names, per-layer names, the layers' prefix in fastllm)
 _NAMES: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
     "llama": (_LLAMA_GLOBAL, _MOE_LAYER, "model.layers"),  # Mixtral too
@@ -138,6 +192,8 @@ _NAMES: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
     "qwen2moe": (_LLAMA_GLOBAL, _MOE_LAYER, "model.layers"),
     "olmoe": (_LLAMA_GLOBAL, _MOE_LAYER, "model.layers"),
     "gpt-oss": (_LLAMA_GLOBAL, _GPT_OSS_LAYER, "model.layers"),
+    "qwen35": (_LLAMA_GLOBAL, _QWEN35_LAYER, "model.layers"),
+    "lfm2": (_LFM2_GLOBAL, _LFM2_LAYER, "model.layers"),
     "phi2": (
         {
             "model.embed_tokens": "token_embd",
@@ -225,10 +281,13 @@ def _expert_sources(
 @dataclass(frozen=True)
 class _Source:
     """A GGUF tensor, or expert ``expert``'s part of a stacked expert tensor
-    (its ``shape`` and ``rows`` are that part's)."""
+    (its ``shape`` and ``rows`` are that part's); ``row_order`` / ``col_order``:
+    the file's row / column of each of fastllm's (None: as stored)."""
 
     info: TensorInfo
     expert: int | None = None
+    row_order: np.ndarray | None = field(default=None, compare=False)
+    col_order: np.ndarray | None = field(default=None, compare=False)
 
     @property
     def name(self) -> str:
@@ -254,7 +313,8 @@ class _Param:
     name: str
     shape: tuple[int, ...]
     sources: list[_Source]
-    permute: list[int | None] = field(default_factory=list)  # heads to un-permute, per source
+    # what the converter did to the values, undone on the float tensor (Qwen3.5's A_log)
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def quantized(self) -> bool:
@@ -272,6 +332,9 @@ class LoadReport:
     rewritten: dict[str, int] = field(default_factory=dict)  # Q4_K -> q4_1 tensors
     # tensors converted to q8_0 exactly (the same weights), by type
     exact: dict[str, int] = field(default_factory=dict)
+    # quantized tensors whose columns move within blocks (Qwen3.5's tiled
+    # value heads in ``ssm_out``), dequantized, reordered and quantized to q8_0
+    reordered: dict[str, int] = field(default_factory=dict)
     quantized_bytes: int = 0
     # the packed-weight cache file (``gguf/cache.py``), and whether every
     # quantized matrix was mapped from it
@@ -292,12 +355,20 @@ class LoadReport:
         return {
             "file": path,
             "tensor_types": self.tensor_types,
-            "converted": {**self.converted, **self.fused_with},
+            "converted": _sum_counts(self.converted, self.fused_with, self.reordered),
             "rewritten": self.rewritten,
             "exact": self.exact,
             "cache": self.cache,
             "from_cache": self.from_cache,
         }
+
+
+def _sum_counts(*counts: dict[str, int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for kind, n in c.items():
+            out[kind] = out.get(kind, 0) + n
+    return out
 
 
 def _plan(model: nn.Module, gguf: GGUFFile, arch: str, config: ModelConfig) -> list[_Param]:
@@ -314,7 +385,7 @@ def _plan(model: nn.Module, gguf: GGUFFile, arch: str, config: ModelConfig) -> l
         if experts is not None:
             n = num_experts[pname.split(".experts.")[0]]
             sources = [_source(gguf, name, s, j, n) for name, s, j in experts]
-            plan.append(_Param(pname, shape, sources, [None] * len(sources)))
+            plan.append(_Param(pname, shape, sources))
             continue
         spec = specs.get(pname, WeightSpec((pname,)))
         if pname.rpartition(".")[0] in routers:
@@ -327,15 +398,86 @@ def _plan(model: nn.Module, gguf: GGUFFile, arch: str, config: ModelConfig) -> l
             if fused in gguf.tensors:  # q, k and v stored as one tensor
                 names, shapes = [fused], [shape]
         labels = spec.sources if len(names) == len(spec.sources) else (pname,)
-        sources, permute = [], []
-        for source, name, want in zip(labels, names, shapes, strict=True):
+        sources = []
+        for label, name, want in zip(labels, names, shapes, strict=True):
             if name is None:
-                raise GGUFError(f"{gguf.path}: no GGUF tensor is known for {source!r} ({arch})")
-            sources.append(_source(gguf, name, tuple(want)))
+                raise GGUFError(f"{gguf.path}: no GGUF tensor is known for {label!r} ({arch})")
+            source = _source(gguf, name, tuple(want))
             kind = name.split(".")[-2]
-            permute.append(heads.get(kind) if arch in _PERMUTED_ARCHS else None)
-        plan.append(_Param(pname, shape, sources, permute))
+            if arch in _PERMUTED_ARCHS and kind in heads:
+                n = source.shape[0]  # a matrix's rows, or a bias's values
+                source = replace(source, row_order=_unpermute_rows(n, heads[kind]))
+            elif arch == "qwen35":
+                rows, cols = _qwen35_v_order(label, modules)
+                source = replace(source, row_order=rows, col_order=cols)
+            sources.append(source)
+        transform = None
+        if arch == "qwen35" and pname.endswith(".linear_attn.A_log"):
+            transform = _a_log_from_ssm_a(gguf.path, sources[0].name)
+        elif arch in _ONE_PLUS_NORM_ARCHS and isinstance(
+            modules.get(pname.rpartition(".")[0]), ZeroCenteredRMSNorm
+        ):
+            transform = _minus_one  # the file's 1 + w, the module's w
+        plan.append(_Param(pname, shape, sources, transform))
     return plan
+
+
+def _qwen35_v_order(label: str, modules: dict[str, nn.Module]) -> tuple[Any, Any]:
+    """(rows, columns) of Qwen3.5's tensor ``label`` (a checkpoint name) in the
+    file, for each of fastllm's: where value heads share key heads, the
+    converter reorders the value heads from grouped by key head (``[k0v0,
+    k0v1, k1v0, k1v1]``, as the checkpoint and fastllm have them) to tiled
+    (``[k0v0, k1v0, k0v1, k1v1]``), in every tensor of the DeltaNet layer
+    with a value-head axis: the value rows of q/k/v and its convolution's
+    channels, z, b, a, A_log, dt_bias, and out_proj's columns."""
+    prefix, _, kind = label.partition(".linear_attn.")
+    layer = modules.get(prefix + ".linear_attn")
+    if not kind or layer is None:
+        return None, None
+    hk, hv = layer.num_k_heads, layer.num_v_heads
+    if hk == hv:
+        return None, None
+
+    def grouped(dim: int) -> np.ndarray:
+        # fastllm's value head k*rep + r is the file's head r*hk + k
+        return np.arange(hv * dim).reshape(hv // hk, hk, dim).transpose(1, 0, 2).reshape(-1)
+
+    if kind in ("in_proj_qkv.weight", "conv1d.weight"):
+        qk = 2 * layer.key_dim
+        return np.concatenate([np.arange(qk), qk + grouped(layer.head_v_dim)]), None
+    if kind == "in_proj_z.weight":
+        return grouped(layer.head_v_dim), None
+    if kind in ("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias"):
+        return grouped(1), None
+    if kind == "out_proj.weight":
+        return None, grouped(layer.head_v_dim)
+    return None, None
+
+
+# Families whose converter stores each ``1 + w``-scaled RMSNorm as ``1 + w``
+# (Gemma's, Qwen3.5's but its DeltaNet output norm): read as stored by an
+# ``RMSNorm``; a ``ZeroCenteredRMSNorm``, which holds ``w``, gets the file's value
+# minus 1 (in float32, exact for any scale of at least 0.5: the ``1 + w`` it
+# computes is then the file's value again).
+_ONE_PLUS_NORM_ARCHS = ("gemma2", "gemma3", "qwen35")
+
+
+def _minus_one(t: torch.Tensor) -> torch.Tensor:
+    return t - 1
+
+
+def _a_log_from_ssm_a(path: str, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``A_log`` from the file's ``ssm_a = -exp(A_log)``, which must be negative."""
+
+    def undo(t: torch.Tensor) -> torch.Tensor:
+        if not bool((t < 0).all()):
+            raise GGUFError(
+                f"{path}: tensor {name!r} holds -exp(A_log), which is negative, "
+                f"got {t.flatten().tolist()}"
+            )
+        return torch.log(-t.double()).to(t.dtype)
+
+    return undo
 
 
 def _source(
@@ -352,8 +494,10 @@ def _source(
     if info is None:
         raise GGUFError(f"{gguf.path}: tensor {name!r} is missing")
     want = shape if expert is None else (num_experts, *shape)
-    # A [1, n] parameter (Qwen2-MoE's shared-expert gate) may be stored 1-D.
-    flat = expert is None and len(want) == 2 and want[0] == 1 and info.shape == want[1:]
+    # A parameter with axes of 1 may be stored without them: Qwen2-MoE's [1, n]
+    # shared-expert gate 1-D, a depthwise convolution's [C, 1, K] as [C, K].
+    squeezed = tuple(d for d in want if d != 1)
+    flat = expert is None and info.shape != want and info.shape == squeezed
     if info.shape != want and not flat:
         raise GGUFError(
             f"{gguf.path}: tensor {name!r} has shape {list(info.shape)}, expected {list(want)}"
@@ -377,33 +521,71 @@ def _unpermute_rows(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, head_dim // 2, 2).transpose(0, 2, 1).reshape(-1)
 
 
-def _blocks(gguf: GGUFFile, source: _Source, heads: int | None) -> torch.Tensor:
+def _blocks(gguf: GGUFFile, source: _Source) -> torch.Tensor:
     """A tensor's bytes (one expert's part of a stacked one) as a flat uint8
-    CPU tensor, rows un-permuted; it views the file's mapping (read-only)
-    unless its rows were reordered."""
+    CPU tensor, rows in fastllm's order (``row_order``); it views the file's
+    mapping (read-only) unless its rows were reordered."""
     data = gguf.data(source.name)
     if source.expert is not None:  # each expert's rows lie together: whole blocks
         size = len(data) // source.info.shape[0]
         data = data[source.expert * size : (source.expert + 1) * size]
-    if heads is not None:
+    if source.row_order is not None:
         n = source.shape[0] if len(source.shape) == 1 else source.rows  # a bias: one value a row
-        rows = data.reshape(n, -1)[_unpermute_rows(n, heads)]
-        data = rows.reshape(-1)
+        data = data.reshape(n, -1)[source.row_order].reshape(-1)
     return readonly_tensor(data)
+
+
+# Values of one block of every kernel format (``rust/quant``).
+KERNEL_BLOCK = 32
+
+
+def _block_order(cols: np.ndarray) -> np.ndarray | None:
+    """The order of whole kernel blocks (``KERNEL_BLOCK`` columns) that the
+    column order ``cols`` is, or None when it moves columns within a block."""
+    if cols.size % KERNEL_BLOCK:
+        return None
+    groups = cols.reshape(-1, KERNEL_BLOCK)
+    starts = groups[:, 0]
+    if (starts % KERNEL_BLOCK).any() or (groups != starts[:, None] + np.arange(KERNEL_BLOCK)).any():
+        return None
+    return starts // KERNEL_BLOCK
+
+
+def _reorder_blocks(blocks: torch.Tensor, rows: int, cols: np.ndarray | None) -> torch.Tensor:
+    """Kernel-format blocks (each row's blocks together) with each row's blocks
+    in the order of ``cols`` (a whole-block column order, ``_block_order``)."""
+    if cols is None:
+        return blocks
+    order = torch.from_numpy(_block_order(cols))
+    return blocks.reshape(rows, order.numel(), -1)[:, order].reshape(-1).contiguous()
 
 
 _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
-def _float_tensor(gguf: GGUFFile, source: _Source, heads: int | None) -> torch.Tensor:
+def _float_tensor(gguf: GGUFFile, source: _Source) -> torch.Tensor:
     """A float tensor (any GGUF type) as a CPU tensor owning its memory: its own
-    float type, or float32 dequantized."""
-    raw = _blocks(gguf, source, heads)
+    float type, or float32 dequantized; rows and columns in fastllm's order."""
+    raw = _blocks(gguf, source)
     if source.type.name in FLOAT_TYPES:
-        return raw.view(_FLOAT_DTYPES[source.type.name]).reshape(source.shape).clone()
-    out = torch.empty(source.shape, dtype=torch.float32)
-    _core.dequantize_gguf(raw, source.type.name, out)
+        out = raw.view(_FLOAT_DTYPES[source.type.name]).reshape(source.shape).clone()
+    else:
+        out = torch.empty(source.shape, dtype=torch.float32)
+        _core.dequantize_gguf(raw, source.type.name, out)
+    if source.col_order is not None:
+        out = out[..., torch.from_numpy(source.col_order)].contiguous()
     return out
+
+
+def _split_blocks(param: _Param) -> bool:
+    """Whether a quantized source's columns must move within its kernel blocks
+    (then the matrix is converted through float)."""
+    return any(
+        s.col_order is not None
+        and s.type.name not in FLOAT_TYPES
+        and _block_order(s.col_order) is None
+        for s in param.sources
+    )
 
 
 def _kernel_format(param: _Param, report: LoadReport) -> tuple[str, bool]:
@@ -412,6 +594,11 @@ def _kernel_format(param: _Param, report: LoadReport) -> tuple[str, bool]:
     formats = {
         KERNEL_TYPES.get(s.type.name) or REWRITTEN_TYPES.get(s.type.name) for s in param.sources
     }
+    if _split_blocks(param):
+        for s in param.sources:
+            if s.type.name not in FLOAT_TYPES:
+                report.count(report.reordered, s)
+        return CONVERSION_FORMAT, False
     if len(formats) == 1 and None not in formats:
         for s in param.sources:
             if s.type.name in REWRITTEN_TYPES:
@@ -448,33 +635,28 @@ def _quantized(
             return table
     if as_stored:
         parts = []
-        for s, h in zip(param.sources, param.permute, strict=True):
-            blocks = _blocks(gguf, s, h)
+        for s in param.sources:
+            blocks = _blocks(gguf, s)
             if s.type.name in REWRITTEN_TYPES:
                 rewritten = torch.empty(blocks.numel() // 144 * 160, dtype=torch.uint8)
                 _core.gguf_q4_k_to_q4_1(blocks, rewritten)
                 blocks = rewritten
-            parts.append(blocks)
+            parts.append(_reorder_blocks(blocks, s.rows, s.col_order))
         # The parts of a fused matrix (q, k, v) go in as they are, uncopied.
         return _core.QuantizedLinear.from_blocks(parts, out_features, in_features, fmt, b)
-    if any(s.type.name in FLOAT_TYPES for s in param.sources):
-        weight = torch.cat(
-            [
-                _float_tensor(gguf, s, h).float()
-                for s, h in zip(param.sources, param.permute, strict=True)
-            ]
-        )
+    if _split_blocks(param) or any(s.type.name in FLOAT_TYPES for s in param.sources):
+        weight = torch.cat([_float_tensor(gguf, s).float() for s in param.sources])
         return _core.QuantizedLinear(weight, b, format=CONVERSION_FORMAT)
     # Block by block in the core: the same q8_0 blocks as dequantizing the
     # whole matrix and quantizing it, without the float copy.
     parts = []
-    for s, h in zip(param.sources, param.permute, strict=True):
-        blocks = _blocks(gguf, s, h)
+    for s in param.sources:
+        blocks = _blocks(gguf, s)
         if s.type.name != "Q8_0":
             q8 = torch.empty(s.rows * (s.shape[-1] // 32) * 34, dtype=torch.uint8)
             _core.gguf_to_q8_0(blocks, s.type.name, q8)
             blocks = q8
-        parts.append(blocks)
+        parts.append(_reorder_blocks(blocks, s.rows, s.col_order))
     return _core.QuantizedLinear.from_blocks(parts, out_features, in_features, CONVERSION_FORMAT, b)
 
 
@@ -523,8 +705,10 @@ def load_gguf_model(
     for p in plan:
         if p.name in owners:
             continue
-        parts = [_float_tensor(gguf, s, h) for s, h in zip(p.sources, p.permute, strict=True)]
+        parts = [_float_tensor(gguf, s) for s in p.sources]
         t = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if p.transform is not None:
+            t = p.transform(t)
         state[p.name] = t.reshape(p.shape).to(device=device, dtype=dtype).contiguous()
     directory = cache_dir() if quantized else None
     cache = PanelCache(gguf.path, directory) if directory is not None else None
@@ -582,6 +766,16 @@ def _log_conversions(path: str, report: LoadReport) -> None:
         logger.info(
             "%s: %s tensor(s) run on the q8_0 kernel, converted exactly (the same weights; "
             "8.5 bits per weight in memory)",
+            path,
+            kinds,
+        )
+    if report.reordered:
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(report.reordered.items()))
+        logger.warning(
+            "%s: %s tensor(s) hold columns in another order than fastllm's, which moves "
+            "columns within quantized blocks (value heads not a multiple of 32); dequantized, "
+            "reordered and quantized to q8_0 at load (8.5 bits per weight in memory; the "
+            "rounding adds an error of at most 1/254 of each group's largest weight)",
             path,
             kinds,
         )

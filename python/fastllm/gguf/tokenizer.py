@@ -43,6 +43,11 @@ _QWEN2 = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5's: Qwen2's with combining marks (\p{M}) kept in words.
+_QWEN35 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _GPT4O = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
@@ -125,8 +130,10 @@ _PRE: dict[str, _Pre] = {
     "falcon3": _Pre([_LLAMA3], ignore_merges=True, add_bos=True),
     "dbrx": _Pre([_LLAMA3]),
     "smaug-bpe": _Pre([_LLAMA3], ignore_merges=True, add_bos=True),
+    "lfm2": _Pre([_LLAMA3], ignore_merges=True, add_bos=True),  # as llama.cpp reads it
     "qwen2": _Pre([_QWEN2], nfc=True),
     "deepseek-r1-qwen": _Pre([_QWEN2]),
+    "qwen35": _Pre([_QWEN35], nfc=True),
     "deepseek-llm": _Pre(_DEEPSEEK_LLM),
     "gpt-4o": _Pre([_GPT4O]),
     "llama4": _Pre([_GPT4O]),

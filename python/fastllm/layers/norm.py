@@ -24,6 +24,25 @@ class RMSNorm(Module):
         return self.ops.rms_norm(x, self.weight, self.eps)
 
 
+class ZeroCenteredRMSNorm(Module):
+    """RMSNorm scaled by ``1 + w`` where the checkpoint stores ``w`` (Qwen3.5),
+    rounded as the reference rounds it: normalised and scaled in float32
+    (``1 + w`` in float32 too), then cast to x's dtype once."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.ops = TORCH_OPS  # the model's op table (``layers/ops.py``), bound at load
+        self._scale: torch.Tensor | None = None  # 1 + w in float32, made on first use
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalises the last dimension of ``x``."""
+        if self._scale is None:
+            self._scale = 1.0 + self.weight.detach().float()
+        return self.ops.rms_norm(x.float(), self._scale, self.eps).to(x.dtype)
+
+
 class LayerNorm(Module):
     """Layer norm with a learned weight and bias."""
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from fastllm import _core
 from fastllm.forward_context import AttentionMetadata
-from fastllm.layers import CPU_KERNEL_DTYPES, attention_torch
+from fastllm.layers import CPU_KERNEL_DTYPES, attention_torch, recurrent
 from fastllm.layers.attention_torch import PagedLayer
 
 Tensor = torch.Tensor
@@ -47,6 +47,12 @@ class LayerOps:
     split_qkv_rotary: Callable[[Tensor, int, int, int, Tensor, Tensor], tuple[Tensor, ...]]
     # (layer, q [T, h, d], k/v [T, kv, d], meta): writes k/v to the cache, returns [T, h, d]
     attention: Callable[[PagedLayer, Tensor, Tensor, Tensor, AttentionMetadata], Tensor]
+    # Recurrent mixers over packed rows with a state per sequence (``layers/recurrent.py``):
+    # (x [T, C], weight [C, K], bias, conv_state [S, C, K-1], query_start_loc, state_slots, silu)
+    causal_conv1d: Callable[..., Tensor] = recurrent.causal_conv1d_torch
+    # (q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv], state [S, Hv, Dk, Dv],
+    #  query_start_loc, state_slots, scale, l2norm) -> [T, Hv, Dv]
+    gated_delta_rule: Callable[..., Tensor] = recurrent.gated_delta_rule_torch
 
 
 # ---- torch ----------------------------------------------------------------
@@ -172,6 +178,8 @@ RUST_OPS = LayerOps(
     rotary=rotary_torch,
     split_qkv_rotary=split_qkv_rotary_rust,
     attention=attention_rust,
+    causal_conv1d=recurrent.causal_conv1d_rust,
+    gated_delta_rule=recurrent.gated_delta_rule_rust,
 )
 
 

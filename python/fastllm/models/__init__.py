@@ -34,6 +34,9 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "OlmoeForCausalLM": ("fastllm.models.moe", "OlmoeForCausalLM"),
     "GraniteMoeForCausalLM": ("fastllm.models.moe", "GraniteMoeForCausalLM"),
     "GptOssForCausalLM": ("fastllm.models.moe", "GptOssForCausalLM"),
+    "Qwen3_5ForCausalLM": ("fastllm.models.hybrid", "Qwen3_5ForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": ("fastllm.models.hybrid", "Qwen3_5ForCausalLM"),
+    "Lfm2ForCausalLM": ("fastllm.models.hybrid", "Lfm2ForCausalLM"),
     "PhiForCausalLM": ("fastllm.models.phi", "PhiForCausalLM"),
     "GPT2LMHeadModel": ("fastllm.models.gpt2", "GPT2LMHeadModel"),
 }

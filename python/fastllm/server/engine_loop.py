@@ -81,6 +81,11 @@ class EngineStats:
     prefix_hits: int = 0
     prefix_queries: int = 0
     evictions: int = 0
+    # Hybrid models' recurrent-state snapshots (``engine/state_cache.py``).
+    state_snapshot_queries: int = 0
+    state_snapshot_hits: int = 0
+    state_snapshot_hit_tokens: int = 0
+    state_snapshots_saved: int = 0
     finished: dict[str, int] = field(default_factory=dict)
 
 
@@ -263,6 +268,7 @@ class AsyncEngine:
         e = self.engine
         pool = e.kv.pool.stats()
         running, waiting = e.scheduler.num_requests()
+        snaps = e.states.stats if e.states is not None else {}
         self.stats = EngineStats(
             running=running,
             waiting=waiting,
@@ -275,6 +281,10 @@ class AsyncEngine:
             prefix_hits=pool["hits"],
             prefix_queries=pool["queries"],
             evictions=pool["evictions"],
+            state_snapshot_queries=snaps.get("queries", 0),
+            state_snapshot_hits=snaps.get("hits", 0),
+            state_snapshot_hit_tokens=snaps.get("hit_tokens", 0),
+            state_snapshots_saved=snaps.get("saved", 0),
             finished=dict(self._finished),
         )
 

@@ -93,6 +93,30 @@ def prometheus(engine: AsyncEngine, model: str, replica: str | None = None) -> s
         "Cached blocks evicted.",
         s.evictions,
     )
+    metric(
+        "fastllm_state_snapshot_queries_total",
+        "counter",
+        "Hybrid models: prefix-cache lookups of a recurrent-state snapshot.",
+        s.state_snapshot_queries,
+    )
+    metric(
+        "fastllm_state_snapshot_hits_total",
+        "counter",
+        "Hybrid models: requests resumed from a recurrent-state snapshot.",
+        s.state_snapshot_hits,
+    )
+    metric(
+        "fastllm_state_snapshot_hit_tokens_total",
+        "counter",
+        "Hybrid models: prompt tokens not recomputed thanks to state snapshots.",
+        s.state_snapshot_hit_tokens,
+    )
+    metric(
+        "fastllm_state_snapshots_saved_total",
+        "counter",
+        "Hybrid models: recurrent-state snapshots taken.",
+        s.state_snapshots_saved,
+    )
     name = "fastllm_request_finished_total"
     lines.append(f"# HELP {name} Requests finished, by reason (stop, length, abort, error).")
     lines.append(f"# TYPE {name} counter")

@@ -1,0 +1,243 @@
+"""fastllm on hybrid recurrent GGUF files written by llama.cpp's own converter
+(``convert_hf_to_gguf.py``): Qwen3.5 (``qwen35``) and LFM2 (``lfm2``).
+
+    PYTHONPATH=python python benches/gguf_converter_hybrid.py [OUT_DIR] [--llama-dir DIR]
+        [--pylib DIR] [--families qwen3_5,lfm2,...]
+
+The sibling of ``benches/gguf_converter_moe.py``, whose helpers it uses (and
+through it ``benches/gguf_converter_families.py``'s: the converter's
+environment and its pre-tokenizer fallback, fastllm's paged prefill on the
+file, the error and argmax comparison, the tokenizer check, greedy
+generation). Each tiny random model of ``tests/test_hybrid_models.py::CONFIGS``
+(Gated DeltaNet with value heads sharing key heads and Dk != Dv, attention
+first, partial rotary, q/k/v/o biases; LFM2 with an adjusted MLP width, 2-3
+taps, untied head) is saved with the 512-token byte-level BPE tokenizer of
+``tests/conftest.py``, with the options that the converter cannot write set
+to what it can (``WRITABLE``, printed with the table), and converted by the
+real converter to F32 and to Q8_0 (``--outtype q8_0``; Qwen3.5 with
+``--no-mtp``: these folders have no multi-token-prediction layers, which
+the converter otherwise requires). fastllm reads each file and its logits
+over random sequences of 9, 17 and 33 tokens are compared with transformers'
+(float32, eager attention) on the original folder:
+
+* F32: max |ours - ref| / max|ref|, the positions whose argmax (teacher-forced
+  greedy token) is the reference's, and whether ``LLM(file)`` generates
+  transformers' greedy tokens (12 after each sequence's first 8, EOS ignored);
+* Q8_0: the error's median over positions and its largest, the positions
+  whose argmax is the reference's and, at each disagreement, the reference's
+  top-1/top-2 margin as a fraction of that position's max|logit|;
+* tok: the file's tokenizer encodes a sample text as the folder's does.
+
+The config fastllm reads from each F32 file is compared with the folder's
+(LFM2's MLP width: the file stores the adjusted width, read with
+``block_auto_adjust_ff_dim`` off; that is reported only when the widths
+differ). No network is used.
+"""
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gguf_converter_families as fam  # noqa: E402  (puts tests/ on sys.path)
+import gguf_converter_moe as moe  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import test_hybrid_models as th  # noqa: E402
+import test_models as tm  # noqa: E402
+from conftest import train_byte_level_bpe  # noqa: E402
+from fastllm.config import ModelConfig  # noqa: E402
+from fastllm.layers.quantization import quantize_model  # noqa: E402
+from fastllm.models.hybrid import lfm2_intermediate_size  # noqa: E402
+from fastllm.models.loader import load_model  # noqa: E402
+from paged_helpers import PagedRunner  # noqa: E402
+
+FAMILIES = list(th.CONFIGS)
+# Options of the test configs that llama.cpp's converter cannot write, set to
+# what it can.
+WRITABLE = {
+    "lfm2_bias": (
+        {"conv_bias": False},
+        "conv_bias True -> False (the converter fails: it squeezes every 'conv.conv' tensor "
+        "along dim 1, the 1-D conv.conv.bias too: IndexError)",
+    ),
+}
+# Converter arguments per family (Qwen3.5: no multi-token-prediction layers).
+EXTRA_ARGS = {"Qwen3_5TextConfig": ["--no-mtp"]}
+
+
+def make_folder(name: str, folder: str, tokenizer) -> torch.nn.Module:
+    """The family's tiny random model, with only converter-writable options,
+    saved in ``folder`` with the 512-token tokenizer."""
+    cfg = copy.deepcopy(th.CONFIGS[name])
+    for key, value in WRITABLE.get(name, ({}, ""))[0].items():
+        setattr(cfg, key, value)
+    cfg.vocab_size = tm.VOCAB
+    cfg.bos_token_id = cfg.eos_token_id = cfg.pad_token_id = 0  # <|endoftext|>
+    os.makedirs(folder, exist_ok=True)
+    model = tm._build("", folder, 0, cfg)
+    tokenizer.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({**fam.TOKENIZER_CONFIG, "tokenizer_class": "PreTrainedTokenizerFast"}, f)
+    return model
+
+
+def convert(args, name: str, folder: str, out: str, outtype: str) -> None:
+    """``fam.convert`` with the family's extra converter arguments."""
+    llama = args.llama_dir
+    path = [llama, os.path.join(llama, "gguf-py")]
+    path += [args.pylib] if os.path.isdir(args.pylib) else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    cmd = [sys.executable, "-c", fam.CONVERT, os.path.join(llama, "convert_hf_to_gguf.py"), folder]
+    cmd += ["--outtype", outtype, "--outfile", out]
+    cmd += EXTRA_ARGS.get(type(th.CONFIGS[name]).__name__, [])
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        tail = [ln for ln in r.stderr.splitlines() if not ln.startswith("INFO:")][-6:]
+        raise RuntimeError("converter failed:\n    " + "\n    ".join(tail))
+
+
+def config_diff(hf: dict, folder: str, ref: object) -> list[str]:
+    """``fam.config_diff``, LFM2's MLP width compared as the width it runs."""
+    diff = fam.config_diff(hf, ref)
+    if hf.get("model_type") == "lfm2":
+        ours = lfm2_intermediate_size(ModelConfig.from_dict(hf))
+        want = lfm2_intermediate_size(ModelConfig.from_pretrained(folder))
+        keys = ("intermediate_size:", "block_auto_adjust_ff_dim:")
+        diff = [d for d in diff if not d.startswith(keys)]
+        if ours != want:
+            diff.append(f"MLP width: file {ours}, folder {want}")
+    return diff
+
+
+def folder_q8_0(folder: str, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """fastllm's logits on the folder quantized to q8_0 at load (the yardstick
+    for the Q8_0 file: the same rounding of weights and activations)."""
+    config = ModelConfig.from_pretrained(folder)
+    model = load_model(config, folder, torch.float32, "cpu")
+    quantize_model(model, "q8_0", config.vocab_size)
+    return PagedRunner(model, torch.float32).step(list(enumerate(seqs)))
+
+
+def run_family(name: str, args, tokenizer, seqs, failures: list) -> dict:
+    """Converts the family's folder to F32 and Q8_0 and measures fastllm on both."""
+    folder = os.path.join(args.out, name)
+    ref_model = make_folder(name, folder, tokenizer)
+    refs = tm._reference(ref_model, seqs)
+    at_load = folder_q8_0(folder, seqs)
+    row = {"family": name, "at_load": (moe.median_error(at_load, refs), fam.compare(at_load, refs))}
+    for outtype in ("f32", "q8_0"):
+        path = os.path.join(folder, f"{name}-{outtype}.gguf")
+        try:
+            convert(args, name, folder, path, outtype)
+        except RuntimeError as e:
+            failures.append(f"{name} {outtype} (convert): {e}")
+            continue
+        try:
+            ours, types, hf = fam.fastllm_logits(path, seqs)
+        except Exception as e:  # noqa: BLE001 - reported per family
+            failures.append(f"{name} {outtype} (fastllm load): {type(e).__name__}: {e}")
+            continue
+        row[outtype] = {**fam.compare(ours, refs), "types": types}
+        row[outtype]["median"] = moe.median_error(ours, refs)
+        if outtype != "f32":
+            continue
+        row["diff"] = config_diff(hf, folder, ref_model.config)
+        try:
+            row["greedy"] = moe.greedy_equal(path, ref_model, seqs)
+        except Exception as e:  # noqa: BLE001
+            failures.append(f"{name} f32 (LLM generate): {type(e).__name__}: {e}")
+        try:
+            row["tok"] = fam.tokens_match(path, tokenizer, None)
+        except Exception as e:  # noqa: BLE001
+            row["tok"] = f"error: {type(e).__name__}: {e}"
+    return row
+
+
+def report(rows: list[dict], notes: list[str]) -> None:
+    head = f"{'family':15} | {'F32 err':>8} {'argmax':>7} {'greedy':>6} | "
+    head += f"{'Q8_0 err median/max':>19} {'argmax':>7} {'max flip margin':>15} | "
+    head += f"{'at load: median/max':>19} {'argmax':>7} | tok"
+    print(head + "\n" + "-" * len(head))
+    for r in rows:
+        f, q = r.get("f32"), r.get("q8_0")
+        line = f"{r['family']:15} | "
+        if f:
+            g = r.get("greedy")
+            greedy = f"{g[0]}/{g[1]}" if g else "-"
+            line += f"{f['err']:8.1e} {f['same']:>3}/{f['total']:<3} {greedy:>6} | "
+        else:
+            line += f"{'failed':>23} | "
+        if q:
+            flip = f"{max(q['margins']):.4f}" if q["margins"] else "-"
+            err = f"{q['median']:.4f}/{q['err']:.4f}"
+            line += f"{err:>19} {q['same']:>3}/{q['total']:<3} {flip:>15} | "
+        else:
+            line += f"{'failed':>43} | "
+        median, a = r["at_load"]
+        err = f"{median:.4f}/{a['err']:.4f}"
+        line += f"{err:>19} {a['same']:>3}/{a['total']:<3} | "
+        print(line + r.get("tok", "-"))
+    print("errors: max |fastllm - transformers| / max|transformers| over the sequences")
+    print("  (Q8_0: the median over positions, then the largest);")
+    print(f"greedy: LLM(file) continues the {moe.PROMPT}-token prompts as transformers does")
+    print(f"  ({moe.NEW_TOKENS} tokens each); flip margin: the reference's (top1 - top2) /")
+    print("  max|logit| where the argmax differs; at load: the folder quantized to q8_0")
+    print("  by fastllm at load, against the same reference (the same kind of rounding of")
+    print("  the weights and activations as the Q8_0 file's)")
+    for r in rows:
+        for t in ("f32", "q8_0"):
+            if t in r:
+                types = ", ".join(f"{k} x{v}" for k, v in sorted(r[t]["types"].items()))
+                flips = ", ".join(f"{m:.4f}" for m in sorted(r[t]["margins"])) or "none"
+                print(f"  {r['family']} {t}: tensors {types}; flip margins: {flips}")
+        for d in r.get("diff", []):
+            print(f"  {r['family']}: config from the file differs from the folder's: {d}")
+    names = {r["family"] for r in rows}
+    print("options the converter cannot write, changed in the test configs:")
+    for name, (_, why) in WRITABLE.items():
+        if name in names:
+            print(f"  {name}: {why}")
+    for note in notes:
+        print("FAILED " + note)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out", nargs="?", default="/tmp/gguf-hybrid")
+    ap.add_argument("--llama-dir", default=os.environ.get("LLAMA_DIR", fam.DEFAULT_LLAMA))
+    ap.add_argument(
+        "--pylib",
+        default=None,
+        help="folder holding sentencepiece (default: LLAMA_DIR's pylib, "
+        "see benches/build_llama_cpp.sh)",
+    )
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    args = ap.parse_args()
+    args.pylib = args.pylib or fam.default_pylib(args.llama_dir)
+    if not os.path.isfile(os.path.join(args.llama_dir, "convert_hf_to_gguf.py")):
+        sys.exit(
+            f"llama.cpp source not found: {args.llama_dir}/convert_hf_to_gguf.py is missing; "
+            "pass --llama-dir or set LLAMA_DIR (benches/build_llama_cpp.sh fetch unpacks it)"
+        )
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    tokenizer = train_byte_level_bpe(tm.VOCAB)
+    seqs = tm._sequences(5, fam.LENGTHS)
+    print(
+        f"tiny random hybrid models (vocab {tm.VOCAB}), sequences of {fam.LENGTHS} tokens "
+        f"({sum(fam.LENGTHS)} positions); converter: {args.llama_dir}"
+    )
+    rows, failures = [], []
+    for name in args.families.split(","):
+        rows.append(run_family(name, args, tokenizer, seqs, failures))
+    report(rows, failures)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,404 @@
+"""Hybrid recurrent models: most layers keep a fixed-size recurrent state
+(``layers/recurrent.py``), a few attend over the paged KV cache.
+
+* **Qwen3.5** (``Qwen3_5ForCausalLM``, and the text part of
+  ``Qwen3_5ForConditionalGeneration`` checkpoints): ``layer_types`` of
+  ``linear_attention`` (Gated DeltaNet) and ``full_attention`` layers (by
+  default every ``full_attention_interval``-th). A Gated DeltaNet layer
+  projects q/k/v (one causal convolution with SiLU over all three), the
+  output gate z and the per-head ``b`` (write strength ``beta = sigmoid(b)``)
+  and ``a`` (decay ``g = -exp(A_log) * softplus(a + dt_bias)``), runs the
+  gated delta rule with L2-normalised q and k, and normalises each head's
+  output by an RMSNorm gated by ``silu(z)``. Its attention layers have a
+  sigmoid output gate (q_proj yields the query and the gate of each head),
+  per-head q/k norms and partial rotary (``partial_rotary_factor``). Every
+  other RMSNorm scales by ``1 + w``, computed in float32 as the reference
+  does (``ZeroCenteredRMSNorm``).
+* **LFM2** (``Lfm2ForCausalLM``): ``conv`` layers (in_proj to B, C and x,
+  ``C * conv(B * x)`` with a short depthwise causal convolution,
+  ``conv_L_cache`` taps) and ``full_attention`` layers (``full_attn_idxs``)
+  with per-head q/k norms; SwiGLU MLPs whose width follows
+  ``block_auto_adjust_ff_dim``; the final norm is ``embedding_norm``.
+
+Both run layer by layer (the fused CPU decoder stack declines them:
+``llama_stack.why_not``) with the model's op table for every kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastllm.config import ModelConfig
+from fastllm.forward_context import get_context
+from fastllm.layers import Module
+from fastllm.layers.attention import PagedAttention
+from fastllm.layers.linear import Linear
+from fastllm.layers.norm import RMSNorm, ZeroCenteredRMSNorm
+from fastllm.layers.ops import TORCH_OPS
+from fastllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from fastllm.models.weights import WeightSpec
+
+
+def _config_int(hf: dict[str, Any], name: str, default: int) -> int:
+    value = hf.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
+    return value
+
+
+def hybrid_layer_types(config: ModelConfig, recurrent: str, default: list[str]) -> list[str]:
+    """The config's ``layer_types`` (each ``recurrent`` or ``full_attention``),
+    or the family's ``default``; a ValueError naming the field otherwise."""
+    types = config.hf.get("layer_types") or default
+    n = config.num_hidden_layers
+    if len(types) != n or any(t not in (recurrent, "full_attention") for t in types):
+        raise ValueError(
+            f"config.json: layer_types must list {n} of {recurrent!r} and 'full_attention', "
+            f"got {types!r}"
+        )
+    return list(types)
+
+
+class ConvWeight(Module):
+    """A depthwise convolution's parameters as checkpoints store them:
+    ``weight`` [channels, 1, taps] and an optional ``bias`` [channels]."""
+
+    def __init__(self, channels: int, taps: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, taps), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(channels), requires_grad=False) if bias else None
+
+
+class GatedRMSNorm(Module):
+    """Qwen3.5's head norm: ``RMSNorm(x) * w`` (in x's dtype) times ``silu(z)``
+    in float32, rounded to x's dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.ops = TORCH_OPS
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        normed = self.ops.rms_norm(x, self.weight, self.eps)
+        return (normed * F.silu(z.float())).to(x.dtype)
+
+
+class GatedDeltaNet(Module):
+    """Qwen3.5's linear-attention layer (module docstring). Its state per
+    sequence: the convolution's last inputs and one [Dk, Dv] matrix per value head."""
+
+    def __init__(self, config: ModelConfig, eps: float) -> None:
+        super().__init__()
+        hf = config.hf
+        self.num_k_heads = _config_int(hf, "linear_num_key_heads", 16)
+        self.num_v_heads = _config_int(hf, "linear_num_value_heads", 32)
+        self.head_k_dim = _config_int(hf, "linear_key_head_dim", 128)
+        self.head_v_dim = _config_int(hf, "linear_value_head_dim", 128)
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(
+                f"config.json: linear_num_value_heads ({self.num_v_heads}) must be a multiple "
+                f"of linear_num_key_heads ({self.num_k_heads})"
+            )
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.taps = _config_int(hf, "linear_conv_kernel_dim", 4)
+        # q/k/v, z, b and a in one projection (``weight_specs``)
+        self.in_proj = Linear(
+            config.hidden_size, self.conv_dim + self.value_dim + 2 * self.num_v_heads
+        )
+        self.conv1d = ConvWeight(self.conv_dim, self.taps, False)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        self.norm = GatedRMSNorm(self.head_v_dim, eps)
+        self.out_proj = Linear(self.value_dim, config.hidden_size)
+        self.ops = TORCH_OPS
+        #: [conv state, delta-rule state], set by the model runner (``state_shapes``).
+        self.states: list[torch.Tensor] = []
+
+    def state_shapes(self, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """One sequence's state: the convolution's last inputs and the delta rule's matrices."""
+        return [
+            ((self.conv_dim, self.taps - 1), dtype),
+            ((self.num_v_heads, self.head_k_dim, self.head_v_dim), torch.float32),
+        ]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        meta = get_context()
+        n, hv = x.shape[0], self.num_v_heads
+        mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
+        conv_state, state = self.states
+        weight = self.conv1d.weight.view(self.conv_dim, self.taps)
+        mixed = self.ops.causal_conv1d(
+            mixed.contiguous(),
+            weight,
+            None,
+            conv_state,
+            meta.query_start_loc,
+            meta.state_slots,
+            True,
+        )
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        beta = b.sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        out = self.ops.gated_delta_rule(
+            q.reshape(n, self.num_k_heads, self.head_k_dim),
+            k.reshape(n, self.num_k_heads, self.head_k_dim),
+            v.reshape(n, hv, self.head_v_dim),
+            g,
+            beta,
+            state,
+            meta.query_start_loc,
+            meta.state_slots,
+            self.head_k_dim**-0.5,
+            True,
+        )
+        out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(out.reshape(n, self.value_dim))
+
+
+class GatedAttention(LlamaAttention):
+    """Qwen3.5's attention: q_proj yields each head's query and output gate
+    (interleaved per head), q/k normalised per head, partial rotary, and
+    the attention output multiplied by ``sigmoid(gate)`` before o_proj."""
+
+    def __init__(self, config: ModelConfig, layer: int, eps: float) -> None:
+        bias = bool(config.hf.get("attention_bias", False))
+        super().__init__(config, layer, bias, bias, True, eps)
+        self.qkv_proj = Linear(config.hidden_size, 2 * self.q_size + 2 * self.kv_size, bias=bias)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        n, d = x.shape[0], self.head_dim
+        qg, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qg = qg.reshape(n, self.num_heads, 2 * d)
+        gate = qg[..., d:].reshape(n, self.q_size)
+        q = self.q_norm(qg[..., :d].contiguous())
+        k = self.k_norm(k.reshape(n, self.num_kv_heads, d))
+        q, k = self.ops.rotary(q, cos, sin), self.ops.rotary(k, cos, sin)
+        out = self.attn(q, k, v)
+        return self.o_proj(out * torch.sigmoid(gate))
+
+
+class Qwen3_5DecoderLayer(Module):
+    """Pre-norm block whose mixer is a Gated DeltaNet or a gated attention."""
+
+    def __init__(self, config: ModelConfig, layer: int, flags: dict[str, Any]) -> None:
+        super().__init__()
+        eps = float(config.hf.get("rms_norm_eps", 1e-6))
+        if flags["layer_types"][layer] == "linear_attention":
+            self.linear_attn: GatedDeltaNet | None = GatedDeltaNet(config, eps)
+            self.self_attn: GatedAttention | None = None
+        else:
+            self.linear_attn, self.self_attn = None, GatedAttention(config, layer, eps)
+        self.mlp = LlamaMLP.of(config, False)
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        h = self.input_layernorm(x)
+        if self.linear_attn is not None:
+            x = x + self.linear_attn(h)
+        else:
+            assert self.self_attn is not None
+            x = x + self.self_attn(h, cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class HybridForCausalLM(LlamaForCausalLM):
+    """What the hybrid families share: the mixers' lists for the runner, and
+    the fused stack declined."""
+
+    def attention_layers(self) -> list[PagedAttention]:
+        """The paged-attention layers (the recurrent ones have no KV cache)."""
+        return [layer.self_attn.attn for layer in self.model.layers if layer.self_attn is not None]
+
+    def recurrent_layers(self) -> list[Module]:
+        """The recurrent mixers, in order, for the runner to give state slots."""
+        return [m for m in self.modules() if hasattr(m, "state_shapes")]
+
+    def fuse_decoder_layers(self) -> bool:
+        """The fused CPU decoder stack has no recurrent layers: layer by layer."""
+        return False
+
+
+class Qwen3_5ForCausalLM(HybridForCausalLM):
+    """Qwen3.5 (text): Gated DeltaNet and gated-attention layers."""
+
+    LAYER_CLASS = Qwen3_5DecoderLayer
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        eps = float(config.hf.get("rms_norm_eps", 1e-6))
+        self.model.norm = ZeroCenteredRMSNorm(config.hidden_size, eps)
+        if config.hf.get("text_part_of"):
+            self.checkpoint_prefix_aliases = (("model.", "model.language_model."),)
+
+    @staticmethod
+    def _flags(config: ModelConfig) -> dict[str, Any]:
+        n = config.num_hidden_layers
+        interval = _config_int(config.hf, "full_attention_interval", 4)
+        default = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)
+        ]
+        return {"layer_types": hybrid_layer_types(config, "linear_attention", default)}
+
+    def weight_specs(self) -> dict[str, WeightSpec]:
+        """Fused projections (the norms keep their ``w``: ``ZeroCenteredRMSNorm``)."""
+        c = self.config
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        specs: dict[str, WeightSpec] = {}
+        for i, layer in enumerate(self.model.layers):
+            p = f"model.layers.{i}"
+            if layer.self_attn is not None:
+                kinds = ["weight"] + (["bias"] if layer.self_attn.qkv_proj.bias is not None else [])
+                for kind in kinds:
+                    specs[f"{p}.self_attn.qkv_proj.{kind}"] = WeightSpec(
+                        tuple(f"{p}.self_attn.{n}_proj.{kind}" for n in "qkv"), (2 * q, kv, kv)
+                    )
+            else:
+                la = layer.linear_attn
+                specs[f"{p}.linear_attn.in_proj.weight"] = WeightSpec(
+                    tuple(f"{p}.linear_attn.in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")),
+                    (la.conv_dim, la.value_dim, la.num_v_heads, la.num_v_heads),
+                )
+            m = c.intermediate_size
+            specs[f"{p}.mlp.gate_up_proj.weight"] = WeightSpec(
+                (f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"), (m, m)
+            )
+        return specs
+
+
+class ShortConv(Module):
+    """LFM2's convolution mixer: ``out_proj(C * conv(B * x))`` with B, C, x
+    from one projection and a depthwise causal convolution of ``conv_L_cache`` taps."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        bias = bool(config.hf.get("conv_bias", False))
+        self.hidden = h
+        self.taps = _config_int(config.hf, "conv_L_cache", 3)
+        self.in_proj = Linear(h, 3 * h, bias=bias)
+        self.conv = ConvWeight(h, self.taps, bias)
+        self.out_proj = Linear(h, h, bias=bias)
+        self.ops = TORCH_OPS
+        self.states: list[torch.Tensor] = []
+
+    def state_shapes(self, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """One sequence's state: the convolution's last inputs."""
+        return [((self.hidden, self.taps - 1), dtype)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        meta = get_context()
+        b, c, xx = self.in_proj(x).chunk(3, dim=-1)
+        weight = self.conv.weight.view(self.hidden, self.taps)
+        y = self.ops.causal_conv1d(
+            (b * xx).contiguous(),
+            weight,
+            self.conv.bias,
+            self.states[0],
+            meta.query_start_loc,
+            meta.state_slots,
+            False,
+        )
+        return self.out_proj(c * y)
+
+
+def lfm2_intermediate_size(config: ModelConfig) -> int:
+    """LFM2's MLP width: ``intermediate_size``, or with ``block_auto_adjust_ff_dim``
+    two thirds of it times ``block_ffn_dim_multiplier``, rounded up to a
+    multiple of ``block_multiple_of``."""
+    hf, size = config.hf, config.intermediate_size
+    if not hf.get("block_auto_adjust_ff_dim", True):
+        return size
+    size = int(2 * size / 3)
+    multiplier = hf.get("block_ffn_dim_multiplier", 1.0)
+    if multiplier is not None:
+        size = int(multiplier * size)
+        step = _config_int(hf, "block_multiple_of", 256)
+        size = step * ((size + step - 1) // step)
+    return size
+
+
+class Lfm2DecoderLayer(Module):
+    """Pre-norm block: a short convolution or attention, then the SwiGLU MLP."""
+
+    def __init__(self, config: ModelConfig, layer: int, flags: dict[str, Any]) -> None:
+        super().__init__()
+        eps = float(config.hf.get("norm_eps", 1e-5))
+        if flags["layer_types"][layer] == "conv":
+            self.conv: ShortConv | None = ShortConv(config)
+            self.self_attn: LlamaAttention | None = None
+        else:
+            self.conv = None
+            self.self_attn = LlamaAttention(config, layer, False, False, True, eps)
+        self.feed_forward = LlamaMLP(
+            config.hidden_size, lfm2_intermediate_size(config), "silu", False
+        )
+        self.operator_norm = RMSNorm(config.hidden_size, eps)
+        self.ffn_norm = RMSNorm(config.hidden_size, eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        h = self.operator_norm(x)
+        if self.conv is not None:
+            x = x + self.conv(h)
+        else:
+            assert self.self_attn is not None
+            x = x + self.self_attn(h, cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Lfm2ForCausalLM(HybridForCausalLM):
+    """LFM2: short-convolution and attention layers."""
+
+    LAYER_CLASS = Lfm2DecoderLayer
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        # LFM2 names its final norm ``embedding_norm``; it runs last, as ``model.norm``.
+        self.model.norm = RMSNorm(config.hidden_size, float(config.hf.get("norm_eps", 1e-5)))
+
+    @staticmethod
+    def _flags(config: ModelConfig) -> dict[str, Any]:
+        n = config.num_hidden_layers
+        full = config.hf.get("full_attn_idxs")
+        full = range(n) if full is None else full
+        default = ["full_attention" if i in full else "conv" for i in range(n)]
+        return {"layer_types": hybrid_layer_types(config, "conv", default)}
+
+    def weight_specs(self) -> dict[str, WeightSpec]:
+        """Fused q/k/v and gate/up, and LFM2's own names of the other tensors."""
+        c = self.config
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        m = lfm2_intermediate_size(c)
+        specs: dict[str, WeightSpec] = {
+            "model.norm.weight": WeightSpec(("model.embedding_norm.weight",))
+        }
+        for i, layer in enumerate(self.model.layers):
+            p = f"model.layers.{i}"
+            if layer.self_attn is not None:
+                a = f"{p}.self_attn"
+                specs[f"{a}.qkv_proj.weight"] = WeightSpec(
+                    tuple(f"{a}.{n}_proj.weight" for n in "qkv"), (q, kv, kv)
+                )
+                specs[f"{a}.o_proj.weight"] = WeightSpec((f"{a}.out_proj.weight",))
+                specs[f"{a}.q_norm.weight"] = WeightSpec((f"{a}.q_layernorm.weight",))
+                specs[f"{a}.k_norm.weight"] = WeightSpec((f"{a}.k_layernorm.weight",))
+            f = f"{p}.feed_forward"
+            specs[f"{f}.gate_up_proj.weight"] = WeightSpec(
+                (f"{f}.w1.weight", f"{f}.w3.weight"), (m, m)
+            )
+            specs[f"{f}.down_proj.weight"] = WeightSpec((f"{f}.w2.weight",))
+        return specs

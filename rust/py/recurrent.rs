@@ -1,0 +1,213 @@
+//! The recurrent token mixers of hybrid models: the causal depthwise
+//! convolution and the gated delta rule, over packed sequences with a state
+//! per sequence.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use super::tensor::{check_no_overlap, kernel_dst, kernel_src, DType, TensorArg};
+use crate::recurrent::{self, ConvShape, DeltaInputs, DeltaShape, Packed, MAX_CONV_WIDTH};
+
+/// `query_start_loc` (int32 [num_seqs + 1]) and `state_slots` (int64
+/// [num_seqs]), checked as tensors (their values are checked by the kernel).
+fn batch_args(
+    query_start_loc: &Bound<'_, PyAny>,
+    state_slots: &Bound<'_, PyAny>,
+) -> PyResult<(TensorArg, TensorArg)> {
+    let slots = TensorArg::extract("state_slots", state_slots)?;
+    slots.check(&[DType::I64], 1)?;
+    let qsl = TensorArg::extract("query_start_loc", query_start_loc)?;
+    qsl.check(&[DType::I32], 1)?;
+    qsl.expect_dim(
+        0,
+        slots.shape[0] + 1,
+        "num_seqs + 1, num_seqs from state_slots",
+    )?;
+    Ok((qsl, slots))
+}
+
+/// Depthwise causal convolution of packed sequences: x, out [T, C], weight
+/// [C, K], bias [C] or None, conv_state [S, C, K - 1] (updated in place);
+/// one dtype (bf16 or f32).
+#[pyfunction]
+#[pyo3(signature = (out, x, weight, bias, conv_state, query_start_loc, state_slots, silu))]
+#[allow(clippy::too_many_arguments)]
+fn causal_conv1d(
+    py: Python<'_>,
+    out: &Bound<'_, PyAny>,
+    x: &Bound<'_, PyAny>,
+    weight: &Bound<'_, PyAny>,
+    bias: Option<&Bound<'_, PyAny>>,
+    conv_state: &Bound<'_, PyAny>,
+    query_start_loc: &Bound<'_, PyAny>,
+    state_slots: &Bound<'_, PyAny>,
+    silu: bool,
+) -> PyResult<()> {
+    let x = TensorArg::extract("x", x)?;
+    x.check(&[DType::BF16, DType::F32], 2)?;
+    let (tokens, channels) = (x.shape[0], x.shape[1]);
+    let dt = [x.dtype];
+    let out = TensorArg::extract("out", out)?;
+    out.check(&dt, 2)?;
+    out.expect_dim(0, tokens, "rows of x")?;
+    out.expect_dim(1, channels, "channels of x")?;
+    let weight = TensorArg::extract("weight", weight)?;
+    weight.check(&dt, 2)?;
+    weight.expect_dim(0, channels, "channels of x")?;
+    let width = weight.shape[1];
+    if !(2..=MAX_CONV_WIDTH).contains(&width) {
+        return Err(PyValueError::new_err(format!(
+            "weight: kernel width (dimension 1) must be 2..={MAX_CONV_WIDTH}, got {width}"
+        )));
+    }
+    let bias = bias.map(|b| TensorArg::extract("bias", b)).transpose()?;
+    if let Some(b) = &bias {
+        b.check(&dt, 1)?;
+        b.expect_dim(0, channels, "channels of x")?;
+    }
+    let state = TensorArg::extract("conv_state", conv_state)?;
+    state.check(&dt, 3)?;
+    state.expect_dim(1, channels, "channels of x")?;
+    state.expect_dim(2, width - 1, "kernel width - 1")?;
+    let (qsl, slots) = batch_args(query_start_loc, state_slots)?;
+    for written in [&out, &state] {
+        for input in [&x, &weight, &qsl, &slots].into_iter().chain(&bias) {
+            check_no_overlap(written, input)?;
+        }
+    }
+    check_no_overlap(&out, &state)?;
+    let shape = ConvShape {
+        tokens,
+        channels,
+        width,
+        slots: state.shape[0],
+    };
+    // SAFETY: every tensor was checked (dtype, CPU, contiguity, shape); out
+    // and conv_state share no memory with each other or the inputs; the
+    // caller keeps them alive.
+    let (o, xs, ws, bs, ss, packed) = unsafe {
+        let packed = Packed {
+            query_start_loc: qsl.slice::<i32>(),
+            state_slots: slots.slice::<i64>(),
+        };
+        let bs = bias.as_ref().map(|b| kernel_src(b));
+        (
+            kernel_dst(&out),
+            kernel_src(&x),
+            kernel_src(&weight),
+            bs,
+            kernel_dst(&state),
+            packed,
+        )
+    };
+    py.detach(move || recurrent::causal_conv1d(o, xs, ws, bs, ss, packed, shape, silu))?;
+    Ok(())
+}
+
+/// The gated delta rule over packed sequences: q, k [T, Hk, Dk], v
+/// [T, Hv, Dv] (one dtype, bf16 or f32), g, beta [T, Hv] f32, state
+/// [S, Hv, Dk, Dv] f32 (updated in place), out [T, Hv, Dv] in v's dtype.
+#[pyfunction]
+#[pyo3(signature = (out, q, k, v, g, beta, state, query_start_loc, state_slots, scale, l2norm))]
+#[allow(clippy::too_many_arguments)]
+fn gated_delta_rule(
+    py: Python<'_>,
+    out: &Bound<'_, PyAny>,
+    q: &Bound<'_, PyAny>,
+    k: &Bound<'_, PyAny>,
+    v: &Bound<'_, PyAny>,
+    g: &Bound<'_, PyAny>,
+    beta: &Bound<'_, PyAny>,
+    state: &Bound<'_, PyAny>,
+    query_start_loc: &Bound<'_, PyAny>,
+    state_slots: &Bound<'_, PyAny>,
+    scale: f32,
+    l2norm: bool,
+) -> PyResult<()> {
+    let q = TensorArg::extract("q", q)?;
+    q.check(&[DType::BF16, DType::F32], 3)?;
+    let (tokens, k_heads, k_dim) = (q.shape[0], q.shape[1], q.shape[2]);
+    let dt = [q.dtype];
+    let k = TensorArg::extract("k", k)?;
+    k.check(&dt, 3)?;
+    if k.shape != q.shape {
+        return Err(PyValueError::new_err(format!(
+            "k: shape {:?} must match q {:?}",
+            k.shape, q.shape
+        )));
+    }
+    let v = TensorArg::extract("v", v)?;
+    v.check(&dt, 3)?;
+    v.expect_dim(0, tokens, "rows of q")?;
+    let (v_heads, v_dim) = (v.shape[1], v.shape[2]);
+    if k_heads == 0 || !v_heads.is_multiple_of(k_heads) {
+        return Err(PyValueError::new_err(format!(
+            "v: value heads (dimension 1, {v_heads}) must be a multiple of the query/key heads ({k_heads})"
+        )));
+    }
+    let mut gates = Vec::with_capacity(2);
+    for (name, obj) in [("g", g), ("beta", beta)] {
+        let t = TensorArg::extract(name, obj)?;
+        t.check(&[DType::F32], 2)?;
+        t.expect_dim(0, tokens, "rows of q")?;
+        t.expect_dim(1, v_heads, "value heads of v")?;
+        gates.push(t);
+    }
+    let state = TensorArg::extract("state", state)?;
+    state.check(&[DType::F32], 4)?;
+    state.expect_dim(1, v_heads, "value heads of v")?;
+    state.expect_dim(2, k_dim, "head size of q")?;
+    state.expect_dim(3, v_dim, "head size of v")?;
+    let out = TensorArg::extract("out", out)?;
+    out.check(&dt, 3)?;
+    for (d, (size, what)) in [
+        (tokens, "rows of q"),
+        (v_heads, "value heads of v"),
+        (v_dim, "head size of v"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        out.expect_dim(d, size, what)?;
+    }
+    let (qsl, slots) = batch_args(query_start_loc, state_slots)?;
+    for written in [&out, &state] {
+        for input in [&q, &k, &v, &gates[0], &gates[1], &qsl, &slots] {
+            check_no_overlap(written, input)?;
+        }
+    }
+    check_no_overlap(&out, &state)?;
+    let shape = DeltaShape {
+        tokens,
+        k_heads,
+        v_heads,
+        k_dim,
+        v_dim,
+        slots: state.shape[0],
+    };
+    // SAFETY: every tensor was checked (dtype, CPU, contiguity, shape); out
+    // and state share no memory with each other or the inputs; the caller
+    // keeps them alive.
+    let (o, inputs, st, packed) = unsafe {
+        let inputs = DeltaInputs {
+            q: kernel_src(&q),
+            k: kernel_src(&k),
+            v: kernel_src(&v),
+            g: gates[0].slice::<f32>(),
+            beta: gates[1].slice::<f32>(),
+        };
+        let packed = Packed {
+            query_start_loc: qsl.slice::<i32>(),
+            state_slots: slots.slice::<i64>(),
+        };
+        (kernel_dst(&out), inputs, state.slice_mut::<f32>(), packed)
+    };
+    py.detach(move || recurrent::gated_delta_rule(o, inputs, st, packed, shape, scale, l2norm))?;
+    Ok(())
+}
+
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(causal_conv1d, m)?)?;
+    m.add_function(wrap_pyfunction!(gated_delta_rule, m)?)?;
+    Ok(())
+}

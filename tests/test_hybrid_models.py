@@ -1,0 +1,341 @@
+"""Hybrid recurrent families against transformers: Qwen3.5 (Gated DeltaNet
+and gated attention) and LFM2 (short convolutions and attention), tiny
+random models with the knobs that change the maths (layer patterns, value
+heads sharing key heads, key and value head sizes apart, convolution widths
+2-4, biases, partial rotary, tied and untied heads), saved with
+``save_pretrained`` and loaded by fastllm's loader.
+
+Float32 logits of mixed-length batches, prefilled in chunks split at odd
+positions and then decoded, must match transformers' full forward pass of
+each sequence alone (``tests/test_models.py``'s tolerance), on the packed
+CPU path (the Rust kernels) and the torch path; greedy generation through
+``LLM`` must give transformers' tokens and logprobs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fastllm.config import ModelConfig  # noqa: E402
+from fastllm.layers.linear import pack_linears  # noqa: E402
+from fastllm.layers.ops import RUST_OPS, TORCH_OPS, bind_ops  # noqa: E402
+from fastllm.models.loader import load_model  # noqa: E402
+from paged_helpers import PagedRunner  # noqa: E402
+from test_models import (  # noqa: E402
+    VOCAB,
+    _build,
+    _one_thread,  # noqa: E402, F401 - autouse: one torch thread
+    _reference,
+    _sequences,
+)
+from test_models import _assert_close_f32 as _close  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+def _configs() -> dict[str, object]:
+    t = transformers
+    return {
+        # Three DeltaNet layers then an attention layer (the default
+        # pattern); two value heads per key head, Dk != Dv, 4 taps, a
+        # quarter of each attention head rotated.
+        "qwen3_5": t.Qwen3_5TextConfig(
+            **COMMON,
+            head_dim=16,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            tie_word_embeddings=False,
+        ),
+        # Attention first, one value head per key head, 2 taps, q/k/v/o
+        # biases, half of each head rotated, tied embeddings.
+        "qwen3_5_pattern": t.Qwen3_5TextConfig(
+            **COMMON,
+            head_dim=16,
+            intermediate_size=80,
+            num_hidden_layers=3,
+            layer_types=["full_attention", "linear_attention", "linear_attention"],
+            linear_num_key_heads=3,
+            linear_num_value_heads=3,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=2,
+            attention_bias=True,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1000.0,
+                "partial_rotary_factor": 0.5,
+            },
+            tie_word_embeddings=True,
+        ),
+        # One attention layer among convolutions; the MLP width adjusted
+        # (2/3, rounded up to a multiple of 32).
+        "lfm2": t.Lfm2Config(
+            **COMMON,
+            intermediate_size=120,
+            num_hidden_layers=4,
+            full_attn_idxs=[1],
+            conv_L_cache=3,
+            block_multiple_of=32,
+            block_ffn_dim_multiplier=1.5,
+        ),
+        # Biased convolutions of 2 taps, two attention layers, the width as given.
+        "lfm2_bias": t.Lfm2Config(
+            **COMMON,
+            intermediate_size=72,
+            num_hidden_layers=3,
+            layer_types=["full_attention", "conv", "full_attention"],
+            conv_L_cache=2,
+            conv_bias=True,
+            block_auto_adjust_ff_dim=False,
+            tie_word_embeddings=False,
+        ),
+    }
+
+
+CONFIGS = _configs()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, torch.nn.Module]]:
+    out = {}
+    for name, config in CONFIGS.items():
+        folder = str(tmp_path_factory.mktemp(name))
+        out[name] = (folder, _build("", folder, 0, config))
+    return out
+
+
+def _load(folder: str, rust: bool) -> torch.nn.Module:
+    model = load_model(ModelConfig.from_pretrained(folder), folder, torch.float32, "cpu")
+    if rust:
+        pack_linears(model)
+    else:
+        bind_ops(model, TORCH_OPS)
+    return model
+
+
+def _chunked_then_decode(
+    model: torch.nn.Module, seqs: list[list[int]], dtype: torch.dtype = torch.float32
+) -> list[torch.Tensor]:
+    """Logits of every position: each prompt but its last 3 tokens in two
+    chunks (split at an odd position), batched, then those tokens decoded
+    one step at a time."""
+    runner = PagedRunner(model, dtype)
+    out: list[list[torch.Tensor]] = [[] for _ in seqs]
+    cuts = [max(1, (len(s) - 3) // 2) | 1 for s in seqs]
+    first = runner.step([(i, s[: min(c, len(s) - 3)]) for i, (s, c) in enumerate(zip(seqs, cuts))])
+    second = [(i, s[min(c, len(s) - 3) : -3]) for i, (s, c) in enumerate(zip(seqs, cuts))]
+    rest = runner.step([(i, t) for i, t in second if t])
+    rest_iter = iter(rest)
+    for i, t in second:
+        out[i].append(first[i])
+        if t:
+            out[i].append(next(rest_iter))
+    for t in (3, 2, 1):
+        for i, logits in enumerate(runner.step([(i, [s[-t]]) for i, s in enumerate(seqs)])):
+            out[i].append(logits)
+    return [torch.cat(parts) for parts in out]
+
+
+@pytest.mark.parametrize("rust", [True, False], ids=["rust", "torch"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_match_transformers(name: str, rust: bool, saved: dict) -> None:
+    folder, ref_model = saved[name]
+    seqs = _sequences(1, [14, 9, 21, 5])
+    ref = _reference(ref_model, seqs)
+    model = _load(folder, rust)
+    assert model.recurrent_layers()
+    assert all(m.ops is (RUST_OPS if rust else TORCH_OPS) for m in model.recurrent_layers())
+    for i, (ours, expected) in enumerate(zip(_chunked_then_decode(model, seqs), ref, strict=True)):
+        _close(ours, expected, f"{name} sequence {i}")
+
+
+def test_long_prompt_uses_every_kernel_form(saved: dict) -> None:
+    """A 150-token prompt in one step (the delta rule's chunked form) and in
+    one-token steps (its recurrent form) both match transformers."""
+    folder, ref_model = saved["qwen3_5"]
+    (seq,) = _sequences(2, [150])
+    (ref,) = _reference(ref_model, [seq])
+    model = _load(folder, True)
+    runner = PagedRunner(model, torch.float32, num_blocks=128)
+    (whole,) = runner.step([(0, seq)])
+    _close(whole, ref, "one step")
+    runner = PagedRunner(model, torch.float32, num_blocks=128)
+    steps = [runner.step([(0, [t])])[0] for t in seq[:40]]
+    _close(torch.cat(steps), ref[:40], "token by token")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_generation_matches_transformers(name: str, saved: dict) -> None:
+    """Through ``LLM`` (a mixed batch, the engine's schedule): greedy tokens
+    equal transformers' and each step's top-3 logprobs equal the reference's
+    log-softmax at that position."""
+    from fastllm import LLM, SamplingParams
+
+    folder, ref_model = saved[name]
+    prompts = _sequences(3, [6, 11, 3])
+    llm = LLM(model=folder, dtype="float32", skip_tokenizer_init=True, max_model_len=64)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = ref_model.generate(
+                torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8
+            )[0, len(prompt) :].tolist()
+        c = out.outputs[0]
+        assert c.token_ids == ref, name
+        (logits,) = _reference(ref_model, [prompt + ref[:-1]])
+        ref_lp = torch.log_softmax(logits[len(prompt) - 1 :], dim=-1)
+        for step, top in enumerate(c.logprobs):
+            assert len(top) >= 3
+            for token, lp in top.items():
+                assert abs(lp.logprob - ref_lp[step, token].item()) <= 1e-4, (name, step)
+
+
+def test_each_option_matters(saved: dict) -> None:
+    """The options are read, not ignored: changing the layer pattern or the
+    convolution width changes transformers' logits, and fastllm follows."""
+    import copy
+
+    for name, change in (
+        ("qwen3_5", {"layer_types": ["linear_attention", "full_attention"] * 2}),
+        ("lfm2", {"layer_types": ["conv", "conv", "full_attention", "conv"]}),
+    ):
+        folder, ref_model = saved[name]
+        seqs = _sequences(4, [12])
+        base = _reference(ref_model, seqs)[0]
+        config = copy.deepcopy(CONFIGS[name])
+        for k, v in change.items():
+            setattr(config, k, v)
+        other = _build("", folder + "-changed", 0, config)
+        ref = _reference(other, seqs)[0]
+        assert (ref - base).abs().max() > 1e-3, change
+        ours = _chunked_then_decode(_load(folder + "-changed", True), seqs)[0]
+        _close(ours, ref, f"{name} with {change}")
+
+
+def test_bad_hybrid_config(tmp_path, saved: dict) -> None:
+    import json
+    import shutil
+
+    folder, _ = saved["qwen3_5"]
+    for change, needle in (
+        ({"layer_types": ["linear_attention"] * 3}, "layer_types"),
+        ({"linear_num_value_heads": 3}, "linear_num_value_heads"),
+        ({"linear_conv_kernel_dim": 0}, "linear_conv_kernel_dim"),
+    ):
+        dst = tmp_path / needle / str(len(str(change)))
+        shutil.copytree(folder, dst)
+        config = json.loads((dst / "config.json").read_text())
+        config.update(change)
+        (dst / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=needle):
+            load_model(ModelConfig.from_pretrained(str(dst)), str(dst), torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_multimodal_checkpoint_runs_its_text_model(tmp_path, tie: bool) -> None:
+    """A ``Qwen3_5ForConditionalGeneration`` folder (a vision tower beside the
+    text model under ``model.language_model``; the head tied by the top-level
+    flag) runs as its text model, equal to transformers on text."""
+    text = CONFIGS["qwen3_5"].to_dict()
+    text["tie_word_embeddings"] = not tie  # the top level decides
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=4,
+        num_position_embeddings=16,
+    )
+    config = transformers.Qwen3_5Config(
+        text_config=text, vision_config=vision, tie_word_embeddings=tie
+    )
+    torch.manual_seed(0)
+    ref_model = transformers.Qwen3_5ForConditionalGeneration(config)
+    from test_models import _randomize
+
+    _randomize(ref_model, 3)
+    ref_model = ref_model.float().eval()
+    ref_model.save_pretrained(str(tmp_path))
+    seqs = _sequences(11, [10, 6])
+    ref = _reference(ref_model, seqs)
+    model = _load(str(tmp_path), True)
+    assert (model.lm_head is None) == tie
+    for i, (ours, expected) in enumerate(zip(_chunked_then_decode(model, seqs), ref, strict=True)):
+        _close(ours, expected, f"multimodal text part, sequence {i}")
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["qwen3_5", "lfm2"])
+def test_quantized_match_the_quantized_reference(name: str, quantization: str, saved: dict) -> None:
+    """``quantization="int8"/"int4"``: every projection of the recurrent and
+    attention layers runs the integer kernels, and the logits are those of
+    the reference holding the same weights quantized and dequantized, within
+    ``tests/test_models.py``'s bound for the families (the kernels' 8-bit
+    activations)."""
+    from fastllm import _core
+    from fastllm.layers.quantization import QUANTIZATION_FORMATS, quantize_model
+    from test_models import _fake_quantized
+
+    folder, ref_model = saved[name]
+    fmt = QUANTIZATION_FORMATS[quantization]
+    model = _load(folder, rust=False)
+    bind_ops(model, RUST_OPS)
+    quantize_model(model, fmt, VOCAB)
+    linears = [m for m in model.modules() if type(m).__name__ == "Linear"]
+    assert linears and all(isinstance(m.packed, _core.QuantizedLinear) for m in linears)
+    seqs = _sequences(15, [12, 9])
+    ours = torch.cat(_chunked_then_decode(model, seqs))
+    ref = torch.cat(_reference(ref_model, seqs))
+    same_weights = torch.cat(_reference(_fake_quantized(ref_model, fmt), seqs))
+    moved = (same_weights - ref).abs().max().item()
+    err = (ours - same_weights).abs().max().item()
+    # The kernels quantize activations to 8 bits at every projection (four
+    # per DeltaNet layer), an error floor of about a tenth of the logit
+    # scale on these tiny models whatever the weights' format (int4's error
+    # to its own reference is no larger than int8's), so the floor is 15%.
+    share = 1.5 if quantization == "int8" else 1 / 3
+    assert err <= max(share * moved, 0.15 * ref.abs().max().item()), (err, moved)
+    assert (ours.argmax(-1) == same_weights.argmax(-1)).float().mean() >= 0.85
+
+
+@pytest.mark.parametrize("rust", [True, False], ids=["rust", "torch"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_bfloat16_close_to_float32_reference(name: str, rust: bool, saved: dict) -> None:
+    """bfloat16 weights and activations (the delta rule's state stays float32):
+    within 3% of the logit scale, or 1.5x transformers' own bfloat16 error,
+    of the float32 reference, as every family (``tests/test_models.py``)."""
+    import copy
+
+    folder, ref_model = saved[name]
+    seqs = _sequences(4, [9, 16, 3])
+    expected = torch.cat(_reference(ref_model, seqs))
+    model = load_model(ModelConfig.from_pretrained(folder), folder, torch.bfloat16, "cpu")
+    if rust:
+        pack_linears(model)
+    else:
+        bind_ops(model, TORCH_OPS)
+    ours = torch.cat(_chunked_then_decode(model, seqs, torch.bfloat16))
+    ref_bf16 = copy.deepcopy(ref_model).to(torch.bfloat16)
+    own = (torch.cat(_reference(ref_bf16, seqs)) - expected).abs().max().item()
+    tol = max(0.03 * expected.abs().max().item(), 1.5 * own)
+    err = (ours - expected).abs().max().item()
+    assert err <= tol, (name, err, own)
+    assert (ours.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.8
