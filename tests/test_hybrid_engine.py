@@ -54,13 +54,17 @@ def test_prefix_cache_resumes_from_a_snapshot(folder: str) -> None:
     assert stats["hits"] == 1 and stats["hit_tokens"] == 64
 
 
-def test_multi_turn_chat_recomputes_only_the_new_turn(folder: str) -> None:
-    """Each turn's prompt is the conversation so far plus a new message: it
-    resumes within ``state_snapshot_interval`` tokens of the conversation's
-    end (snapshots taken while decoding), and replies as without the cache."""
-    llm = _llm(folder, state_snapshot_interval=8, block_size=8)
+@pytest.mark.parametrize("interval", [8, 64])
+def test_multi_turn_chat_recomputes_only_the_new_turn(folder: str, interval: int) -> None:
+    """Each turn's prompt is the conversation so far plus a new message. With
+    snapshots every block (interval 8), it resumes within a block of the
+    conversation's end (snapshots taken while decoding); with sparse ones
+    (64), within a block of the previous prompt's end (the prompt's own
+    snapshot point). Either way it replies as without the cache."""
+    llm = _llm(folder, state_snapshot_interval=interval, block_size=8)
     plain = _llm(folder, enable_prefix_caching=False)
     conversation: list[int] = []
+    previous_prompt = 0
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     for turn, message in enumerate(_sequences(7, [20, 7, 13, 9])):
         prompt = conversation + message
@@ -68,7 +72,9 @@ def test_multi_turn_chat_recomputes_only_the_new_turn(folder: str) -> None:
         (ref,) = _run(plain, [prompt], params)
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids, turn
         if turn:
-            assert out.num_cached_tokens > len(conversation) - 8, turn
+            resumed_by = len(conversation) if interval == 8 else previous_prompt
+            assert out.num_cached_tokens > resumed_by - 8, turn
+        previous_prompt = len(prompt)
         conversation = prompt + list(out.outputs[0].token_ids)
 
 

@@ -122,6 +122,7 @@ class LLMEngine:
                 config.max_state_snapshots,
                 config.state_snapshot_interval,
                 config.enable_prefix_caching,
+                config.block_size,
             )
         self.cache = plan_kv_cache(
             device=loaded.device,

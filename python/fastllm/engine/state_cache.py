@@ -10,22 +10,27 @@ recomputed like its KV blocks), and copied when an ``n > 1`` request forks.
 
 Prefix caching. A recurrent state cannot be rewound: the state after token
 ``t`` exists only if some step ended at ``t``. So the engine keeps
-*snapshots*: copies of a sequence's state at prefix lengths that are
-multiples of ``interval`` tokens (``state_snapshot_interval``, a multiple of
-the block size), in ``max_state_snapshots`` slots of their own (LRU). A
-snapshot is keyed by a hash chain over the prefix's tokens, ``interval``
-tokens per link, and holds the tokens to verify a hit. Snapshots are taken
+*snapshots*: copies of a sequence's state at chosen prefix lengths, in
+``max_state_snapshots`` slots of their own (least recently used first). A
+snapshot is keyed by a hash chain over the prefix's tokens, one link per KV
+block (``block_size`` tokens), and holds the tokens to verify a hit.
+Snapshots are taken
 
+* at the last block boundary inside each prompt: the scheduler ends the
+  prompt's chunk there (``cut``), costing at most one more step per prompt,
+  so the next turn of a chat, which repeats this prompt, resumes within a
+  block of its end;
 * whenever a step ends a sequence exactly at a multiple of ``interval``
-  (decoding crosses each one), and
-* at the last multiple of ``interval`` inside a prompt: the scheduler ends a
-  prompt chunk there (``cut``), costing at most one more step per prompt.
+  tokens (``state_snapshot_interval``, a multiple of the block size):
+  decoding passes each one, so a long reply leaves a snapshot at most
+  ``interval`` tokens before its end.
 
 The reuse rule: a new sequence resumes at the longest prefix ``P`` that has
 both a snapshot and every attention layer's KV blocks in the prefix cache
 (``KVCacheManager.acquire_prefix``); it recomputes from ``P`` on, and
-``num_cached_tokens`` is ``P``. A multi-turn chat therefore recomputes its
-new turn plus at most ``interval`` tokens, not the conversation.
+``num_cached_tokens`` is ``P``. A multi-turn chat therefore recomputes the
+previous reply (up to ``interval`` tokens of it) and the new turn, not the
+conversation.
 """
 
 from __future__ import annotations
@@ -61,11 +66,13 @@ class StateCache:
         num_snapshots: int,
         interval: int,
         enable_prefix_caching: bool,
+        block_size: int,
     ) -> None:
         self.num_seq_slots = num_seq_slots
         #: Slots every state tensor has: the sequences' first, then the snapshots'.
         self.num_slots = num_seq_slots + num_snapshots
         self.interval = interval
+        self.block_size = block_size
         self.snapshots_enabled = enable_prefix_caching and num_snapshots > 0
         self._free = list(range(num_seq_slots - 1, -1, -1))
         self._free_snaps = list(range(num_seq_slots + num_snapshots - 1, num_seq_slots - 1, -1))
@@ -90,9 +97,9 @@ class StateCache:
     # ---- keys --------------------------------------------------------------
 
     def _keys(self, seq: Sequence, links: int) -> list[int]:
-        """The chain keys of ``seq``'s first ``links`` intervals (cached on it)."""
+        """The chain keys of ``seq``'s first ``links`` blocks (cached on it)."""
         keys = seq.state_keys
-        n = self.interval
+        n = self.block_size
         tokens = seq.token_ids
         while len(keys) < links:
             j = len(keys)
@@ -103,26 +110,27 @@ class StateCache:
     # ---- sequences ---------------------------------------------------------
 
     def resume_point(self, seq: Sequence, limit: int) -> int:
-        """The longest prefix of ``seq`` (at most ``limit`` tokens) with a
-        snapshot; 0 when none. The snapshot is queued for copying into the
-        sequence's slot (``ensure_slot``)."""
+        """The longest prefix of ``seq`` (at most ``limit`` tokens, a whole
+        number of blocks) with a snapshot; 0 when none. The snapshot is
+        queued for copying into the sequence's slot (``ensure_slot``)."""
         if not self.snapshots_enabled:
             return 0
         self.stats["queries"] += 1
-        links = limit // self.interval
+        links = limit // self.block_size
         keys = self._keys(seq, links)
         for j in range(links, 0, -1):
             entry = self._snaps.get(keys[j - 1])
             if entry is None:
                 continue
             slot, tokens = entry
-            if tokens != tuple(seq.token_ids[: j * self.interval]):
+            length = j * self.block_size
+            if tokens != tuple(seq.token_ids[:length]):
                 continue
             self._snaps.move_to_end(keys[j - 1])
             seq.state_restore = slot
             self.stats["hits"] += 1
-            self.stats["hit_tokens"] += j * self.interval
-            return j * self.interval
+            self.stats["hit_tokens"] += length
+            return length
         return 0
 
     def ensure_slot(self, seq: Sequence) -> bool:
@@ -172,22 +180,30 @@ class StateCache:
 
     # ---- snapshots ---------------------------------------------------------
 
+    def _prompt_point(self, seq: Sequence) -> int:
+        """The last block boundary before the end of ``seq``'s prompt (at
+        least one prompt token after it, as a resumed sequence needs)."""
+        return (seq.num_prompt_tokens - 1) // self.block_size * self.block_size
+
     def cut(self, seq: Sequence, start: int, num_new: int) -> int:
-        """``num_new`` shortened so a chunk ends at the last snapshot point
-        inside the sequence's known tokens, when the chunk crosses it."""
+        """``num_new`` shortened so a prompt chunk ends at the prompt's
+        snapshot point (``_prompt_point``) when the chunk crosses it."""
         if not self.snapshots_enabled:
             return num_new
-        last = (seq.num_tokens - 1) // self.interval * self.interval
-        if start < last < start + num_new:
-            return last - start
+        point = self._prompt_point(seq)
+        if start < point < start + num_new:
+            return point - start
         return num_new
 
     def save_after_step(self, seq: Sequence, end: int) -> None:
         """Snapshots ``seq``'s state after this step when the step ends it at
-        a snapshot point not stored yet."""
-        if not self.snapshots_enabled or end == 0 or end % self.interval or seq.state_slot is None:
+        a snapshot point (a multiple of ``interval``, or the prompt's point)
+        not stored yet."""
+        if not self.snapshots_enabled or end == 0 or seq.state_slot is None:
             return
-        key = self._keys(seq, end // self.interval)[-1]
+        if end % self.interval and end != self._prompt_point(seq):
+            return
+        key = self._keys(seq, end // self.block_size)[-1]
         if key in self._snaps:
             self._snaps.move_to_end(key)
             return
