@@ -57,6 +57,7 @@ from test_models import (  # noqa: E402
     _one_thread,  # noqa: F401 - the autouse fixture: one torch thread for tiny models
     _reference,
     _sequences,
+    check_greedy_generation,
 )
 
 transformers.logging.set_verbosity_error()
@@ -464,25 +465,11 @@ def test_k_quant_out_proj_columns_back_in_order(kind, saved, tmp_path):
 
 
 def test_llm_greedy_tokens_from_a_hybrid_file(saved, tmp_path):
-    from fastllm import LLM, SamplingParams
-
+    """``LLM(file)``: transformers' greedy tokens and logprobs (``check_greedy_generation``)."""
     for name in ("qwen3_5", "lfm2"):
         _, ref_model = saved[name]
         path = write_hybrid_gguf(ref_model, str(tmp_path / f"{name}.gguf"), name)
-        prompts = _sequences(8, [6, 11])
-        llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=64)
-        outs = llm.generate(
-            [{"prompt_token_ids": p} for p in prompts],
-            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
-            use_tqdm=False,
-        )
-        assert "gguf" in repr(llm)
-        for prompt, out in zip(prompts, outs, strict=True):
-            with torch.no_grad():
-                ref = ref_model.generate(
-                    torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8
-                )[0, len(prompt) :].tolist()
-            assert out.outputs[0].token_ids == ref, name
+        check_greedy_generation(path, ref_model, name)
 
 
 # ---- broken files ---------------------------------------------------------

@@ -48,6 +48,7 @@ from fastllm.layers.quantization import quantize_model  # noqa: E402
 from fastllm.models.loader import load_model  # noqa: E402
 from gguf_models import unpermute  # noqa: E402
 from test_gguf import _load_gguf, _logits  # noqa: E402
+from test_models import check_greedy_generation  # noqa: E402
 from test_moe_models import (  # noqa: E402
     CONFIGS,
     _close,
@@ -456,24 +457,10 @@ def test_quantized_router_is_dequantized(saved, tmp_path):
 
 
 def test_llm_greedy_tokens_from_a_moe_file(saved, tmp_path):
-    from fastllm import LLM, SamplingParams
-
+    """``LLM(file)``: transformers' greedy tokens and logprobs (``check_greedy_generation``)."""
     _, ref_model = saved["qwen3_moe"]
     path = write_moe_gguf(ref_model, str(tmp_path / "m.gguf"), "qwen3_moe")
-    prompts = _sequences(8, [6, 11])
-    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=64)
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
-        use_tqdm=False,
-    )
-    assert "gguf" in repr(llm)
-    for prompt, out in zip(prompts, outs, strict=True):
-        with torch.no_grad():
-            ref = ref_model.generate(
-                torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8
-            )[0, len(prompt) :].tolist()
-        assert out.outputs[0].token_ids == ref
+    check_greedy_generation(path, ref_model, "qwen3_moe")
 
 
 def test_packed_weight_cache_maps_the_experts(saved, tmp_path, monkeypatch):

@@ -30,6 +30,7 @@ from test_models import (  # noqa: E402
     _one_thread,  # noqa: E402, F401 - autouse: one torch thread
     _reference,
     _sequences,
+    check_greedy_generation,
 )
 from test_models import _assert_close_f32 as _close  # noqa: E402
 
@@ -182,29 +183,8 @@ def test_long_prompt_uses_every_kernel_form(saved: dict) -> None:
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_generation_matches_transformers(name: str, saved: dict) -> None:
-    """Through ``LLM`` (a mixed batch, the engine's schedule): greedy tokens
-    equal transformers' and each step's top-3 logprobs equal the reference's
-    log-softmax at that position."""
-    from fastllm import LLM, SamplingParams
-
     folder, ref_model = saved[name]
-    prompts = _sequences(3, [6, 11, 3])
-    llm = LLM(model=folder, dtype="float32", skip_tokenizer_init=True, max_model_len=64)
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, out in zip(prompts, outs, strict=True):
-        with torch.no_grad():
-            ref = ref_model.generate(
-                torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8
-            )[0, len(prompt) :].tolist()
-        c = out.outputs[0]
-        assert c.token_ids == ref, name
-        (logits,) = _reference(ref_model, [prompt + ref[:-1]])
-        ref_lp = torch.log_softmax(logits[len(prompt) - 1 :], dim=-1)
-        for step, top in enumerate(c.logprobs):
-            assert len(top) >= 3
-            for token, lp in top.items():
-                assert abs(lp.logprob - ref_lp[step, token].item()) <= 1e-4, (name, step)
+    check_greedy_generation(folder, ref_model, name)
 
 
 def test_each_option_matters(saved: dict) -> None:

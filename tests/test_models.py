@@ -264,6 +264,31 @@ def _assert_close_f32(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     )
 
 
+def check_greedy_generation(folder: str, ref_model: torch.nn.Module, name: str) -> None:
+    """Through ``LLM`` (a mixed batch, the engine's schedule): greedy tokens
+    equal transformers' and each step's top-3 logprobs equal the reference's
+    log-softmax at that position (float32)."""
+    from fastllm import LLM, SamplingParams
+
+    prompts = _sequences(3, [6, 11, 3])
+    llm = LLM(model=folder, dtype="float32", skip_tokenizer_init=True, max_model_len=64)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = ref_model.generate(
+                torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8
+            )[0, len(prompt) :].tolist()
+        c = out.outputs[0]
+        assert c.token_ids == ref, name
+        (logits,) = _reference(ref_model, [prompt + ref[:-1]])
+        ref_lp = torch.log_softmax(logits[len(prompt) - 1 :], dim=-1)
+        for step, top in enumerate(c.logprobs):
+            assert len(top) >= 3
+            for token, lp in top.items():
+                assert abs(lp.logprob - ref_lp[step, token].item()) <= 1e-4, (name, step)
+
+
 def _load(folder: str, dtype: torch.dtype = torch.float32, pack: bool = True) -> torch.nn.Module:
     """The model as the engine runs it: packed for the Rust GEMM where the
     engine would pack it (the CPU default on x86 with AVX2 or AVX-512)."""
