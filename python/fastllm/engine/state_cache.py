@@ -53,9 +53,6 @@ class StateOps:
     resets: list[int] = field(default_factory=list)
     saves: list[tuple[int, int]] = field(default_factory=list)
 
-    def __bool__(self) -> bool:
-        return bool(self.copies or self.resets or self.saves)
-
 
 class StateCache:
     """Slots of the running sequences' states and the snapshot store."""
@@ -84,10 +81,6 @@ class StateCache:
         #: counters for ``/metrics``: lookups, lookups that resumed from a
         #: snapshot, tokens not recomputed thanks to them, snapshots taken
         self.stats = {"queries": 0, "hits": 0, "hit_tokens": 0, "saved": 0}
-
-    @property
-    def num_free_slots(self) -> int:
-        return len(self._free)
 
     def take_pending(self) -> StateOps:
         """The state work queued since the last call."""
