@@ -34,7 +34,6 @@ The config fastllm reads from each F32 file is compared with the folder's
 differ). No network is used.
 """
 
-import argparse
 import copy
 import json
 import os
@@ -45,11 +44,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gguf_converter_families as fam  # noqa: E402  (puts tests/ on sys.path)
 import gguf_converter_moe as moe  # noqa: E402
 import torch  # noqa: E402
-import transformers  # noqa: E402
 
 import test_hybrid_models as th  # noqa: E402
 import test_models as tm  # noqa: E402
-from conftest import train_byte_level_bpe  # noqa: E402
 from fastllm.config import ModelConfig  # noqa: E402
 from fastllm.layers.quantization import quantize_model  # noqa: E402
 from fastllm.models.hybrid import lfm2_intermediate_size  # noqa: E402
@@ -158,85 +155,9 @@ def run_family(name: str, args, tokenizer, seqs, failures: list) -> dict:
     return row
 
 
-def report(rows: list[dict], notes: list[str]) -> None:
-    head = f"{'family':15} | {'F32 err':>8} {'argmax':>7} {'greedy':>6} | "
-    head += f"{'Q8_0 err median/max':>19} {'argmax':>7} {'max flip margin':>15} | "
-    head += f"{'at load: median/max':>19} {'argmax':>7} | tok"
-    print(head + "\n" + "-" * len(head))
-    for r in rows:
-        f, q = r.get("f32"), r.get("q8_0")
-        line = f"{r['family']:15} | "
-        if f:
-            g = r.get("greedy")
-            greedy = f"{g[0]}/{g[1]}" if g else "-"
-            line += f"{f['err']:8.1e} {f['same']:>3}/{f['total']:<3} {greedy:>6} | "
-        else:
-            line += f"{'failed':>23} | "
-        if q:
-            flip = f"{max(q['margins']):.4f}" if q["margins"] else "-"
-            err = f"{q['median']:.4f}/{q['err']:.4f}"
-            line += f"{err:>19} {q['same']:>3}/{q['total']:<3} {flip:>15} | "
-        else:
-            line += f"{'failed':>43} | "
-        median, a = r["at_load"]
-        err = f"{median:.4f}/{a['err']:.4f}"
-        line += f"{err:>19} {a['same']:>3}/{a['total']:<3} | "
-        print(line + r.get("tok", "-"))
-    print("errors: max |fastllm - transformers| / max|transformers| over the sequences")
-    print("  (Q8_0: the median over positions, then the largest);")
-    print(f"greedy: LLM(file) continues the {moe.PROMPT}-token prompts as transformers does")
-    print(f"  ({moe.NEW_TOKENS} tokens each); flip margin: the reference's (top1 - top2) /")
-    print("  max|logit| where the argmax differs; at load: the folder quantized to q8_0")
-    print("  by fastllm at load, against the same reference (the same kind of rounding of")
-    print("  the weights and activations as the Q8_0 file's)")
-    for r in rows:
-        for t in ("f32", "q8_0"):
-            if t in r:
-                types = ", ".join(f"{k} x{v}" for k, v in sorted(r[t]["types"].items()))
-                flips = ", ".join(f"{m:.4f}" for m in sorted(r[t]["margins"])) or "none"
-                print(f"  {r['family']} {t}: tensors {types}; flip margins: {flips}")
-        for d in r.get("diff", []):
-            print(f"  {r['family']}: config from the file differs from the folder's: {d}")
-    names = {r["family"] for r in rows}
-    print("options the converter cannot write, changed in the test configs:")
-    for name, (_, why) in WRITABLE.items():
-        if name in names:
-            print(f"  {name}: {why}")
-    for note in notes:
-        print("FAILED " + note)
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("out", nargs="?", default="/tmp/gguf-hybrid")
-    ap.add_argument("--llama-dir", default=os.environ.get("LLAMA_DIR", fam.DEFAULT_LLAMA))
-    ap.add_argument(
-        "--pylib",
-        default=None,
-        help="folder holding sentencepiece (default: LLAMA_DIR's pylib, "
-        "see benches/build_llama_cpp.sh)",
-    )
-    ap.add_argument("--families", default=",".join(FAMILIES))
-    args = ap.parse_args()
-    args.pylib = args.pylib or fam.default_pylib(args.llama_dir)
-    if not os.path.isfile(os.path.join(args.llama_dir, "convert_hf_to_gguf.py")):
-        sys.exit(
-            f"llama.cpp source not found: {args.llama_dir}/convert_hf_to_gguf.py is missing; "
-            "pass --llama-dir or set LLAMA_DIR (benches/build_llama_cpp.sh fetch unpacks it)"
-        )
-    torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    tokenizer = train_byte_level_bpe(tm.VOCAB)
-    seqs = tm._sequences(5, fam.LENGTHS)
-    print(
-        f"tiny random hybrid models (vocab {tm.VOCAB}), sequences of {fam.LENGTHS} tokens "
-        f"({sum(fam.LENGTHS)} positions); converter: {args.llama_dir}"
-    )
-    rows, failures = [], []
-    for name in args.families.split(","):
-        rows.append(run_family(name, args, tokenizer, seqs, failures))
-    report(rows, failures)
+    """The MoE bench's command line and table, for the hybrid families."""
+    moe.main("hybrid", FAMILIES, run_family, WRITABLE, "/tmp/gguf-hybrid", __doc__)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import copy
 import json
 import os
 import sys
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gguf_converter_families as fam  # noqa: E402  (puts tests/ on sys.path)
@@ -159,13 +160,20 @@ def run_family(name: str, args, tokenizer, seqs, failures: list) -> dict:
     return row
 
 
-def report(rows: list[dict], notes: list[str]) -> None:
-    head = f"{'family':12} | {'F32 err':>8} {'argmax':>7} {'greedy':>6} | "
-    head += f"{'Q8_0 err median/max':>19} {'argmax':>7} {'max flip margin':>15} | tok"
+def report(rows: list[dict], notes: list[str], writable: dict = WRITABLE) -> None:
+    """The comparison table and its notes; rows with an ``at_load`` entry (the
+    folder quantized to q8_0 by fastllm at load) add that column."""
+    width = max([len("family"), *(len(r["family"]) for r in rows)]) + 1
+    at_load = any("at_load" in r for r in rows)
+    head = f"{'family':{width}} | {'F32 err':>8} {'argmax':>7} {'greedy':>6} | "
+    head += f"{'Q8_0 err median/max':>19} {'argmax':>7} {'max flip margin':>15} | "
+    if at_load:
+        head += f"{'at load: median/max':>19} {'argmax':>7} | "
+    head += "tok"
     print(head + "\n" + "-" * len(head))
     for r in rows:
         f, q = r.get("f32"), r.get("q8_0")
-        line = f"{r['family']:12} | "
+        line = f"{r['family']:{width}} | "
         if f:
             g = r.get("greedy")
             greedy = f"{g[0]}/{g[1]}" if g else "-"
@@ -178,12 +186,20 @@ def report(rows: list[dict], notes: list[str]) -> None:
             line += f"{err:>19} {q['same']:>3}/{q['total']:<3} {flip:>15} | "
         else:
             line += f"{'failed':>43} | "
+        if at_load:
+            median, a = r["at_load"]
+            err = f"{median:.4f}/{a['err']:.4f}"
+            line += f"{err:>19} {a['same']:>3}/{a['total']:<3} | "
         print(line + r.get("tok", "-"))
     print("errors: max |fastllm - transformers| / max|transformers| over the sequences")
     print("  (Q8_0: the median over positions, then the largest);")
     print(f"greedy: LLM(file) continues the {PROMPT}-token prompts as transformers does")
     print(f"  ({NEW_TOKENS} tokens each); flip margin: the reference's (top1 - top2) /")
     print("  max|logit| where the argmax differs")
+    if at_load:
+        print("at load: the folder quantized to q8_0 by fastllm at load, against the same")
+        print("  reference (the same kind of rounding of the weights and activations as the")
+        print("  Q8_0 file's)")
     for r in rows:
         for t in ("f32", "q8_0"):
             if t in r:
@@ -194,16 +210,25 @@ def report(rows: list[dict], notes: list[str]) -> None:
             print(f"  {r['family']}: config from the file differs from the folder's: {d}")
     names = {r["family"] for r in rows}
     print("options the converter cannot write, changed in the test configs:")
-    for name, (_, why) in WRITABLE.items():
+    for name, (_, why) in writable.items():
         if name in names:
             print(f"  {name}: {why}")
     for note in notes:
         print("FAILED " + note)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("out", nargs="?", default="/tmp/gguf-moe")
+def main(
+    kind: str = "MoE",
+    families: list[str] = FAMILIES,
+    run: Callable = None,
+    writable: dict = WRITABLE,
+    default_out: str = "/tmp/gguf-moe",
+    doc: str | None = None,
+) -> None:
+    """The command line: convert each family with the real converter and
+    print the table (``kind`` names the models; ``run`` does one family)."""
+    ap = argparse.ArgumentParser(description=(doc or __doc__).split("\n")[0])
+    ap.add_argument("out", nargs="?", default=default_out)
     ap.add_argument("--llama-dir", default=os.environ.get("LLAMA_DIR", fam.DEFAULT_LLAMA))
     ap.add_argument(
         "--pylib",
@@ -211,7 +236,7 @@ def main() -> None:
         help="folder holding sentencepiece (default: LLAMA_DIR's pylib, "
         "see benches/build_llama_cpp.sh)",
     )
-    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--families", default=",".join(families))
     args = ap.parse_args()
     args.pylib = args.pylib or fam.default_pylib(args.llama_dir)
     if not os.path.isfile(os.path.join(args.llama_dir, "convert_hf_to_gguf.py")):
@@ -225,13 +250,13 @@ def main() -> None:
     tokenizer = train_byte_level_bpe(tm.VOCAB)
     seqs = tm._sequences(5, fam.LENGTHS)
     print(
-        f"tiny random MoE models (vocab {tm.VOCAB}), sequences of {fam.LENGTHS} tokens "
+        f"tiny random {kind} models (vocab {tm.VOCAB}), sequences of {fam.LENGTHS} tokens "
         f"({sum(fam.LENGTHS)} positions); converter: {args.llama_dir}"
     )
     rows, failures = [], []
     for name in args.families.split(","):
-        rows.append(run_family(name, args, tokenizer, seqs, failures))
-    report(rows, failures)
+        rows.append((run or run_family)(name, args, tokenizer, seqs, failures))
+    report(rows, failures, writable)
 
 
 if __name__ == "__main__":
