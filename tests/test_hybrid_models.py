@@ -319,3 +319,41 @@ def test_bfloat16_close_to_float32_reference(name: str, rust: bool, saved: dict)
     err = (ours - expected).abs().max().item()
     assert err <= tol, (name, err, own)
     assert (ours.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.8
+
+
+@pytest.mark.parametrize(
+    ("name", "edit"),
+    [
+        # Qwen3.5 without layer_types: every full_attention_interval-th layer attends.
+        ("qwen3_5", lambda c: (c.pop("layer_types"), c.update(full_attention_interval=4))),
+        # LFM2's first configs: tie_embedding and block_ff_dim, full_attn_idxs.
+        (
+            "lfm2",
+            lambda c: (
+                c.update(
+                    tie_embedding=c.pop("tie_word_embeddings"),
+                    block_ff_dim=c.pop("intermediate_size"),
+                ),
+                c.pop("layer_types"),
+            ),
+        ),
+    ],
+    ids=["qwen3_5-interval", "lfm2-old-names"],
+)
+def test_config_layouts_without_layer_types(name: str, edit, saved: dict, tmp_path) -> None:
+    """The same model described the other ways its configs are written loads
+    as the same model: logits equal transformers' on the original folder."""
+    import json
+    import shutil
+
+    folder, ref_model = saved[name]
+    dst = tmp_path / name
+    shutil.copytree(folder, dst)
+    config = json.loads((dst / "config.json").read_text())
+    edit(config)
+    (dst / "config.json").write_text(json.dumps(config))
+    seqs = _sequences(16, [11, 6])
+    for i, (ours, expected) in enumerate(
+        zip(_chunked_then_decode(_load(str(dst), True), seqs), _reference(ref_model, seqs))
+    ):
+        _close(ours, expected, f"{name} sequence {i}")
