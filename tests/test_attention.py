@@ -401,9 +401,10 @@ def sinks_layer(case, window, softcap, sinks, key_cache, value_cache):
     return layer
 
 
-def run_layer(layer, ops, query, block_tables, seq_lens, qsl):
+def run_layer(layer, ops, query, block_tables, seq_lens, qsl, kv_rows=None):
     """``PagedAttention.forward`` on ``ops``; the step's new K/V are the
-    rows already cached at their slots, so the cache write changes nothing."""
+    rows already cached at their slots, so the cache write changes nothing
+    (``kv_rows``: float caches to take those rows from instead)."""
     block_size = layer.k_cache.shape[2]
     slots = []
     for i in range(len(seq_lens)):
@@ -412,7 +413,8 @@ def run_layer(layer, ops, query, block_tables, seq_lens, qsl):
             slots.append(int(block_tables[i, p // block_size]) * block_size + p % block_size)
     slots = torch.tensor(slots, dtype=torch.int64)
     b, o = slots // block_size, slots % block_size
-    k, v = layer.k_cache[b, :, o], layer.v_cache[b, :, o]
+    k_rows, v_rows = kv_rows or (layer.k_cache, layer.v_cache)
+    k, v = k_rows[b, :, o], v_rows[b, :, o]
     meta = AttentionMetadata(
         slot_mapping=slots,
         block_tables=block_tables,

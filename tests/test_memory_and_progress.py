@@ -115,7 +115,7 @@ def test_the_chosen_cache_is_logged_without_any_logging_setup(configure):
         check=True,
         env=env,
     )
-    logged = "KV cache: " in out.stderr and "blocks of 16 tokens" in out.stderr
+    logged = "KV cache (" in out.stderr and "blocks of 16 tokens" in out.stderr
     assert logged == (configure == "1"), out.stderr
     if logged:
         assert "longest sequence 1024 tokens" in out.stderr

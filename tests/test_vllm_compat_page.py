@@ -71,7 +71,9 @@ def test_no_llm_argument_is_called_not_supported():
         assert _status(cell) in ("supported", "accepted"), (names, cell)
 
 
-@pytest.mark.parametrize("arg", ["quantization", "task", "tokenizer_mode", "load_format", "dtype"])
+@pytest.mark.parametrize(
+    "arg", ["quantization", "task", "tokenizer_mode", "load_format", "dtype", "kv_cache_dtype"]
+)
 def test_values_called_supported_are_accepted(arg):
     from fastllm.config import resolve_dtype
 

@@ -94,7 +94,10 @@ def reshape_and_cache(
     """Stores new K/V rows into their cache slots (a negative slot skips the token).
 
     ``key``/``value``: ``[num_tokens, num_kv_heads, head_size]``, the caches' dtype
-    (float32 or bfloat16); caches: ``[num_blocks, num_kv_heads, block_size, head_size]``;
+    (float32 or bfloat16); caches: ``[num_blocks, num_kv_heads, block_size, head_size]``,
+    or an 8-bit cache (``kv_cache_dtype="int8"``): int8 ``[..., head_size + 4]``, each
+    row quantized as it is stored (``attention_torch.quantize_rows``), and then
+    ``key``/``value`` may be float32 or bfloat16;
     ``slot_mapping``: int64 ``[num_tokens]``, ``slot = block_id * block_size + offset``.
     Raises ValueError on a wrong dtype, shape, device or layout, or a slot out of range.
     """
@@ -114,7 +117,9 @@ def paged_attention(
 ) -> None:
     """Attention of packed new tokens over the paged KV cache, written into ``out``.
 
-    ``query``/``out``: ``[num_tokens, num_heads, head_size]`` in the caches' dtype;
+    ``query``/``out``: ``[num_tokens, num_heads, head_size]`` in the caches' dtype
+    (any of float32 / bfloat16 over an int8 cache, whose rows are widened with
+    their scales);
     ``block_tables``: int32 ``[num_seqs, max_blocks_per_seq]``; ``seq_lens``: int32
     ``[num_seqs]`` (context length including the new tokens); ``query_start_loc``:
     int32 ``[num_seqs + 1]``. Sequence ``i``'s new tokens are the last of its

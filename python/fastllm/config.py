@@ -433,6 +433,22 @@ def _rope_parameters(hf: dict[str, Any], path: str) -> tuple[float, dict[str, An
 POOLING_TASKS = ("embed", "embedding", "score", "classify", "reward")
 
 
+#: ``kv_cache_dtype`` values: the model's own dtype, or 8-bit rows with a scale each.
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
+def check_kv_cache_dtype(value: object) -> None:
+    """A ValueError naming ``kv_cache_dtype`` unless it is one fastllm has."""
+    if value in KV_CACHE_DTYPES:
+        return
+    if isinstance(value, str) and value.startswith("fp8"):
+        raise ValueError(
+            f"kv_cache_dtype={value!r} is not supported: fastllm's 8-bit KV cache is "
+            "kv_cache_dtype='int8' (int8 values with a float32 scale per row, on every device)"
+        )
+    raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {value!r}")
+
+
 @dataclass
 class EngineConfig:
     """Every setting of an LLM, as passed to ``LLM(...)`` (vLLM's names)."""
@@ -449,6 +465,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     kv_cache_memory_bytes: int | None = None
+    # "auto": the model's dtype; "int8": 8-bit rows with a float32 scale each
+    # (layers/attention_torch.py, rust/attention/rows.rs)
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     load_format: str = "auto"
     max_logprobs: int = 20
@@ -503,6 +522,7 @@ class EngineConfig:
             raise ValueError(
                 f"max_logprobs must be -1 (no limit) or at least 0, got {self.max_logprobs}"
             )
+        check_kv_cache_dtype(self.kv_cache_dtype)
         from fastllm.layers.quantization import resolve_quantization
 
         resolve_quantization(self.quantization)

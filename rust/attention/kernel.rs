@@ -3,25 +3,25 @@
 //! The inner loops run over fixed 16-lane chunks so that LLVM vectorises them
 //! for whichever ISA the entry point (`cpu::simd`) compiles them for.
 
-use super::{Item, PartialState, Problem};
+use super::{Item, KvElem, PartialState, Problem};
 use crate::cpu::simd::{Kernel, Simd};
 use crate::cpu::{Element, Path};
 
 /// One call of the body: an item over keys `key_lo..key_hi`.
-pub(super) struct Attend<'a, 'p, T> {
-    pub(super) p: &'a Problem<'p, T>,
+pub(super) struct Attend<'a, 'p, T, C> {
+    pub(super) p: &'a Problem<'p, T, C>,
     pub(super) item: &'a Item,
     pub(super) key_lo: usize,
     pub(super) key_hi: usize,
     pub(super) state: &'a mut PartialState,
 }
 
-impl<T: Element> Kernel for Attend<'_, '_, T> {
+impl<T: Element, C: KvElem<T>> Kernel for Attend<'_, '_, T, C> {
     type Output = ();
 
     #[inline(always)]
     fn run<S: Simd>(self) {
-        attend_body::<T, S>(self.p, self.item, self.key_lo, self.key_hi, self.state)
+        attend_body::<T, C, S>(self.p, self.item, self.key_lo, self.key_hi, self.state)
     }
 }
 
@@ -246,25 +246,19 @@ fn prefetch<T>(data: &[T]) {
     let _ = data;
 }
 
-/// Widens `src` into `dst` (same length).
-#[inline(always)]
-fn widen<T: Element>(src: &[T], dst: &mut [f32]) {
-    for (o, &x) in dst.iter_mut().zip(src) {
-        *o = x.to_f32();
-    }
-}
-
 /// The kernel body: one item's rows over keys `key_lo..key_hi`, one cache
 /// block (tile) at a time, with the softmax state updated per tile.
 #[inline(always)]
-fn attend_body<T: Element, S: Simd>(
-    p: &Problem<'_, T>,
+fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
+    p: &Problem<'_, T, C>,
     item: &Item,
     key_lo: usize,
     key_hi: usize,
     state: &mut PartialState,
 ) {
     let d = p.shape.head_size;
+    // Elements of one stored row (an 8-bit row carries its scale).
+    let stride = d + C::EXTRA;
     let bs = p.shape.block_size;
     let g = p.group;
     let nrows = item.row_hi - item.row_lo;
@@ -294,7 +288,7 @@ fn attend_body<T: Element, S: Simd>(
 
     let mut kbuf = vec![
         0.0f32;
-        if T::as_f32_slice(p.key_cache).is_some() {
+        if C::f32_rows(&p.key_cache[..0]).is_some() {
             0
         } else {
             bs * d
@@ -312,24 +306,23 @@ fn attend_body<T: Element, S: Simd>(
         let n = t1 - t0;
         // Validated: the block id is in range for every block below seq_len.
         let block = table[block_idx] as usize;
-        let base = ((block * p.shape.num_kv_heads + item.kv_head) * bs + off0) * d;
+        let base = ((block * p.shape.num_kv_heads + item.kv_head) * bs + off0) * stride;
         if t1 < key_hi {
             // The next block is elsewhere in the pool (the hardware prefetcher
             // cannot guess it): ask for it while this one is computed.
             let next = table[t1 / bs] as usize;
-            let next_base = (next * p.shape.num_kv_heads + item.kv_head) * bs * d;
-            let next_n = (key_hi - t1).min(bs) * d;
+            let next_base = (next * p.shape.num_kv_heads + item.kv_head) * bs * stride;
+            let next_n = (key_hi - t1).min(bs) * stride;
             prefetch(&p.key_cache[next_base..next_base + next_n]);
             prefetch(&p.value_cache[next_base..next_base + next_n]);
         }
-        let kraw = &p.key_cache[base..base + n * d];
-        let vraw = &p.value_cache[base..base + n * d];
-        let (keys, values): (&[f32], &[f32]) = match (T::as_f32_slice(kraw), T::as_f32_slice(vraw))
-        {
+        let kraw = &p.key_cache[base..base + n * stride];
+        let vraw = &p.value_cache[base..base + n * stride];
+        let (keys, values): (&[f32], &[f32]) = match (C::f32_rows(kraw), C::f32_rows(vraw)) {
             (Some(k), Some(v)) => (k, v),
             _ => {
-                widen(kraw, &mut kbuf[..n * d]);
-                widen(vraw, &mut vbuf[..n * d]);
+                C::widen_rows(kraw, d, &mut kbuf[..n * d]);
+                C::widen_rows(vraw, d, &mut vbuf[..n * d]);
                 (&kbuf[..n * d], &vbuf[..n * d])
             }
         };

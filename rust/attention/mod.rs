@@ -18,8 +18,11 @@
 //! what the CPU reports (`cpu::features`).
 
 mod kernel;
+mod rows;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+
+pub use rows::{row_scale, KvElem, INT8_SCALE_BYTES};
 
 use std::sync::Mutex;
 
@@ -39,12 +42,68 @@ pub struct CacheShape {
 impl CacheShape {
     /// Number of elements of one cache tensor.
     pub fn numel(&self) -> usize {
-        self.num_blocks * self.num_kv_heads * self.block_size * self.head_size
+        self.numel_with(0)
+    }
+
+    /// Number of elements of one cache tensor whose rows carry `extra`
+    /// elements after their `head_size` values (`KvElem::EXTRA`).
+    pub fn numel_with(&self, extra: usize) -> usize {
+        self.num_blocks * self.num_kv_heads * self.block_size * (self.head_size + extra)
     }
 
     /// Number of token slots (`num_blocks * block_size`).
     pub fn num_slots(&self) -> usize {
         self.num_blocks * self.block_size
+    }
+}
+
+/// One cache tensor of a layer, as a caller that holds either kind keeps
+/// it: rows of the model's element type, or 8-bit rows with their scales
+/// (`rows.rs`).
+pub enum KvCacheMut<'a, T> {
+    Float(&'a mut [T]),
+    Int8(&'a mut [i8]),
+}
+
+/// `reshape_and_cache` then `paged_attention` on one layer's caches, of
+/// either kind (both tensors of one kind); the other arguments as those
+/// functions'.
+#[allow(clippy::too_many_arguments)]
+pub fn cache_and_attend<T: Element>(
+    out: &mut [T],
+    query: &[T],
+    key: &[T],
+    value: &[T],
+    key_cache: &mut KvCacheMut<'_, T>,
+    value_cache: &mut KvCacheMut<'_, T>,
+    slot_mapping: &[i64],
+    shape: CacheShape,
+    num_heads: usize,
+    batch: BatchLayout<'_>,
+    scale: f32,
+    sliding_window: i64,
+) -> CoreResult<()> {
+    fn run<T: Element, C: KvElem<T>>(
+        out: &mut [T],
+        (query, key, value): (&[T], &[T], &[T]),
+        kc: &mut [C],
+        vc: &mut [C],
+        slot_mapping: &[i64],
+        (shape, num_heads, batch, scale, window): (CacheShape, usize, BatchLayout<'_>, f32, i64),
+    ) -> CoreResult<()> {
+        reshape_and_cache(key, value, kc, vc, slot_mapping, shape)?;
+        paged_attention(
+            out, query, kc, vc, shape, num_heads, batch, scale, window, 0.0, None,
+        )
+    }
+    let args = (shape, num_heads, batch, scale, sliding_window);
+    let qkv = (query, key, value);
+    match (key_cache, value_cache) {
+        (KvCacheMut::Float(k), KvCacheMut::Float(v)) => run(out, qkv, k, v, slot_mapping, args),
+        (KvCacheMut::Int8(k), KvCacheMut::Int8(v)) => run(out, qkv, k, v, slot_mapping, args),
+        _ => Err(CoreError::invalid(
+            "key_cache/value_cache: both must be float caches or both 8-bit caches",
+        )),
     }
 }
 
@@ -61,12 +120,13 @@ pub struct BatchLayout<'a> {
 }
 
 /// Stores `key[t]` / `value[t]` (`[num_tokens, num_kv_heads, head_size]`) into
-/// cache slot `slot_mapping[t]`; a negative slot skips the token.
-pub fn reshape_and_cache<T: Element>(
+/// cache slot `slot_mapping[t]`; a negative slot skips the token. An 8-bit
+/// cache (`C = i8`) quantizes each row as it stores it (`rows.rs`).
+pub fn reshape_and_cache<T: Element, C: KvElem<T>>(
     key: &[T],
     value: &[T],
-    key_cache: &mut [T],
-    value_cache: &mut [T],
+    key_cache: &mut [C],
+    value_cache: &mut [C],
     slot_mapping: &[i64],
     shape: CacheShape,
 ) -> CoreResult<()> {
@@ -81,14 +141,7 @@ pub fn reshape_and_cache<T: Element>(
             value.len()
         )));
     }
-    if key_cache.len() != shape.numel() || value_cache.len() != shape.numel() {
-        return Err(CoreError::invalid(format!(
-            "key_cache/value_cache: expected {} elements for shape {shape:?}, got {} and {}",
-            shape.numel(),
-            key_cache.len(),
-            value_cache.len()
-        )));
-    }
+    check_cache_len(key_cache.len(), value_cache.len(), shape, C::EXTRA)?;
     let num_slots = shape.num_slots() as i64;
     // Validate every slot before writing anything, so a bad call leaves the cache untouched.
     for (t, &slot) in slot_mapping.iter().enumerate() {
@@ -100,6 +153,7 @@ pub fn reshape_and_cache<T: Element>(
         }
     }
     let d = shape.head_size;
+    let stride = d + C::EXTRA;
     for (t, &slot) in slot_mapping.iter().enumerate() {
         if slot < 0 {
             continue;
@@ -110,10 +164,26 @@ pub fn reshape_and_cache<T: Element>(
         );
         for h in 0..shape.num_kv_heads {
             let src = (t * shape.num_kv_heads + h) * d;
-            let dst = ((block * shape.num_kv_heads + h) * shape.block_size + offset) * d;
-            key_cache[dst..dst + d].copy_from_slice(&key[src..src + d]);
-            value_cache[dst..dst + d].copy_from_slice(&value[src..src + d]);
+            let dst = ((block * shape.num_kv_heads + h) * shape.block_size + offset) * stride;
+            C::store_row(&key[src..src + d], &mut key_cache[dst..dst + stride]);
+            C::store_row(&value[src..src + d], &mut value_cache[dst..dst + stride]);
         }
+    }
+    Ok(())
+}
+
+/// Fails unless both cache tensors hold `shape` with rows of `head_size + extra` elements.
+fn check_cache_len(k: usize, v: usize, shape: CacheShape, extra: usize) -> CoreResult<()> {
+    let want = shape.numel_with(extra);
+    if k != want || v != want {
+        return Err(CoreError::invalid(format!(
+            "key_cache/value_cache: expected {want} elements for shape {shape:?}{}, got {k} and {v}",
+            if extra > 0 {
+                format!(" with {extra} scale bytes per row")
+            } else {
+                String::new()
+            }
+        )));
     }
     Ok(())
 }
@@ -165,11 +235,11 @@ fn available_paths() -> Vec<Path> {
 /// `e^(z_j - m) / (e^(s_h - m) + sum_j e^(z_j - m))`; an entry of `-inf`
 /// is no sink for that head.
 #[allow(clippy::too_many_arguments)]
-pub fn paged_attention<T: Element>(
+pub fn paged_attention<T: Element, C: KvElem<T>>(
     out: &mut [T],
     query: &[T],
-    key_cache: &[T],
-    value_cache: &[T],
+    key_cache: &[C],
+    value_cache: &[C],
     shape: CacheShape,
     num_heads: usize,
     batch: BatchLayout<'_>,
@@ -218,10 +288,10 @@ struct Item {
 }
 
 /// Fixed facts of one call, shared by every item.
-struct Problem<'a, T> {
+struct Problem<'a, T, C> {
     query: &'a [T],
-    key_cache: &'a [T],
-    value_cache: &'a [T],
+    key_cache: &'a [C],
+    value_cache: &'a [C],
     block_tables: &'a [i32],
     max_blocks: usize,
     shape: CacheShape,
@@ -236,7 +306,7 @@ struct Problem<'a, T> {
     path: Path,
 }
 
-impl<T> Problem<'_, T> {
+impl<T, C> Problem<'_, T, C> {
     /// The sinks of an item's query heads (`[group]`), if any.
     fn item_sinks(&self, item: &Item) -> Option<&[f32]> {
         self.sinks
@@ -260,11 +330,11 @@ unsafe impl<T: Send> Sync for OutPtr<T> {}
 const SERIAL_WORK: usize = 1 << 14;
 
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn paged_attention_with<T: Element>(
+pub(crate) fn paged_attention_with<T: Element, C: KvElem<T>>(
     out: &mut [T],
     query: &[T],
-    key_cache: &[T],
-    value_cache: &[T],
+    key_cache: &[C],
+    value_cache: &[C],
     shape: CacheShape,
     num_heads: usize,
     batch: BatchLayout<'_>,
@@ -297,7 +367,8 @@ pub(crate) fn paged_attention_with<T: Element>(
             )));
         }
     }
-    let seqs = validate(out, query, key_cache, value_cache, shape, num_heads, batch)?;
+    check_cache_len(key_cache.len(), value_cache.len(), shape, C::EXTRA)?;
+    let seqs = validate(out, query, shape, num_heads, batch)?;
     let d = shape.head_size;
     let group = num_heads / shape.num_kv_heads;
     let window = if sliding_window > 0 {
@@ -395,8 +466,6 @@ pub(crate) fn paged_attention_with<T: Element>(
 fn validate<T>(
     out: &[T],
     query: &[T],
-    key_cache: &[T],
-    value_cache: &[T],
     shape: CacheShape,
     num_heads: usize,
     batch: BatchLayout<'_>,
@@ -409,14 +478,6 @@ fn validate<T>(
     }
     if shape.block_size == 0 {
         return Err(CoreError::invalid("key_cache: block_size must be positive"));
-    }
-    if key_cache.len() != shape.numel() || value_cache.len() != shape.numel() {
-        return Err(CoreError::invalid(format!(
-            "key_cache/value_cache: expected {} elements for shape {shape:?}, got {} and {}",
-            shape.numel(),
-            key_cache.len(),
-            value_cache.len()
-        )));
     }
     let row = num_heads * shape.head_size;
     if query.len() != out.len() || row == 0 || !query.len().is_multiple_of(row) {
@@ -653,8 +714,8 @@ impl PartialState {
 /// `out` must point to `[num_tokens, num_heads, head_size]` elements, and no
 /// other thread may write the rows of this item (tokens `row_lo..row_hi` of its
 /// sequence, query heads of its KV head) at the same time.
-unsafe fn write_rows<T: Element>(
-    p: &Problem<'_, T>,
+unsafe fn write_rows<T: Element, C>(
+    p: &Problem<'_, T, C>,
     item: &Item,
     state: &PartialState,
     out: OutPtr<T>,
@@ -675,8 +736,8 @@ unsafe fn write_rows<T: Element>(
 }
 
 /// Runs one item over keys `key_lo..key_hi`, on the problem's path.
-fn attend<T: Element>(
-    p: &Problem<'_, T>,
+fn attend<T: Element, C: KvElem<T>>(
+    p: &Problem<'_, T, C>,
     item: &Item,
     key_lo: usize,
     key_hi: usize,

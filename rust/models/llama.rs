@@ -22,7 +22,7 @@
 //!
 //! where every `+` rounds to the element type, as torch's `x + y` does.
 
-use crate::attention::{paged_attention, reshape_and_cache, BatchLayout, CacheShape};
+use crate::attention::{cache_and_attend, BatchLayout, CacheShape, KvCacheMut};
 use crate::cpu::Element;
 use crate::error::{CoreError, CoreResult};
 use crate::layers::{qkv_rotary, rms_norm, silu_and_mul, QkvShape};
@@ -63,8 +63,9 @@ pub struct DecoderLayer<'a, T> {
     pub qkv: &'a LinearWeight,
     pub o: &'a LinearWeight,
     pub mlp: Mlp<'a>,
-    pub key_cache: &'a mut [T],
-    pub value_cache: &'a mut [T],
+    /// Float rows of `T`, or 8-bit rows with their scales (`kv_cache_dtype="int8"`).
+    pub key_cache: KvCacheMut<'a, T>,
+    pub value_cache: KvCacheMut<'a, T>,
     /// Keys within this many positions, or 0 for all.
     pub sliding_window: i64,
 }
@@ -282,26 +283,21 @@ pub fn decoder_stack<T: Element>(
             T::src(step.sin),
             qkv_shape,
         )?;
-        reshape_and_cache(
-            &b.k,
-            &b.v,
-            layer.key_cache,
-            layer.value_cache,
-            step.slot_mapping,
-            step.cache,
-        )?;
-        paged_attention(
+        // No soft-cap and no attention sinks: the stack implements the Llama
+        // layers only (llama_stack.why_not).
+        cache_and_attend(
             &mut b.attn,
             &b.q,
-            layer.key_cache,
-            layer.value_cache,
+            &b.k,
+            &b.v,
+            &mut layer.key_cache,
+            &mut layer.value_cache,
+            step.slot_mapping,
             step.cache,
             s.heads,
             step.batch,
             s.scale,
             layer.sliding_window,
-            0.0,  // no soft-cap: the stack implements the Llama layers only
-            None, // nor attention sinks (llama_stack.why_not)
         )?;
         layer
             .o
@@ -558,8 +554,8 @@ mod tests {
                             gate_up: &weights[l][2],
                             down: &weights[l][3],
                         },
-                        key_cache: kc,
-                        value_cache: vc,
+                        key_cache: KvCacheMut::Float(kc),
+                        value_cache: KvCacheMut::Float(vc),
                         sliding_window: window as i64,
                     })
                     .collect();
@@ -629,8 +625,8 @@ mod tests {
                 gate_up: &gu,
                 down: &down,
             },
-            key_cache: &mut kc,
-            value_cache: &mut vc,
+            key_cache: KvCacheMut::Float(&mut kc),
+            value_cache: KvCacheMut::Float(&mut vc),
             sliding_window: 0,
         }];
         let (cos, sin) = (vec![1.0f32; 2], vec![0.0f32; 2]);

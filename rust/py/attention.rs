@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use half::bf16;
 
 use super::tensor::{DType, TensorArg};
-use crate::attention::{self, BatchLayout, CacheShape, Element};
+use crate::attention::{self, BatchLayout, CacheShape, Element, KvElem, INT8_SCALE_BYTES};
 
 /// Fails unless two tensors' memory ranges are disjoint (a kernel reads one while writing the other).
 fn expect_disjoint(a: &TensorArg, b: &TensorArg) -> PyResult<()> {
@@ -31,10 +31,12 @@ fn expect_same_dtype(t: &TensorArg, like: &TensorArg) -> PyResult<()> {
     Ok(())
 }
 
-/// Checks the two cache tensors and returns their shape.
+/// Checks the two cache tensors and returns their shape. An int8 cache
+/// (`kv_cache_dtype="int8"`) holds rows of `head_size` values followed by
+/// their 4-byte scale, so its last dimension is `head_size + 4`.
 pub(super) fn cache_shape(kc: &TensorArg, vc: &TensorArg) -> PyResult<CacheShape> {
-    kc.check(&[DType::F32, DType::BF16], 4)?;
-    vc.check(&[DType::F32, DType::BF16], 4)?;
+    kc.check(&[DType::F32, DType::BF16, DType::I8], 4)?;
+    vc.check(&[DType::F32, DType::BF16, DType::I8], 4)?;
     expect_same_dtype(vc, kc)?;
     if kc.shape != vc.shape {
         return Err(PyValueError::new_err(format!(
@@ -43,12 +45,34 @@ pub(super) fn cache_shape(kc: &TensorArg, vc: &TensorArg) -> PyResult<CacheShape
         )));
     }
     expect_disjoint(kc, vc)?;
+    let extra = if kc.dtype == DType::I8 {
+        INT8_SCALE_BYTES
+    } else {
+        0
+    };
+    if kc.shape[3] <= extra {
+        return Err(PyValueError::new_err(format!(
+            "key_cache: an int8 cache's last dimension is head_size + {extra} (the row's scale), got {}",
+            kc.shape[3]
+        )));
+    }
     Ok(CacheShape {
         num_blocks: kc.shape[0],
         num_kv_heads: kc.shape[1],
         block_size: kc.shape[2],
-        head_size: kc.shape[3],
+        head_size: kc.shape[3] - extra,
     })
+}
+
+/// Fails unless `t` (the query, out, key or value) suits the caches: the
+/// caches' dtype, or any float dtype the kernels take when the cache is int8.
+fn expect_cache_input(t: &TensorArg, kc: &TensorArg) -> PyResult<()> {
+    if kc.dtype == DType::I8 {
+        t.check(&[DType::F32, DType::BF16], t.shape.len())?;
+        Ok(())
+    } else {
+        expect_same_dtype(t, kc)
+    }
 }
 
 /// The tensors that say where a batch's sequences live, checked:
@@ -113,7 +137,8 @@ fn reshape_and_cache(
     let shape = cache_shape(&kc, &vc)?;
     for t in [&k, &v] {
         t.check(&[DType::F32, DType::BF16], 3)?;
-        expect_same_dtype(t, &kc)?;
+        expect_cache_input(t, &kc)?;
+        expect_same_dtype(t, &k)?;
         t.expect_dim(1, shape.num_kv_heads, "num_kv_heads of the cache")?;
         t.expect_dim(2, shape.head_size, "head_size of the cache")?;
         expect_disjoint(t, &kc)?;
@@ -125,19 +150,22 @@ fn reshape_and_cache(
     // SAFETY: dtypes, shapes and contiguity are checked above; the caches are
     // disjoint from each other and from the inputs; the tensors outlive the call.
     unsafe {
-        match kc.dtype {
-            DType::BF16 => cache_rows::<bf16>(py, &k, &v, &kc, &vc, &slots, shape),
-            _ => cache_rows::<f32>(py, &k, &v, &kc, &vc, &slots, shape),
+        match (k.dtype, kc.dtype) {
+            (DType::BF16, DType::I8) => cache_rows::<bf16, i8>(py, &k, &v, &kc, &vc, &slots, shape),
+            (_, DType::I8) => cache_rows::<f32, i8>(py, &k, &v, &kc, &vc, &slots, shape),
+            (DType::BF16, _) => cache_rows::<bf16, bf16>(py, &k, &v, &kc, &vc, &slots, shape),
+            _ => cache_rows::<f32, f32>(py, &k, &v, &kc, &vc, &slots, shape),
         }
     }
 }
 
-/// `reshape_and_cache` on the checked tensors, for one element type.
+/// `reshape_and_cache` on the checked tensors, for one element type `T`
+/// and cache element `C`.
 ///
 /// # Safety
-/// As `TensorArg::slice`: the arguments were checked to hold `T`, contiguous,
-/// the caches disjoint from everything else.
-unsafe fn cache_rows<T: Element>(
+/// As `TensorArg::slice`: the arguments were checked to hold `T` (the
+/// caches `C`), contiguous, the caches disjoint from everything else.
+unsafe fn cache_rows<T: Element, C: KvElem<T>>(
     py: Python<'_>,
     k: &TensorArg,
     v: &TensorArg,
@@ -147,7 +175,7 @@ unsafe fn cache_rows<T: Element>(
     shape: CacheShape,
 ) -> PyResult<()> {
     let (k, v, slots) = (k.slice::<T>(), v.slice::<T>(), slots.slice::<i64>());
-    let (kc, vc) = (kc.slice_mut::<T>(), vc.slice_mut::<T>());
+    let (kc, vc) = (kc.slice_mut::<C>(), vc.slice_mut::<C>());
     py.detach(|| attention::reshape_and_cache(k, v, kc, vc, slots, shape))?;
     Ok(())
 }
@@ -190,7 +218,7 @@ fn paged_attention(
     let batch = BatchArgs::extract(block_tables, seq_lens, query_start_loc)?;
     let shape = cache_shape(&kc, &vc)?;
     q.check(&[DType::F32, DType::BF16], 3)?;
-    expect_same_dtype(&q, &kc)?;
+    expect_cache_input(&q, &kc)?;
     q.expect_dim(2, shape.head_size, "head_size of the cache")?;
     let num_heads = q.shape[1];
     if num_heads == 0 || num_heads % shape.num_kv_heads.max(1) != 0 {
@@ -200,7 +228,7 @@ fn paged_attention(
         )));
     }
     o.check(&[DType::F32, DType::BF16], 3)?;
-    expect_same_dtype(&o, &kc)?;
+    expect_same_dtype(&o, &q)?;
     if o.shape != q.shape {
         return Err(PyValueError::new_err(format!(
             "out: shape {:?} must match query {:?}",
@@ -231,21 +259,24 @@ fn paged_attention(
             softcap as f32,
             sinks.as_ref().map(|s| s.slice::<f32>()),
         );
-        match kc.dtype {
-            DType::BF16 => attend::<bf16>(py, &o, &q, &kc, &vc, args),
-            _ => attend::<f32>(py, &o, &q, &kc, &vc, args),
+        match (q.dtype, kc.dtype) {
+            (DType::BF16, DType::I8) => attend::<bf16, i8>(py, &o, &q, &kc, &vc, args),
+            (_, DType::I8) => attend::<f32, i8>(py, &o, &q, &kc, &vc, args),
+            (DType::BF16, _) => attend::<bf16, bf16>(py, &o, &q, &kc, &vc, args),
+            _ => attend::<f32, f32>(py, &o, &q, &kc, &vc, args),
         }
     }
 }
 
-/// `paged_attention` on the checked tensors, for one element type; `args` are
+/// `paged_attention` on the checked tensors, for one element type `T` and
+/// cache element `C`; `args` are
 /// (cache shape, query heads, batch layout, scale, sliding window, soft-cap,
 /// sinks).
 ///
 /// # Safety
 /// As `TensorArg::slice`: the tensors were checked to hold `T`, contiguous,
 /// `o` disjoint from the others.
-unsafe fn attend<T: Element>(
+unsafe fn attend<T: Element, C: KvElem<T>>(
     py: Python<'_>,
     o: &TensorArg,
     q: &TensorArg,
@@ -262,7 +293,7 @@ unsafe fn attend<T: Element>(
     ),
 ) -> PyResult<()> {
     let (o, q) = (o.slice_mut::<T>(), q.slice::<T>());
-    let (kc, vc) = (kc.slice::<T>(), vc.slice::<T>());
+    let (kc, vc) = (kc.slice::<C>(), vc.slice::<C>());
     py.detach(|| {
         attention::paged_attention(
             o, q, kc, vc, shape, num_heads, batch, scale, window, cap, sinks,

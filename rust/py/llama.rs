@@ -16,7 +16,7 @@ use pyo3::types::PyDict;
 use super::attention::{cache_shape, BatchArgs};
 use super::linear::linear_weight;
 use super::tensor::{DType, TensorArg};
-use crate::attention::{BatchLayout, CacheShape, Element};
+use crate::attention::{BatchLayout, CacheShape, Element, KvCacheMut};
 use crate::linear::LinearWeight;
 use crate::models::llama::{self as decoder, DecoderLayer, DecoderShape, Mlp, StepInputs};
 use crate::moe::SparseMlp;
@@ -50,9 +50,10 @@ impl Span {
         std::slice::from_raw_parts_mut(self.ptr as *mut T, self.len)
     }
 
+    /// Whether this span (of `size`-byte elements) shares memory with `other`.
     fn overlaps(self, other: &TensorArg, size: usize) -> bool {
         let (a0, a1) = (self.ptr, self.ptr + self.len * size);
-        let (b0, b1) = (other.ptr, other.ptr + other.numel() * size);
+        let (b0, b1) = (other.ptr, other.ptr + other.numel() * other.dtype.size());
         self.len > 0 && other.numel() > 0 && a0 < b1 && b0 < a1
     }
 }
@@ -83,7 +84,10 @@ struct PyDecoderStack {
     layers: Vec<Layer>,
     shape: DecoderShape,
     cache: CacheShape,
+    /// The model's element type (hidden states, norms, rotary tables).
     dtype: DType,
+    /// The caches' element type: `dtype`, or int8 (8-bit rows with scales).
+    cache_dtype: DType,
     /// The tensors the layers point into, kept alive with the stack.
     _tensors: Vec<Py<PyAny>>,
     /// One step at a time: a step writes the caches.
@@ -154,13 +158,13 @@ impl PyDecoderStack {
         }
         let mut built = Vec::with_capacity(layers.len());
         let mut tensors = Vec::new();
-        let mut first: Option<(CacheShape, DType)> = None;
+        let mut first: Option<(CacheShape, DType, DType)> = None;
         for (i, d) in layers.iter().enumerate() {
             let layer =
                 Self::layer(d, &shape, &mut first, &mut tensors).map_err(|e| in_layer(py, i, e))?;
             built.push(layer);
         }
-        let Some((cache, dtype)) = first else {
+        let Some((cache, cache_dtype, dtype)) = first else {
             return Err(PyValueError::new_err("layers: expected at least one layer"));
         };
         let caches: Vec<(usize, Span)> = built
@@ -168,7 +172,7 @@ impl PyDecoderStack {
             .enumerate()
             .flat_map(|(i, l): (usize, &Layer)| [(i, l.key_cache), (i, l.value_cache)])
             .collect();
-        let size = dtype.size();
+        let size = cache_dtype.size();
         for (a, &(i, s)) in caches.iter().enumerate() {
             for &(j, t) in &caches[a + 1..] {
                 if s.ptr < t.ptr + t.len * size && t.ptr < s.ptr + s.len * size {
@@ -189,6 +193,7 @@ impl PyDecoderStack {
             shape,
             cache,
             dtype,
+            cache_dtype,
             _tensors: tensors,
             running: Mutex::new(()),
         };
@@ -237,7 +242,7 @@ impl PyDecoderStack {
         slots.check(&[DType::I64], 1)?;
         slots.expect_dim(0, tokens, "tokens of x")?;
         let batch = BatchArgs::extract(block_tables, seq_lens, query_start_loc)?;
-        let size = self.dtype.size();
+        let size = self.cache_dtype.size();
         for layer in &self.layers {
             for span in [layer.key_cache, layer.value_cache] {
                 for t in [&x, &rot[0], &rot[1]] {
@@ -280,12 +285,13 @@ impl PyDecoderStack {
 }
 
 impl PyDecoderStack {
-    /// Reads and checks one layer's dict; the first layer's caches fix the
-    /// cache shape and dtype the others must have.
+    /// Reads and checks one layer's dict; the first layer fixes the cache
+    /// shape, the cache dtype and the model dtype (its `input_norm`'s) the
+    /// others must have. A cache holds the model dtype or 8-bit rows (int8).
     fn layer(
         d: &Bound<'_, PyDict>,
         shape: &DecoderShape,
-        first: &mut Option<(CacheShape, DType)>,
+        first: &mut Option<(CacheShape, DType, DType)>,
         tensors: &mut Vec<Py<PyAny>>,
     ) -> PyResult<Layer> {
         let kc_obj = item(d, "key_cache")?;
@@ -293,18 +299,28 @@ impl PyDecoderStack {
         let kc = TensorArg::extract("key_cache", &kc_obj)?;
         let vc = TensorArg::extract("value_cache", &vc_obj)?;
         let cache = cache_shape(&kc, &vc)?;
+        // The model dtype: layer 0's input norm's (later layers' norms are checked against it).
+        let dtype = match first {
+            Some((_, _, dt)) => *dt,
+            None => TensorArg::extract("input_norm", &item(d, "input_norm")?)?.dtype,
+        };
+        if kc.dtype != dtype && kc.dtype != DType::I8 {
+            return Err(PyValueError::new_err(format!(
+                "key_cache: dtype {:?} must be the model's ({dtype:?}) or int8",
+                kc.dtype
+            )));
+        }
         match first {
-            None => *first = Some((cache, kc.dtype)),
-            Some((c, dt)) => {
-                if *c != cache || *dt != kc.dtype {
+            None => *first = Some((cache, kc.dtype, dtype)),
+            Some((c, cdt, _)) => {
+                if *c != cache || *cdt != kc.dtype {
                     return Err(PyValueError::new_err(format!(
-                        "key_cache: {cache:?} {:?} differs from layer 0's {c:?} {dt:?}",
+                        "key_cache: {cache:?} {:?} differs from layer 0's {c:?} {cdt:?}",
                         kc.dtype
                     )));
                 }
             }
         }
-        let dtype = kc.dtype;
         let mut norm = |key: &'static str, dim: usize| -> PyResult<Option<Span>> {
             let obj = item(d, key)?;
             if obj.is_none() {
@@ -361,8 +377,8 @@ impl PyDecoderStack {
     fn check<T: Element>(&self, i: usize) -> PyResult<()> {
         // SAFETY: only lengths are read; nothing runs on these slices.
         let mut layer = unsafe { self.view::<T>(&self.layers[i]) };
-        layer.key_cache = &mut [];
-        layer.value_cache = &mut [];
+        layer.key_cache = KvCacheMut::Float(&mut []);
+        layer.value_cache = KvCacheMut::Float(&mut []);
         Ok(decoder::check_layer(&layer, &self.shape, i)?)
     }
 
@@ -381,9 +397,21 @@ impl PyDecoderStack {
                 LayerMlp::Dense(gate_up, down) => Mlp::Dense { gate_up, down },
                 LayerMlp::Sparse(moe) => Mlp::Sparse(moe),
             },
-            key_cache: l.key_cache.slice_mut(),
-            value_cache: l.value_cache.slice_mut(),
+            key_cache: self.cache_view(l.key_cache),
+            value_cache: self.cache_view(l.value_cache),
             sliding_window: l.sliding_window,
+        }
+    }
+
+    /// A cache tensor as the stack's kind of cache.
+    ///
+    /// # Safety
+    /// As `Span::slice_mut`.
+    unsafe fn cache_view<'s, T: Element>(&'s self, span: Span) -> KvCacheMut<'s, T> {
+        if self.cache_dtype == DType::I8 {
+            KvCacheMut::Int8(span.slice_mut())
+        } else {
+            KvCacheMut::Float(span.slice_mut())
         }
     }
 

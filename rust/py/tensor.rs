@@ -15,6 +15,7 @@ pub(crate) enum DType {
     I32,
     I64,
     U8,
+    I8,
 }
 
 impl DType {
@@ -26,6 +27,7 @@ impl DType {
             "torch.int32" => Some(DType::I32),
             "torch.int64" => Some(DType::I64),
             "torch.uint8" => Some(DType::U8),
+            "torch.int8" => Some(DType::I8),
             _ => None,
         }
     }
@@ -35,7 +37,7 @@ impl DType {
             DType::F32 | DType::I32 => 4,
             DType::BF16 | DType::F16 => 2,
             DType::I64 => 8,
-            DType::U8 => 1,
+            DType::U8 | DType::I8 => 1,
         }
     }
 }
@@ -55,6 +57,7 @@ fn known_dtype(dtype: &Bound<'_, PyAny>) -> PyResult<Option<DType>> {
             ("int32", DType::I32),
             ("int64", DType::I64),
             ("uint8", DType::U8),
+            ("int8", DType::I8),
         ];
         names
             .iter()

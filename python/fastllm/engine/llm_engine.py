@@ -127,7 +127,12 @@ class LLMEngine:
         self.cache = plan_kv_cache(
             device=loaded.device,
             block_bytes=ModelRunner.block_bytes(
-                layout.layers_per_block, mc.num_key_value_heads, mc.head_dim, bs, loaded.dtype
+                layout.layers_per_block,
+                mc.num_key_value_heads,
+                mc.head_dim,
+                bs,
+                loaded.dtype,
+                config.kv_cache_dtype,
             ),
             block_size=bs,
             max_model_len=self.max_model_len,
@@ -143,7 +148,8 @@ class LLMEngine:
         )
         self.max_model_len = self.cache.max_model_len
         limit_positions(loaded.model, self.max_model_len)
-        logger.info("KV cache: %s", self.cache.describe())
+        kv = "int8" if config.kv_cache_dtype == "int8" else str(loaded.dtype).removeprefix("torch.")
+        logger.info("KV cache (%s): %s", kv, self.cache.describe())
         self.runner = ModelRunner(
             loaded.model,
             num_layers=len(attention),
@@ -157,6 +163,7 @@ class LLMEngine:
             fuse_decoder=loaded.fuse_decoder,
             layout=layout,
             num_state_slots=self.states.num_slots if self.states else 0,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
 
     def require_tokenizer(self) -> Tokenizer:

@@ -21,6 +21,18 @@ from fastllm.outputs import Logprob
 _NO_PENALTY_TOKENS = torch.zeros(0, dtype=torch.int32)
 
 
+def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache tensors' dtype for ``EngineConfig.kv_cache_dtype``."""
+    return torch.int8 if kv_cache_dtype == "int8" else model_dtype
+
+
+def row_elements(head_size: int, dtype: torch.dtype) -> int:
+    """Elements of one cached (token, KV head) row: an 8-bit row carries its scale."""
+    from fastllm.layers.attention_torch import INT8_SCALE_BYTES
+
+    return head_size + (INT8_SCALE_BYTES if dtype == torch.int8 else 0)
+
+
 class ModelRunner:
     """Runs the torch model on the packed tokens of a step."""
 
@@ -39,6 +51,7 @@ class ModelRunner:
         fuse_decoder: bool = False,
         layout: KVLayout | None = None,
         num_state_slots: int = 0,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model = model
         # Grammar masks overlap the forward pass when it runs on the GPU (the CPU is
@@ -57,7 +70,10 @@ class ModelRunner:
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
-        shape = (num_blocks, num_kv_heads, block_size, head_size)
+        #: The caches' element type: the model's, or int8 (``kv_cache_dtype="int8"``:
+        #: rows of head_size int8 values and a float32 scale, ``attention_torch``).
+        self.cache_dtype = cache_dtype(kv_cache_dtype, dtype)
+        shape = (num_blocks, num_kv_heads, block_size, row_elements(head_size, self.cache_dtype))
         layers = model.attention_layers()
         if len(layers) != num_layers:
             raise ValueError(f"model has {len(layers)} attention layers, config says {num_layers}")
@@ -67,8 +83,9 @@ class ModelRunner:
         # Uninitialised: a slot is always written before it is read, and on the
         # CPU the pages of blocks never used are never committed.
         slots = self.layout.layers_per_block
-        self.k_caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(slots)]
-        self.v_caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(slots)]
+        kv = self.cache_dtype
+        self.k_caches = [torch.empty(shape, dtype=kv, device=device) for _ in range(slots)]
+        self.v_caches = [torch.empty(shape, dtype=kv, device=device) for _ in range(slots)]
         for i, layer in enumerate(layers):
             group, slot = self.layout.place(i)
             layer.kv_group = group
@@ -90,12 +107,19 @@ class ModelRunner:
 
     @staticmethod
     def block_bytes(
-        num_layers: int, num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype
+        num_layers: int,
+        num_kv_heads: int,
+        head_size: int,
+        block_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: str = "auto",
     ) -> int:
         """Bytes of K and V one block takes across ``num_layers`` layers (the
         layers a block holds: ``KVLayout.layers_per_block``)."""
-        elem = torch.empty(0, dtype=dtype).element_size()
-        return 2 * num_layers * num_kv_heads * head_size * block_size * elem
+        kv = cache_dtype(kv_cache_dtype, dtype)
+        elem = torch.empty(0, dtype=kv).element_size()
+        row = row_elements(head_size, kv)
+        return 2 * num_layers * num_kv_heads * row * block_size * elem
 
     @staticmethod
     def state_slot_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:

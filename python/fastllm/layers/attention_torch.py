@@ -5,6 +5,13 @@ each sequence's K/V through its block table and calls
 ``scaled_dot_product_attention`` (the scores written out where the layer
 soft-caps them or has attention sinks). Runs on any device; the Rust and CUDA
 kernels have the same contract (``layers/ops.py``).
+
+An 8-bit cache (``kv_cache_dtype="int8"``, an int8 tensor whose last
+dimension is ``head_size + 4``) keeps each (token, KV head) row as
+``head_size`` int8 values and the row's float32 scale in 4 bytes:
+``scale = max|x| / 127``, ``q = round_half_even(x / scale)`` in float32.
+``quantize_rows`` / ``dequantize_rows`` are the reference of that format; the
+Rust kernels store and read the same bytes (``rust/attention/rows.rs``).
 """
 
 from __future__ import annotations
@@ -32,6 +39,33 @@ class PagedLayer(Protocol):
     v_cache: torch.Tensor | None
 
 
+#: Bytes of an 8-bit cache row's scale (a float32 after the values).
+INT8_SCALE_BYTES = 4
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows ``x [..., d]`` as an 8-bit cache stores them: ``[..., d + 4]`` int8."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True) / 127.0
+    ok = (scale > 0) & torch.isfinite(scale)
+    q = torch.where(ok, xf / torch.where(ok, scale, 1.0), 0.0)
+    q = q.round().clamp(-127, 127).to(torch.int8)
+    scale = torch.where(ok, scale, 0.0).contiguous()
+    return torch.cat([q, scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_rows(rows: torch.Tensor) -> torch.Tensor:
+    """float32 ``[..., d]`` of 8-bit cache rows ``[..., d + 4]``."""
+    d = rows.shape[-1] - INT8_SCALE_BYTES
+    scale = rows[..., d:].contiguous().view(torch.float32)
+    return rows[..., :d].float() * scale
+
+
+def _readable(cache_rows: torch.Tensor) -> torch.Tensor:
+    """Cache rows as values: 8-bit rows dequantized, float rows as they are."""
+    return dequantize_rows(cache_rows) if cache_rows.dtype == torch.int8 else cache_rows
+
+
 def attend(
     layer: PagedLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
 ) -> torch.Tensor:
@@ -42,6 +76,8 @@ def attend(
     slots, tables = meta.for_group(layer.kv_group)
     slots = slots.to(torch.long)
     blocks, offsets = slots // block_size, slots % block_size
+    if k_cache.dtype == torch.int8:
+        k, v = quantize_rows(k), quantize_rows(v)
     # Advanced indices around a slice put the token dim first: [T, kv_heads, head].
     k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
     v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
@@ -58,7 +94,7 @@ def _gather(
     num_blocks = (length + block_size - 1) // block_size
     rows = cache[block_table[:num_blocks].to(torch.long)]  # [nb, kvh, bs, hd]
     rows = rows.transpose(0, 1).reshape(layer.num_kv_heads, num_blocks * block_size, -1)
-    return rows[:, :length]
+    return _readable(rows[:, :length])
 
 
 def _decode(
@@ -75,7 +111,8 @@ def _decode(
 
     def gather(cache: torch.Tensor) -> torch.Tensor:
         rows = cache[tables]  # [S, nb, kvh, bs, hd]
-        return rows.transpose(1, 2).reshape(num_seqs, layer.num_kv_heads, length, -1)
+        rows = rows.transpose(1, 2).reshape(num_seqs, layer.num_kv_heads, length, -1)
+        return _readable(rows)
 
     seq_lens = meta.seq_lens.to(device=q.device, dtype=torch.long).unsqueeze(1)  # [S, 1]
     j = torch.arange(length, device=q.device).unsqueeze(0)  # [1, L]

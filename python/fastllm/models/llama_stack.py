@@ -90,11 +90,14 @@ def why_not(model) -> str | None:
             return f"layer {i} keeps its own block table (windowed and full layers mixed)"
         if attn.attn.sinks is not None:
             return f"layer {i}'s attention has sinks, which the fused stack does not implement"
-        dtype = attn.attn.k_cache.dtype
-        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        dtype = layer.input_layernorm.weight.dtype
+        cache_dtype = attn.attn.k_cache.dtype
+        if cache_dtype not in (dtype, torch.int8):
+            return f"layer {i}'s KV cache is {cache_dtype}, not the model's {dtype} or int8"
+        norms = [layer.post_attention_layernorm]
         norms += [n for n in (attn.q_norm, attn.k_norm) if n is not None]
         if any(n.weight.dtype != dtype for n in norms):
-            return f"layer {i}'s norm weights are not in the cache dtype {dtype}"
+            return f"layer {i}'s norm weights are not all in one dtype ({dtype})"
     return None
 
 
