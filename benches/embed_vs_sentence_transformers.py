@@ -69,7 +69,9 @@ def main() -> None:
     llm = LLM(args.folder, dtype="float32", **cold)
     docs = documents(llm.get_tokenizer(), args.docs, args.min_tokens, args.max_tokens)
     ntok = sum(len(llm.get_tokenizer().encode(d)) for d in docs)
-    print(f"{args.folder}: {len(docs)} documents, {ntok} tokens, torch threads {torch.get_num_threads()}")
+    print(
+        f"{args.folder}: {len(docs)} documents, {ntok} tokens, torch threads {torch.get_num_threads()}"
+    )
 
     def fastllm_embed(model):
         return lambda d: [o.outputs.embedding for o in model.embed(d, use_tqdm=False)]

@@ -41,10 +41,18 @@
    auto-adjusted to 8192 (block_multiple_of 256), tied head, 128000 positions.
    1.05B parameters: MLPs 0.81B, convolution blocks 0.17B, attention 0.06B (the
    real 65536-token embedding would make it 1.17B).
-Usage: python benches/make_bench_model.py [OUT_DIR] [--models=qwen2,tiny,gemma3-1b,phi4-mini,bert-base,qwen3-embed,qwen3-moe,qwen3.5-2b,lfm2-1.2b]
+8. llama3.2-1b-random (with --models=llama3.2-1b): LlamaForCausalLM with Llama
+   3.2 1B's shape: 16 layers of 2048, 32 heads and 8 KV heads of 64, FFN 8192,
+   rope theta 500000 with Llama 3's frequency scaling (factor 32, low / high
+   frequency factors 1 / 4, over an 8192-token original context), RMSNorm eps
+   1e-5, tied head, 131072 positions; random bf16 weights, the tokenizer's
+   vocabulary. 0.99B parameters: MLPs 0.81B, attention 0.17B (the real
+   128256-token embedding would make it 1.24B).
+Usage: python benches/make_bench_model.py [OUT_DIR] [--models=qwen2,tiny,gemma3-1b,phi4-mini,bert-base,qwen3-embed,qwen3-moe,qwen3.5-2b,lfm2-1.2b,llama3.2-1b]
 (default qwen2,tiny; needs torch, transformers, tokenizers; `pip install "fastllm[bench]"`
 has them)
 """
+
 import ast
 import glob
 import json
@@ -80,6 +88,7 @@ QWEN3_EMBED_DIR = os.path.join(ROOT, "qwen3-embed-random")
 QWEN3_MOE_DIR = os.path.join(ROOT, "qwen3-moe-random")
 QWEN3_5_DIR = os.path.join(ROOT, "qwen3.5-2b-random")
 LFM2_DIR = os.path.join(ROOT, "lfm2-1.2b-random")
+LLAMA3_2_DIR = os.path.join(ROOT, "llama3.2-1b-random")
 TOK_VOCAB = 8192
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -113,13 +122,23 @@ def build_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=TOK_VOCAB, min_frequency=2, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOK_VOCAB,
+        min_frequency=2,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=None, eos_token="<|endoftext|>",
-                                   pad_token="<|endoftext|>", unk_token=None,
-                                   model_max_length=32768, padding_side="left")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        model_max_length=32768,
+        padding_side="left",
+    )
     return fast
 
 
@@ -133,8 +152,9 @@ def save_large(cfg, folder, tok, eos):
     finally:
         torch.set_default_dtype(torch.float32)
     model.config.dtype = torch.bfloat16
-    model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
-                                               do_sample=False)
+    model.generation_config = GenerationConfig(
+        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, do_sample=False
+    )
     print(os.path.basename(folder), "params", sum(p.numel() for p in model.parameters()))
     model.save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)
@@ -143,27 +163,53 @@ def save_large(cfg, folder, tok, eos):
 
 def gemma3_1b(V, eos):
     return Gemma3TextConfig(
-        vocab_size=V, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
-        sliding_window=512, sliding_window_pattern=6, query_pre_attn_scalar=256,
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
-        rms_norm_eps=1e-6, tie_word_embeddings=True,
-        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+        vocab_size=V,
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=26,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        max_position_embeddings=32768,
+        sliding_window=512,
+        sliding_window_pattern=6,
+        query_pre_attn_scalar=256,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
     )
 
 
 def phi4_mini(V, eos):
     half = int(128 * 0.75) // 2  # one LongRoPE factor per rotary frequency
     return Phi3Config(
-        vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
-        num_attention_heads=24, num_key_value_heads=8, partial_rotary_factor=0.75,
-        max_position_embeddings=131072, original_max_position_embeddings=4096,
-        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
-                         "short_factor": [1.0 + i / half for i in range(half)],
-                         "long_factor": [1.0 + 30 * i / half for i in range(half)]},
-        rms_norm_eps=1e-5, tie_word_embeddings=True, sliding_window=None,
-        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+        vocab_size=200064,
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=32,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        partial_rotary_factor=0.75,
+        max_position_embeddings=131072,
+        original_max_position_embeddings=4096,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0 + i / half for i in range(half)],
+            "long_factor": [1.0 + 30 * i / half for i in range(half)],
+        },
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        sliding_window=None,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
     )
 
 
@@ -171,11 +217,24 @@ def qwen3_moe(V, eos):
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        vocab_size=V, hidden_size=1024, intermediate_size=3072, moe_intermediate_size=384,
-        num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
-        num_experts=64, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=32768,
-        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+        vocab_size=V,
+        hidden_size=1024,
+        intermediate_size=3072,
+        moe_intermediate_size=384,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=64,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
     )
 
 
@@ -183,14 +242,30 @@ def qwen3_5_2b(V, eos):
     from transformers import Qwen3_5TextConfig
 
     return Qwen3_5TextConfig(
-        vocab_size=V, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=256, full_attention_interval=4,
-        linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=32768,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
-                         "partial_rotary_factor": 0.25},
-        rms_norm_eps=1e-6, tie_word_embeddings=True,
-        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+        vocab_size=V,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        full_attention_interval=4,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=32768,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
     )
 
 
@@ -198,13 +273,50 @@ def lfm2_1_2b(V, eos):
     from transformers import Lfm2Config
 
     return Lfm2Config(
-        vocab_size=V, hidden_size=2048, intermediate_size=12288, num_hidden_layers=16,
-        num_attention_heads=32, num_key_value_heads=8, full_attn_idxs=[2, 5, 8, 10, 12, 14],
-        conv_L_cache=3, block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0,
-        block_multiple_of=256, max_position_embeddings=128000,
+        vocab_size=V,
+        hidden_size=2048,
+        intermediate_size=12288,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        full_attn_idxs=[2, 5, 8, 10, 12, 14],
+        conv_L_cache=3,
+        block_auto_adjust_ff_dim=True,
+        block_ffn_dim_multiplier=1.0,
+        block_multiple_of=256,
+        max_position_embeddings=128000,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        norm_eps=1e-5, tie_word_embeddings=True,
-        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+        norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
+
+
+def llama3_2_1b(V, eos):
+    return LlamaConfig(
+        vocab_size=V,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
     )
 
 
@@ -212,15 +324,28 @@ def write_sentence_transformers(folder, pooling, dim):
     """modules.json, 1_Pooling/config.json and 2_Normalize, as sentence-transformers saves them."""
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+        {
+            "idx": 2,
+            "name": "2",
+            "path": "2_Normalize",
+            "type": "sentence_transformers.models.Normalize",
+        },
     ]
     with open(os.path.join(folder, "modules.json"), "w") as f:
         json.dump(modules, f)
     os.makedirs(os.path.join(folder, "1_Pooling"), exist_ok=True)
     os.makedirs(os.path.join(folder, "2_Normalize"), exist_ok=True)
-    modes = {"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": pooling == "mean",
-             "pooling_mode_lasttoken": pooling == "last"}
+    modes = {
+        "pooling_mode_cls_token": False,
+        "pooling_mode_mean_tokens": pooling == "mean",
+        "pooling_mode_lasttoken": pooling == "last",
+    }
     with open(os.path.join(folder, "1_Pooling", "config.json"), "w") as f:
         json.dump({"word_embedding_dimension": dim, **modes}, f)
 
@@ -230,28 +355,53 @@ def pooling_models(tok, V, eos):
     from transformers import BertConfig, BertModel, Qwen3Config, Qwen3Model
 
     if "bert-base" in MODELS:
-        cls, sep = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
+        cls, sep = (
+            tok.convert_tokens_to_ids("<|im_start|>"),
+            tok.convert_tokens_to_ids("<|im_end|>"),
+        )
         btok = Tokenizer.from_str(tok.backend_tokenizer.to_str())
         btok.post_processor = processors.TemplateProcessing(
             single="<|im_start|> $A <|im_end|>",
             pair="<|im_start|> $A <|im_end|> $B:1 <|im_end|>:1",
             special_tokens=[("<|im_start|>", cls), ("<|im_end|>", sep)],
         )
-        cfg = BertConfig(vocab_size=V, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                         intermediate_size=3072, max_position_embeddings=512, pad_token_id=eos)
+        cfg = BertConfig(
+            vocab_size=V,
+            hidden_size=768,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            intermediate_size=3072,
+            max_position_embeddings=512,
+            pad_token_id=eos,
+        )
         torch.manual_seed(0)
         model = BertModel(cfg, add_pooling_layer=False)
         print("bert-base params", sum(p.numel() for p in model.parameters()))
         model.save_pretrained(BERT_DIR, safe_serialization=True)
-        PreTrainedTokenizerFast(tokenizer_object=btok, pad_token="<|endoftext|>",
-                                cls_token="<|im_start|>", sep_token="<|im_end|>",
-                                model_max_length=512).save_pretrained(BERT_DIR)
+        PreTrainedTokenizerFast(
+            tokenizer_object=btok,
+            pad_token="<|endoftext|>",
+            cls_token="<|im_start|>",
+            sep_token="<|im_end|>",
+            model_max_length=512,
+        ).save_pretrained(BERT_DIR)
         write_sentence_transformers(BERT_DIR, "mean", 768)
     if "qwen3-embed" in MODELS:
-        cfg = Qwen3Config(vocab_size=V, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                          num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                          max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True,
-                          bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+        cfg = Qwen3Config(
+            vocab_size=V,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=32768,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            bos_token_id=eos,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        )
         torch.manual_seed(0)
         model = Qwen3Model(cfg)
         model.config.architectures = ["Qwen3ForCausalLM"]
@@ -269,11 +419,14 @@ def main():
     print("tokenizer size", V, "eos id", eos)
     pooling_models(tok, V, eos)
     built = []
-    for name, folder, make in (("gemma3-1b", GEMMA3_DIR, gemma3_1b),
-                               ("phi4-mini", PHI4_DIR, phi4_mini),
-                               ("qwen3-moe", QWEN3_MOE_DIR, qwen3_moe),
-                               ("qwen3.5-2b", QWEN3_5_DIR, qwen3_5_2b),
-                               ("lfm2-1.2b", LFM2_DIR, lfm2_1_2b)):
+    for name, folder, make in (
+        ("gemma3-1b", GEMMA3_DIR, gemma3_1b),
+        ("phi4-mini", PHI4_DIR, phi4_mini),
+        ("qwen3-moe", QWEN3_MOE_DIR, qwen3_moe),
+        ("qwen3.5-2b", QWEN3_5_DIR, qwen3_5_2b),
+        ("lfm2-1.2b", LFM2_DIR, lfm2_1_2b),
+        ("llama3.2-1b", LLAMA3_2_DIR, llama3_2_1b),
+    ):
         if name in MODELS:
             save_large(make(V, eos), folder, tok, eos)
             built.append(folder)
@@ -283,19 +436,34 @@ def main():
 
     # ---- bench model: Qwen2.5-0.5B shape ----
     cfg = Qwen2Config(
-        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-        num_attention_heads=14, num_key_value_heads=2, hidden_act="silu",
-        max_position_embeddings=32768, initializer_range=0.02, rms_norm_eps=1e-6,
-        use_cache=True, tie_word_embeddings=True, rope_theta=1000000.0,
-        use_sliding_window=False, sliding_window=32768, max_window_layers=24,
-        attention_dropout=0.0, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        hidden_act="silu",
+        max_position_embeddings=32768,
+        initializer_range=0.02,
+        rms_norm_eps=1e-6,
+        use_cache=True,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+        use_sliding_window=False,
+        sliding_window=32768,
+        max_window_layers=24,
+        attention_dropout=0.0,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
     )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg)
     model = model.to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
-    model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
-                                               do_sample=False)
+    model.generation_config = GenerationConfig(
+        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, do_sample=False
+    )
     nparams = sum(p.numel() for p in model.parameters())
     print("qwen2 params", nparams)
     model.save_pretrained(QWEN_DIR, safe_serialization=True)
@@ -303,14 +471,25 @@ def main():
     del model
 
     # ---- tiny llama ----
-    tcfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                       rms_norm_eps=1e-6, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    tcfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
     torch.manual_seed(0)
     tiny = LlamaForCausalLM(tcfg).to(torch.bfloat16)
     tiny.config.dtype = torch.bfloat16
-    tiny.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
-                                              do_sample=False)
+    tiny.generation_config = GenerationConfig(
+        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, do_sample=False
+    )
     print("tiny params", sum(p.numel() for p in tiny.parameters()))
     tiny.save_pretrained(TINY_DIR, safe_serialization=True)
     tok.save_pretrained(TINY_DIR)
