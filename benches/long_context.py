@@ -8,7 +8,8 @@ costs the same whatever the values), so a context of 4096 for 16 sequences is
 measured in seconds instead of the minutes its prefill would take.
 
     PYTHONPATH=python python benches/long_context.py MODEL --batch 16 \\
-        --contexts 128 4096 [--steps 5] [--dtype bfloat16] [--json FILE]
+        --contexts 128 4096 [--steps 5] [--dtype bfloat16] [--json FILE] \\
+        [--kv-cache-dtype int8] [--quantization int8]
 """
 
 from __future__ import annotations
@@ -46,18 +47,33 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="timed decode steps per context")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--json", default=None, metavar="FILE")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto or int8")
+    ap.add_argument("--quantization", default=None, help="weights: None, int8, int4, ...")
     args = ap.parse_args()
 
     longest = max(args.contexts) + args.steps + 2
     # The engine's own cache only needs one sequence: the runner below has its own.
-    llm = LLM(args.model, dtype=args.dtype, device="cpu", max_model_len=longest, max_num_seqs=1)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device="cpu",
+        max_model_len=longest,
+        max_num_seqs=1,
+        kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
+    )
     engine = llm.llm_engine
     mc, bs = engine.model_config, engine.config.block_size
     layout = engine.runner.layout
     groups = layout.num_groups
     blocks_per_seq = -(-longest // bs)
     per_block = ModelRunner.block_bytes(
-        layout.layers_per_block, mc.num_key_value_heads, mc.head_dim, bs, engine.dtype
+        layout.layers_per_block,
+        mc.num_key_value_heads,
+        mc.head_dim,
+        bs,
+        engine.dtype,
+        args.kv_cache_dtype,
     )
     # A runner whose cache holds every sequence of the batch at the longest context.
     runner = ModelRunner(
@@ -71,13 +87,14 @@ def main() -> None:
         device=torch.device("cpu"),
         fuse_decoder=engine.loaded.fuse_decoder,
         layout=layout,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     for cache in runner.k_caches + runner.v_caches:
         cache.zero_()  # "prefilled" contexts: zeros, whatever the allocator gave
     print(
         f"batch {args.batch}, KV cache "
         f"{args.batch * blocks_per_seq * groups * per_block / 1e9:.2f} GB, "
-        f"dtype {engine.dtype}"
+        f"dtype {engine.dtype}, KV cache {runner.cache_dtype}"
     )
     vocab = mc.vocab_size
     results = []

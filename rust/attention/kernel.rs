@@ -21,7 +21,12 @@ impl<T: Element, C: KvElem<T>> Kernel for Attend<'_, '_, T, C> {
 
     #[inline(always)]
     fn run<S: Simd>(self) {
-        attend_body::<T, C, S>(self.p, self.item, self.key_lo, self.key_hi, self.state)
+        let vectors = (self.item.row_hi - self.item.row_lo) * self.p.group;
+        if vectors < TILED_MIN_VECTORS {
+            attend_rows::<T, C, S>(self.p, self.item, self.key_lo, self.key_hi, self.state)
+        } else {
+            attend_body::<T, C, S>(self.p, self.item, self.key_lo, self.key_hi, self.state)
+        }
     }
 }
 
@@ -246,10 +251,305 @@ fn prefetch<T>(data: &[T]) {
     let _ = data;
 }
 
-/// The kernel body: one item's rows over keys `key_lo..key_hi`, one cache
-/// block (tile) at a time, with the softmax state updated per tile.
+/// Keys per score tile: one AVX-512 vector, two AVX2 ones.
+const TILE: usize = 16;
+/// Items with at least this many query vectors (rows x query heads) run the
+/// tiled body; fewer (decode) the row body, where building the transposed
+/// key tile would cost more than it saves.
+const TILED_MIN_VECTORS: usize = 12;
+/// Query vectors (rows x heads) per micro-kernel call: their accumulators
+/// and one tile of keys or values fit the registers of every path.
+const QROWS: usize = 4;
+
+/// `out[u][l] = q[u] . kt[.., l]` for `U` query vectors (`q`: `U * d`) and
+/// the `TILE` keys of a transposed tile (`kt`: `d * TILE`, key `l` in lane
+/// `l` of each of its `d` rows): a broadcast query element times one tile
+/// row per step, no horizontal sums.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // register tiles: indices say which register
+fn qk_tile<S: Simd, const U: usize>(q: &[f32], kt: &[f32], d: usize, out: &mut [[f32; TILE]]) {
+    let nv = TILE / S::LANES;
+    let q = &q[..U * d];
+    let kt = &kt[..d * TILE];
+    // SAFETY: S's instructions run inside its entry point (`Kernel::run`);
+    // every load reads `kt[i * TILE + v * LANES..][..LANES]`, inside `kt`.
+    unsafe {
+        let mut acc = [[S::zero(); TILE]; U];
+        let qp = q.as_ptr();
+        for i in 0..d {
+            let row = kt.as_ptr().add(i * TILE);
+            for v in 0..nv {
+                let k = S::load(row.add(v * S::LANES));
+                for u in 0..U {
+                    acc[u][v] = S::fmadd(S::splat(*qp.add(u * d + i)), k, acc[u][v]);
+                }
+            }
+        }
+        for u in 0..U {
+            for v in 0..nv {
+                S::store(out[u].as_mut_ptr().add(v * S::LANES), acc[u][v]);
+            }
+        }
+    }
+}
+
+/// `acc[u] += sum_j p[u][j] * vals[j]` for `U` query vectors over the `m`
+/// value rows of a tile (`vals`: `m * d`, `acc`: `U * d`): one value
+/// vector times a broadcast weight per step, the accumulators held in
+/// registers across the tile.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // register tiles: indices say which register
+fn pv_tile<S: Simd, const U: usize>(
+    p: &[[f32; TILE]],
+    vals: &[f32],
+    m: usize,
+    d: usize,
+    acc: &mut [f32],
+) {
+    let vals = &vals[..m * d];
+    let acc = &mut acc[..U * d];
+    let p = &p[..U];
+    assert!(m <= TILE);
+    let mut c = 0;
+    // SAFETY: as `qk_tile`; loads and stores stay inside `vals` and `acc`
+    // (`c + LANES <= d`).
+    unsafe {
+        while c + S::LANES <= d {
+            let mut a = [S::zero(); U];
+            for u in 0..U {
+                a[u] = S::load(acc.as_ptr().add(u * d + c));
+            }
+            for j in 0..m {
+                let v = S::load(vals.as_ptr().add(j * d + c));
+                for u in 0..U {
+                    // `j < m <= TILE`.
+                    a[u] = S::fmadd(S::splat(*p[u].get_unchecked(j)), v, a[u]);
+                }
+            }
+            for u in 0..U {
+                S::store(acc.as_mut_ptr().add(u * d + c), a[u]);
+            }
+            c += S::LANES;
+        }
+    }
+    for u in 0..U {
+        for j in 0..m {
+            let w = p[u][j];
+            for x in c..d {
+                acc[u * d + x] = S::mul_add(w, vals[j * d + x], acc[u * d + x]);
+            }
+        }
+    }
+}
+
+/// The online-softmax update of query vector `r` for one tile: masks the
+/// keys its row does not see (`lo..hi` of the tile's lanes), soft-caps,
+/// turns the scores into weights `e^(s - max)` and rescales the row's
+/// accumulator when its running maximum grows. Returns whether any key
+/// was visible (else the weights are all zero).
+#[inline(always)]
+fn softmax_tile<S: Simd>(
+    s: &mut [f32; TILE],
+    (lo, hi): (usize, usize),
+    softcap: f32,
+    max: &mut f32,
+    sum: &mut f32,
+    acc: &mut [f32],
+) -> bool {
+    if lo >= hi {
+        *s = [0.0; TILE];
+        return false;
+    }
+    if softcap > 0.0 {
+        soft_cap::<S>(s, softcap);
+    }
+    for (l, x) in s.iter_mut().enumerate() {
+        if l < lo || l >= hi {
+            *x = f32::NEG_INFINITY;
+        }
+    }
+    let tile_max = max_of(s);
+    if tile_max > *max {
+        if *max > f32::NEG_INFINITY {
+            let alpha = exp_nonpos::<S>(*max - tile_max);
+            *sum *= alpha;
+            for x in acc.iter_mut() {
+                *x *= alpha;
+            }
+        }
+        *max = tile_max;
+    }
+    *sum += exp_shift_sum::<S>(s, *max);
+    true
+}
+
+/// The kernel body: one item's query vectors (rows x the KV head's query
+/// heads) over keys `key_lo..key_hi`, one cache block at a time, in tiles
+/// of `TILE` keys: the tile's keys transposed once, scores of
+/// `QROWS` query vectors at a time, the online softmax per vector, then the
+/// weighted values of `QROWS` vectors at a time (a flash-attention loop:
+/// the cost per key is flat in the context length, and no score matrix is
+/// kept beyond one tile).
 #[inline(always)]
 fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
+    p: &Problem<'_, T, C>,
+    item: &Item,
+    key_lo: usize,
+    key_hi: usize,
+    state: &mut PartialState,
+) {
+    let d = p.shape.head_size;
+    // Elements of one stored row (an 8-bit row carries its scale).
+    let stride = d + C::EXTRA;
+    let bs = p.shape.block_size;
+    let g = p.group;
+    let nrows = item.row_hi - item.row_lo;
+    let nq = nrows * g;
+    let ctx_start = item.seq.seq_len - item.seq.q_len;
+
+    // Queries of the item, pre-scaled, as f32: vector (r, head) at (r * g + head) * d.
+    let mut q = vec![0.0f32; nq * d];
+    for r in 0..nrows {
+        let token = item.seq.q_start + item.row_lo + r;
+        let src = &p.query[(token * p.num_heads + item.kv_head * g) * d..][..g * d];
+        for (o, &x) in q[r * g * d..(r + 1) * g * d].iter_mut().zip(src) {
+            *o = x.to_f32() * p.scale;
+        }
+    }
+    // Visible key range [lo, hi) of each query row.
+    let vis: Vec<(usize, usize)> = (0..nrows)
+        .map(|r| {
+            let pos = ctx_start + item.row_lo + r;
+            let lo = if p.window > 0 {
+                (pos + 1).saturating_sub(p.window)
+            } else {
+                0
+            };
+            (lo, pos + 1)
+        })
+        .collect();
+
+    let mut vbuf = vec![
+        0.0f32;
+        if C::f32_rows(&p.key_cache[..0]).is_some() {
+            0
+        } else {
+            bs * d
+        }
+    ];
+    let mut krow = vec![0.0f32; d];
+    let mut kt = vec![0.0f32; d * TILE];
+    let mut scores = vec![[0.0f32; TILE]; nq];
+    let table = &p.block_tables[item.seq.seq * p.max_blocks..][..p.max_blocks];
+
+    let mut t0 = key_lo;
+    while t0 < key_hi {
+        let block_idx = t0 / bs;
+        let t1 = ((block_idx + 1) * bs).min(key_hi);
+        let off0 = t0 - block_idx * bs;
+        let n = t1 - t0;
+        // Validated: the block id is in range for every block below seq_len.
+        let block = table[block_idx] as usize;
+        let base = ((block * p.shape.num_kv_heads + item.kv_head) * bs + off0) * stride;
+        if t1 < key_hi {
+            // The next block is elsewhere in the pool (the hardware prefetcher
+            // cannot guess it): ask for it while this one is computed.
+            let next = table[t1 / bs] as usize;
+            let next_base = (next * p.shape.num_kv_heads + item.kv_head) * bs * stride;
+            let next_n = (key_hi - t1).min(bs) * stride;
+            prefetch(&p.key_cache[next_base..next_base + next_n]);
+            prefetch(&p.value_cache[next_base..next_base + next_n]);
+        }
+        let kraw = &p.key_cache[base..base + n * stride];
+        let vraw = &p.value_cache[base..base + n * stride];
+        let values: &[f32] = match C::f32_rows(vraw) {
+            Some(v) => v,
+            None => {
+                C::widen_rows(vraw, d, &mut vbuf[..n * d]);
+                &vbuf[..n * d]
+            }
+        };
+
+        let mut j0 = 0;
+        while j0 < n {
+            let m = (n - j0).min(TILE);
+            let (tk0, tk1) = (t0 + j0, t0 + j0 + m);
+            // Lanes of the tile each query row sees.
+            let lanes = |r: usize| {
+                let (vlo, vhi) = vis[r];
+                let lo = vlo.max(tk0).min(tk1) - tk0;
+                let hi = vhi.min(tk1).max(tk0) - tk0;
+                (lo, hi)
+            };
+            if (0..nrows).all(|r| {
+                let (lo, hi) = lanes(r);
+                lo >= hi
+            }) {
+                j0 += m;
+                continue;
+            }
+            // The tile's keys, widened and transposed (lanes past `m` zero).
+            for jj in 0..m {
+                let raw = &kraw[(j0 + jj) * stride..(j0 + jj + 1) * stride];
+                C::widen_rows(raw, d, &mut krow);
+                for (i, &x) in krow.iter().enumerate() {
+                    kt[i * TILE + jj] = x;
+                }
+            }
+            if m < TILE {
+                for i in 0..d {
+                    kt[i * TILE + m..(i + 1) * TILE].fill(0.0);
+                }
+            }
+            // (Loops, not closures: a closure would not be compiled with
+            // the entry point's target features.)
+            let mut r = 0;
+            if S::LANES >= TILE {
+                // One vector per tile row: twice the query vectors fit.
+                while r + 2 * QROWS <= nq {
+                    qk_tile::<S, { 2 * QROWS }>(&q[r * d..], &kt, d, &mut scores[r..]);
+                    r += 2 * QROWS;
+                }
+            }
+            while r + QROWS <= nq {
+                qk_tile::<S, QROWS>(&q[r * d..], &kt, d, &mut scores[r..]);
+                r += QROWS;
+            }
+            while r < nq {
+                qk_tile::<S, 1>(&q[r * d..], &kt, d, &mut scores[r..]);
+                r += 1;
+            }
+            for (r, s) in scores.iter_mut().enumerate() {
+                let acc = &mut state.acc[r * d..(r + 1) * d];
+                let (max, sum) = (&mut state.max[r], &mut state.sum[r]);
+                softmax_tile::<S>(s, lanes(r / g), p.softcap, max, sum, acc);
+            }
+            let vals = &values[j0 * d..(j0 + m) * d];
+            let mut r = 0;
+            while r + 2 * QROWS <= nq {
+                pv_tile::<S, { 2 * QROWS }>(&scores[r..], vals, m, d, &mut state.acc[r * d..]);
+                r += 2 * QROWS;
+            }
+            while r + QROWS <= nq {
+                pv_tile::<S, QROWS>(&scores[r..], vals, m, d, &mut state.acc[r * d..]);
+                r += QROWS;
+            }
+            while r < nq {
+                pv_tile::<S, 1>(&scores[r..], vals, m, d, &mut state.acc[r * d..]);
+                r += 1;
+            }
+            j0 += m;
+        }
+        t0 = t1;
+    }
+}
+
+/// The body for items of few query vectors (batch decode: one row of a
+/// KV head's query heads): each vector's scores against the block's keys
+/// in their stored layout (no transposed tile to build), then its weighted
+/// values, one vector at a time.
+#[inline(always)]
+fn attend_rows<T: Element, C: KvElem<T>, S: Simd>(
     p: &Problem<'_, T, C>,
     item: &Item,
     key_lo: usize,

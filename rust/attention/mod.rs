@@ -12,8 +12,18 @@
 //! to keep the threads busy (batch-1 decode with a long context), an item's key
 //! range is cut into partitions whose partial softmax states are merged.
 //!
-//! The inner loops are written over fixed 16-lane chunks so LLVM vectorises
-//! them; the body (`kernel.rs`) is written once over `cpu::simd::Simd` and
+//! An item of many query vectors (a prefill chunk) runs the tiled body:
+//! per tile of 16 keys, the keys are transposed once, the scores of 4-8
+//! query vectors at a time come from broadcast-multiply-adds with no
+//! horizontal sums, then the online softmax, then the weighted values of
+//! 4-8 vectors at a time with their accumulators in registers (a
+//! flash-attention loop: no score matrix beyond one tile, and a cost per
+//! key that does not grow with the context). Items of few vectors (decode)
+//! run the row body, which scores each vector against keys in their stored
+//! layout. Caches hold the model's float type or 8-bit rows with a scale
+//! (`rows.rs`), widened one block at a time.
+//!
+//! Both bodies (`kernel.rs`) are written once over `cpu::simd::Simd` and
 //! compiled for AVX-512, AVX2+FMA and portable code, chosen at run time from
 //! what the CPU reports (`cpu::features`).
 
@@ -1055,6 +1065,68 @@ mod tests {
                             "{path:?} {plan:?} [{i}]: {a} vs {b}"
                         );
                     }
+                }
+            }
+        }
+    }
+
+    /// Rows of a float cache quantized as an 8-bit cache stores them, and
+    /// the dequantized floats they hold.
+    fn quantized(cache: &[f32], d: usize) -> (Vec<i8>, Vec<f32>) {
+        let stride = d + INT8_SCALE_BYTES;
+        let mut q = vec![0i8; cache.len() / d * stride];
+        let mut back = vec![0f32; cache.len()];
+        for (row, (dst, deq)) in cache
+            .chunks_exact(d)
+            .zip(q.chunks_exact_mut(stride).zip(back.chunks_exact_mut(d)))
+        {
+            <i8 as KvElem<f32>>::store_row(row, dst);
+            <i8 as KvElem<f32>>::widen_rows(dst, d, deq);
+        }
+        (q, back)
+    }
+
+    #[test]
+    fn int8_caches_match_reference_of_their_values_every_path() {
+        let mut rng = Rng(777);
+        for case in cases() {
+            let mut data = make(&case, &mut rng);
+            let d = case.shape.head_size;
+            let (kq, kf) = quantized(&data.kc, d);
+            let (vq, vf) = quantized(&data.vc, d);
+            data.kc = kf;
+            data.vc = vf;
+            let scale = 1.0 / (d as f32).sqrt();
+            let want = reference(&case, &data, scale);
+            let batch = BatchLayout {
+                block_tables: &data.tables,
+                max_blocks_per_seq: data.max_blocks,
+                seq_lens: &data.seq_lens,
+                query_start_loc: &data.qsl,
+            };
+            for path in available_paths() {
+                let mut out = vec![f32::NAN; data.query.len()];
+                paged_attention_with(
+                    &mut out,
+                    &data.query,
+                    &kq,
+                    &vq,
+                    case.shape,
+                    case.num_heads,
+                    batch,
+                    scale,
+                    case.window,
+                    case.softcap,
+                    data.sinks.as_deref(),
+                    Plan::production(),
+                    path,
+                )
+                .unwrap();
+                for (a, b) in out.iter().zip(&want) {
+                    assert!(
+                        (a - b).abs() <= 2e-5 + 1e-5 * b.abs(),
+                        "{path:?}: {a} vs {b}"
+                    );
                 }
             }
         }
