@@ -21,12 +21,7 @@ impl<T: Element, C: KvElem<T>> Kernel for Attend<'_, '_, T, C> {
 
     #[inline(always)]
     fn run<S: Simd>(self) {
-        let vectors = (self.item.row_hi - self.item.row_lo) * self.p.group;
-        if vectors < TILED_MIN_VECTORS {
-            attend_rows::<T, C, S>(self.p, self.item, self.key_lo, self.key_hi, self.state)
-        } else {
-            attend_body::<T, C, S>(self.p, self.item, self.key_lo, self.key_hi, self.state)
-        }
+        attend_body::<T, C, S>(self.p, self.item, self.key_lo, self.key_hi, self.state)
     }
 }
 
@@ -112,30 +107,6 @@ fn dot1<S: Simd>(q: &[f32], k: &[f32]) -> f32 {
         res = S::mul_add(q[j], k[j], res);
     }
     res
-}
-
-/// `acc += w[0] * v[0] + .. + w[3] * v[3]`, one pass over `acc`.
-#[inline(always)]
-fn axpy4<S: Simd>(acc: &mut [f32], w: [f32; 4], v: [&[f32]; 4]) {
-    let d = acc.len();
-    let (v0, v1, v2, v3) = (&v[0][..d], &v[1][..d], &v[2][..d], &v[3][..d]);
-    for j in 0..d {
-        let mut a = acc[j];
-        a = S::mul_add(w[0], v0[j], a);
-        a = S::mul_add(w[1], v1[j], a);
-        a = S::mul_add(w[2], v2[j], a);
-        a = S::mul_add(w[3], v3[j], a);
-        acc[j] = a;
-    }
-}
-
-/// `acc += w * v`.
-#[inline(always)]
-fn axpy1<S: Simd>(acc: &mut [f32], w: f32, v: &[f32]) {
-    let v = &v[..acc.len()];
-    for (a, &x) in acc.iter_mut().zip(v) {
-        *a = S::mul_add(w, x, *a);
-    }
 }
 
 /// `e^x` for `x <= 0` (scores minus their running max), ~1 ulp, written
@@ -253,10 +224,10 @@ fn prefetch<T>(data: &[T]) {
 
 /// Keys per score tile: one AVX-512 vector, two AVX2 ones.
 const TILE: usize = 16;
-/// Items with at least this many query vectors (rows x query heads) run the
-/// tiled body; fewer (decode) the row body, where building the transposed
-/// key tile would cost more than it saves.
-const TILED_MIN_VECTORS: usize = 12;
+/// Items with at least this many query vectors (rows x query heads) score
+/// a transposed key tile; fewer (decode) score the keys as stored, where
+/// building the transposed tile would cost more than it saves.
+const TRANSPOSE_MIN_VECTORS: usize = 12;
 /// Query vectors (rows x heads) per micro-kernel call: their accumulators
 /// and one tile of keys or values fit the registers of every path.
 const QROWS: usize = 4;
@@ -338,6 +309,67 @@ fn pv_tile<S: Simd, const U: usize>(
             for x in c..d {
                 acc[u * d + x] = S::mul_add(w, vals[j * d + x], acc[u * d + x]);
             }
+        }
+    }
+}
+
+/// Scores of every query vector (`q`: `nq * d`) against one tile's keys
+/// transposed (`kt`), `2 * QROWS` (AVX-512) or `QROWS` vectors per
+/// micro-kernel call. (Loops, not closures: a closure would not be
+/// compiled with the entry point's target features.)
+#[inline(always)]
+fn scores_transposed<S: Simd>(q: &[f32], kt: &[f32], d: usize, scores: &mut [[f32; TILE]]) {
+    let nq = scores.len();
+    let mut r = 0;
+    if S::LANES >= TILE {
+        // One vector per tile row: twice the query vectors fit.
+        while r + 2 * QROWS <= nq {
+            qk_tile::<S, { 2 * QROWS }>(&q[r * d..], kt, d, &mut scores[r..]);
+            r += 2 * QROWS;
+        }
+    }
+    while r + QROWS <= nq {
+        qk_tile::<S, QROWS>(&q[r * d..], kt, d, &mut scores[r..]);
+        r += QROWS;
+    }
+    match nq - r {
+        3 => qk_tile::<S, 3>(&q[r * d..], kt, d, &mut scores[r..]),
+        2 => qk_tile::<S, 2>(&q[r * d..], kt, d, &mut scores[r..]),
+        1 => qk_tile::<S, 1>(&q[r * d..], kt, d, &mut scores[r..]),
+        _ => {}
+    }
+}
+
+/// Scores of every query vector against the `m` keys of a tile as stored
+/// (`keys`: `m * d`), 8 keys at a time where the ISA has the transposing
+/// score kernel, else 4 then 1.
+#[inline(always)]
+fn scores_as_stored<S: Simd>(
+    q: &[f32],
+    keys: &[f32],
+    m: usize,
+    d: usize,
+    scores: &mut [[f32; TILE]],
+) {
+    for (r, s) in scores.iter_mut().enumerate() {
+        let qrow = &q[r * d..(r + 1) * d];
+        let mut j = 0;
+        while j + 8 <= m && scores8::<S>(qrow, &keys[j * d..], &mut s[j..j + 8]) {
+            j += 8;
+        }
+        while j + 4 <= m {
+            let k4 = [
+                &keys[j * d..(j + 1) * d],
+                &keys[(j + 1) * d..(j + 2) * d],
+                &keys[(j + 2) * d..(j + 3) * d],
+                &keys[(j + 3) * d..(j + 4) * d],
+            ];
+            s[j..j + 4].copy_from_slice(&dot4::<S>(qrow, k4));
+            j += 4;
+        }
+        while j < m {
+            s[j] = dot1::<S>(qrow, &keys[j * d..(j + 1) * d]);
+            j += 1;
         }
     }
 }
@@ -429,14 +461,14 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
         })
         .collect();
 
-    let mut vbuf = vec![
-        0.0f32;
-        if C::f32_rows(&p.key_cache[..0]).is_some() {
-            0
-        } else {
-            bs * d
-        }
-    ];
+    let transpose = nq >= TRANSPOSE_MIN_VECTORS;
+    let widen_len = if C::f32_rows(&p.key_cache[..0]).is_some() {
+        0
+    } else {
+        bs * d
+    };
+    let mut vbuf = vec![0.0f32; widen_len];
+    let mut kbuf = vec![0.0f32; if transpose { 0 } else { widen_len }];
     let mut krow = vec![0.0f32; d];
     let mut kt = vec![0.0f32; d * TILE];
     let mut scores = vec![[0.0f32; TILE]; nq];
@@ -469,6 +501,15 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
                 &vbuf[..n * d]
             }
         };
+        // Without the transposed tile, the block's keys as stored (widened).
+        let stored: Option<&[f32]> = match (transpose, C::f32_rows(kraw)) {
+            (true, _) => None,
+            (false, Some(k)) => Some(k),
+            (false, None) => {
+                C::widen_rows(kraw, d, &mut kbuf[..n * d]);
+                Some(&kbuf[..n * d])
+            }
+        };
 
         let mut j0 = 0;
         while j0 < n {
@@ -488,36 +529,23 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
                 j0 += m;
                 continue;
             }
-            // The tile's keys, widened and transposed (lanes past `m` zero).
-            for jj in 0..m {
-                let raw = &kraw[(j0 + jj) * stride..(j0 + jj + 1) * stride];
-                C::widen_rows(raw, d, &mut krow);
-                for (i, &x) in krow.iter().enumerate() {
-                    kt[i * TILE + jj] = x;
+            if let Some(keys) = stored {
+                scores_as_stored::<S>(&q, &keys[j0 * d..(j0 + m) * d], m, d, &mut scores);
+            } else {
+                // The tile's keys, widened and transposed (lanes past `m` zero).
+                for jj in 0..m {
+                    let raw = &kraw[(j0 + jj) * stride..(j0 + jj + 1) * stride];
+                    C::widen_rows(raw, d, &mut krow);
+                    for (i, &x) in krow.iter().enumerate() {
+                        kt[i * TILE + jj] = x;
+                    }
                 }
-            }
-            if m < TILE {
-                for i in 0..d {
-                    kt[i * TILE + m..(i + 1) * TILE].fill(0.0);
+                if m < TILE {
+                    for i in 0..d {
+                        kt[i * TILE + m..(i + 1) * TILE].fill(0.0);
+                    }
                 }
-            }
-            // (Loops, not closures: a closure would not be compiled with
-            // the entry point's target features.)
-            let mut r = 0;
-            if S::LANES >= TILE {
-                // One vector per tile row: twice the query vectors fit.
-                while r + 2 * QROWS <= nq {
-                    qk_tile::<S, { 2 * QROWS }>(&q[r * d..], &kt, d, &mut scores[r..]);
-                    r += 2 * QROWS;
-                }
-            }
-            while r + QROWS <= nq {
-                qk_tile::<S, QROWS>(&q[r * d..], &kt, d, &mut scores[r..]);
-                r += QROWS;
-            }
-            while r < nq {
-                qk_tile::<S, 1>(&q[r * d..], &kt, d, &mut scores[r..]);
-                r += 1;
+                scores_transposed::<S>(&q, &kt, d, &mut scores);
             }
             for (r, s) in scores.iter_mut().enumerate() {
                 let acc = &mut state.acc[r * d..(r + 1) * d];
@@ -534,171 +562,14 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
                 pv_tile::<S, QROWS>(&scores[r..], vals, m, d, &mut state.acc[r * d..]);
                 r += QROWS;
             }
-            while r < nq {
-                pv_tile::<S, 1>(&scores[r..], vals, m, d, &mut state.acc[r * d..]);
-                r += 1;
+            let (w, acc) = (&scores[r..], &mut state.acc[r * d..]);
+            match nq - r {
+                3 => pv_tile::<S, 3>(w, vals, m, d, acc),
+                2 => pv_tile::<S, 2>(w, vals, m, d, acc),
+                1 => pv_tile::<S, 1>(w, vals, m, d, acc),
+                _ => {}
             }
             j0 += m;
-        }
-        t0 = t1;
-    }
-}
-
-/// The body for items of few query vectors (batch decode: one row of a
-/// KV head's query heads): each vector's scores against the block's keys
-/// in their stored layout (no transposed tile to build), then its weighted
-/// values, one vector at a time.
-#[inline(always)]
-fn attend_rows<T: Element, C: KvElem<T>, S: Simd>(
-    p: &Problem<'_, T, C>,
-    item: &Item,
-    key_lo: usize,
-    key_hi: usize,
-    state: &mut PartialState,
-) {
-    let d = p.shape.head_size;
-    // Elements of one stored row (an 8-bit row carries its scale).
-    let stride = d + C::EXTRA;
-    let bs = p.shape.block_size;
-    let g = p.group;
-    let nrows = item.row_hi - item.row_lo;
-    let ctx_start = item.seq.seq_len - item.seq.q_len;
-
-    // Queries of the item, pre-scaled, as f32: row (r, head) at (r * g + head) * d.
-    let mut q = vec![0.0f32; nrows * g * d];
-    for r in 0..nrows {
-        let token = item.seq.q_start + item.row_lo + r;
-        let src = &p.query[(token * p.num_heads + item.kv_head * g) * d..][..g * d];
-        for (o, &x) in q[r * g * d..(r + 1) * g * d].iter_mut().zip(src) {
-            *o = x.to_f32() * p.scale;
-        }
-    }
-    // Visible key range [lo, hi) of each query row.
-    let vis: Vec<(usize, usize)> = (0..nrows)
-        .map(|r| {
-            let pos = ctx_start + item.row_lo + r;
-            let lo = if p.window > 0 {
-                (pos + 1).saturating_sub(p.window)
-            } else {
-                0
-            };
-            (lo, pos + 1)
-        })
-        .collect();
-
-    let mut kbuf = vec![
-        0.0f32;
-        if C::f32_rows(&p.key_cache[..0]).is_some() {
-            0
-        } else {
-            bs * d
-        }
-    ];
-    let mut vbuf = kbuf.clone();
-    let mut scores = vec![0.0f32; bs];
-    let table = &p.block_tables[item.seq.seq * p.max_blocks..][..p.max_blocks];
-
-    let mut t0 = key_lo;
-    while t0 < key_hi {
-        let block_idx = t0 / bs;
-        let t1 = ((block_idx + 1) * bs).min(key_hi);
-        let off0 = t0 - block_idx * bs;
-        let n = t1 - t0;
-        // Validated: the block id is in range for every block below seq_len.
-        let block = table[block_idx] as usize;
-        let base = ((block * p.shape.num_kv_heads + item.kv_head) * bs + off0) * stride;
-        if t1 < key_hi {
-            // The next block is elsewhere in the pool (the hardware prefetcher
-            // cannot guess it): ask for it while this one is computed.
-            let next = table[t1 / bs] as usize;
-            let next_base = (next * p.shape.num_kv_heads + item.kv_head) * bs * stride;
-            let next_n = (key_hi - t1).min(bs) * stride;
-            prefetch(&p.key_cache[next_base..next_base + next_n]);
-            prefetch(&p.value_cache[next_base..next_base + next_n]);
-        }
-        let kraw = &p.key_cache[base..base + n * stride];
-        let vraw = &p.value_cache[base..base + n * stride];
-        let (keys, values): (&[f32], &[f32]) = match (C::f32_rows(kraw), C::f32_rows(vraw)) {
-            (Some(k), Some(v)) => (k, v),
-            _ => {
-                C::widen_rows(kraw, d, &mut kbuf[..n * d]);
-                C::widen_rows(vraw, d, &mut vbuf[..n * d]);
-                (&kbuf[..n * d], &vbuf[..n * d])
-            }
-        };
-
-        for (r, &(vlo, vhi)) in vis.iter().enumerate() {
-            let a = vlo.max(t0);
-            let b = vhi.min(t1);
-            if a >= b {
-                continue;
-            }
-            let (ka, kb) = (a - t0, b - t0);
-            for h in 0..g {
-                let row = r * g + h;
-                let qrow = &q[row * d..(row + 1) * d];
-                let s = &mut scores[..kb - ka];
-                let mut j = 0;
-                while j + 8 <= s.len()
-                    && scores8::<S>(qrow, &keys[(ka + j) * d..], &mut s[j..j + 8])
-                {
-                    j += 8;
-                }
-                while j + 4 <= s.len() {
-                    let t = ka + j;
-                    let k4 = [
-                        &keys[t * d..(t + 1) * d],
-                        &keys[(t + 1) * d..(t + 2) * d],
-                        &keys[(t + 2) * d..(t + 3) * d],
-                        &keys[(t + 3) * d..(t + 4) * d],
-                    ];
-                    let r4 = dot4::<S>(qrow, k4);
-                    s[j..j + 4].copy_from_slice(&r4);
-                    j += 4;
-                }
-                while j < s.len() {
-                    let t = ka + j;
-                    s[j] = dot1::<S>(qrow, &keys[t * d..(t + 1) * d]);
-                    j += 1;
-                }
-                if p.softcap > 0.0 {
-                    soft_cap::<S>(s, p.softcap);
-                }
-                let tile_max = max_of(s);
-                let old_max = state.max[row];
-                let acc = &mut state.acc[row * d..(row + 1) * d];
-                let new_max = if tile_max > old_max {
-                    if old_max > f32::NEG_INFINITY {
-                        let alpha = exp_nonpos::<S>(old_max - tile_max);
-                        state.sum[row] *= alpha;
-                        for x in acc.iter_mut() {
-                            *x *= alpha;
-                        }
-                    }
-                    state.max[row] = tile_max;
-                    tile_max
-                } else {
-                    old_max
-                };
-                state.sum[row] += exp_shift_sum::<S>(s, new_max);
-                let mut j = 0;
-                while j + 4 <= s.len() {
-                    let t = ka + j;
-                    let v4 = [
-                        &values[t * d..(t + 1) * d],
-                        &values[(t + 1) * d..(t + 2) * d],
-                        &values[(t + 2) * d..(t + 3) * d],
-                        &values[(t + 3) * d..(t + 4) * d],
-                    ];
-                    axpy4::<S>(acc, [s[j], s[j + 1], s[j + 2], s[j + 3]], v4);
-                    j += 4;
-                }
-                while j < s.len() {
-                    let t = ka + j;
-                    axpy1::<S>(acc, s[j], &values[t * d..(t + 1) * d]);
-                    j += 1;
-                }
-            }
         }
         t0 = t1;
     }
