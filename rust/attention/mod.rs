@@ -19,8 +19,9 @@
 //! 4-8 vectors at a time with their accumulators in registers (a
 //! flash-attention loop: no score matrix beyond one tile, and a cost per
 //! key that does not grow with the context). Items of few vectors (decode)
-//! run the row body, which scores each vector against keys in their stored
-//! layout. Caches hold the model's float type or 8-bit rows with a scale
+//! score each vector against the keys as stored (building the transposed
+//! tile would cost more than it saves) and share the rest of the loop.
+//! Caches hold the model's float type or 8-bit rows with a scale
 //! (`rows.rs`), widened one block at a time.
 //!
 //! Both bodies (`kernel.rs`) are written once over `cpu::simd::Simd` and
