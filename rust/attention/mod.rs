@@ -918,7 +918,20 @@ mod tests {
 
     fn run<T: Element>(case: &Case, data: &Data, scale: f32, plan: Plan, path: Path) -> Vec<f32> {
         let conv = |v: &[f32]| v.iter().map(|&x| T::from_f32(x)).collect::<Vec<T>>();
-        let (q, kc, vc) = (conv(&data.query), conv(&data.kc), conv(&data.vc));
+        let (kc, vc) = (conv(&data.kc), conv(&data.vc));
+        run_on::<T, T>(case, data, (&kc, &vc), scale, plan, path)
+    }
+
+    /// The kernel on the case's queries (as `T`) over caches of `C`.
+    fn run_on<T: Element, C: KvElem<T>>(
+        case: &Case,
+        data: &Data,
+        (kc, vc): (&[C], &[C]),
+        scale: f32,
+        plan: Plan,
+        path: Path,
+    ) -> Vec<f32> {
+        let q: Vec<T> = data.query.iter().map(|&x| T::from_f32(x)).collect();
         let mut out = vec![T::from_f32(f32::NAN); q.len()];
         let batch = BatchLayout {
             block_tables: &data.tables,
@@ -929,8 +942,8 @@ mod tests {
         paged_attention_with(
             &mut out,
             &q,
-            &kc,
-            &vc,
+            kc,
+            vc,
             case.shape,
             case.num_heads,
             batch,
@@ -1099,30 +1112,9 @@ mod tests {
             data.vc = vf;
             let scale = 1.0 / (d as f32).sqrt();
             let want = reference(&case, &data, scale);
-            let batch = BatchLayout {
-                block_tables: &data.tables,
-                max_blocks_per_seq: data.max_blocks,
-                seq_lens: &data.seq_lens,
-                query_start_loc: &data.qsl,
-            };
             for path in available_paths() {
-                let mut out = vec![f32::NAN; data.query.len()];
-                paged_attention_with(
-                    &mut out,
-                    &data.query,
-                    &kq,
-                    &vq,
-                    case.shape,
-                    case.num_heads,
-                    batch,
-                    scale,
-                    case.window,
-                    case.softcap,
-                    data.sinks.as_deref(),
-                    Plan::production(),
-                    path,
-                )
-                .unwrap();
+                let caches = (&kq[..], &vq[..]);
+                let out = run_on::<f32, i8>(&case, &data, caches, scale, Plan::production(), path);
                 for (a, b) in out.iter().zip(&want) {
                     assert!(
                         (a - b).abs() <= 2e-5 + 1e-5 * b.abs(),
