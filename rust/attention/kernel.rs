@@ -313,31 +313,47 @@ fn pv_tile<S: Simd, const U: usize>(
     }
 }
 
-/// Scores of every query vector (`q`: `nq * d`) against one tile's keys
-/// transposed (`kt`), `2 * QROWS` (AVX-512) or `QROWS` vectors per
-/// micro-kernel call. (Loops, not closures: a closure would not be
-/// compiled with the entry point's target features.)
-#[inline(always)]
-fn scores_transposed<S: Simd>(q: &[f32], kt: &[f32], d: usize, scores: &mut [[f32; TILE]]) {
-    let nq = scores.len();
-    let mut r = 0;
-    if S::LANES >= TILE {
-        // One vector per tile row: twice the query vectors fit.
-        while r + 2 * QROWS <= nq {
-            qk_tile::<S, { 2 * QROWS }>(&q[r * d..], kt, d, &mut scores[r..]);
-            r += 2 * QROWS;
+/// Runs `$body` over query vectors `0..$nq` in groups: `2 * QROWS` at a
+/// time where `$wide`, then `QROWS`, then the 3, 2 or 1 left; in `$body`,
+/// `$r` is the group's first vector and `$u` its size, a constant (the
+/// micro-kernels' `U`). A macro, not a closure: a closure would not be
+/// compiled with the entry point's target features.
+macro_rules! by_vector_groups {
+    ($nq:expr, $wide:expr, |$r:ident, $u:ident| $body:expr) => {{
+        let nq: usize = $nq;
+        let mut $r = 0;
+        if $wide {
+            while $r + 2 * QROWS <= nq {
+                {
+                    const $u: usize = 2 * QROWS;
+                    $body;
+                }
+                $r += 2 * QROWS;
+            }
         }
-    }
-    while r + QROWS <= nq {
-        qk_tile::<S, QROWS>(&q[r * d..], kt, d, &mut scores[r..]);
-        r += QROWS;
-    }
-    match nq - r {
-        3 => qk_tile::<S, 3>(&q[r * d..], kt, d, &mut scores[r..]),
-        2 => qk_tile::<S, 2>(&q[r * d..], kt, d, &mut scores[r..]),
-        1 => qk_tile::<S, 1>(&q[r * d..], kt, d, &mut scores[r..]),
-        _ => {}
-    }
+        while $r + QROWS <= nq {
+            {
+                const $u: usize = QROWS;
+                $body;
+            }
+            $r += QROWS;
+        }
+        match nq - $r {
+            3 => {
+                const $u: usize = 3;
+                $body;
+            }
+            2 => {
+                const $u: usize = 2;
+                $body;
+            }
+            1 => {
+                const $u: usize = 1;
+                $body;
+            }
+            _ => {}
+        }
+    }};
 }
 
 /// Scores of every query vector against the `m` keys of a tile as stored
@@ -377,8 +393,8 @@ fn scores_as_stored<S: Simd>(
 /// The online-softmax update of query vector `r` for one tile: masks the
 /// keys its row does not see (`lo..hi` of the tile's lanes), soft-caps,
 /// turns the scores into weights `e^(s - max)` and rescales the row's
-/// accumulator when its running maximum grows. Returns whether any key
-/// was visible (else the weights are all zero).
+/// accumulator when its running maximum grows. A row that sees no key of
+/// the tile gets weights of zero.
 #[inline(always)]
 fn softmax_tile<S: Simd>(
     s: &mut [f32; TILE],
@@ -387,10 +403,10 @@ fn softmax_tile<S: Simd>(
     max: &mut f32,
     sum: &mut f32,
     acc: &mut [f32],
-) -> bool {
+) {
     if lo >= hi {
         *s = [0.0; TILE];
-        return false;
+        return;
     }
     if softcap > 0.0 {
         soft_cap::<S>(s, softcap);
@@ -412,7 +428,6 @@ fn softmax_tile<S: Simd>(
         *max = tile_max;
     }
     *sum += exp_shift_sum::<S>(s, *max);
-    true
 }
 
 /// The kernel body: one item's query vectors (rows x the KV head's query
@@ -545,7 +560,13 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
                         kt[i * TILE + m..(i + 1) * TILE].fill(0.0);
                     }
                 }
-                scores_transposed::<S>(&q, &kt, d, &mut scores);
+                // One vector per tile row on AVX-512: twice the query vectors fit.
+                by_vector_groups!(nq, S::LANES >= TILE, |r, U| qk_tile::<S, U>(
+                    &q[r * d..],
+                    &kt,
+                    d,
+                    &mut scores[r..]
+                ));
             }
             for (r, s) in scores.iter_mut().enumerate() {
                 let acc = &mut state.acc[r * d..(r + 1) * d];
@@ -553,22 +574,13 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
                 softmax_tile::<S>(s, lanes(r / g), p.softcap, max, sum, acc);
             }
             let vals = &values[j0 * d..(j0 + m) * d];
-            let mut r = 0;
-            while r + 2 * QROWS <= nq {
-                pv_tile::<S, { 2 * QROWS }>(&scores[r..], vals, m, d, &mut state.acc[r * d..]);
-                r += 2 * QROWS;
-            }
-            while r + QROWS <= nq {
-                pv_tile::<S, QROWS>(&scores[r..], vals, m, d, &mut state.acc[r * d..]);
-                r += QROWS;
-            }
-            let (w, acc) = (&scores[r..], &mut state.acc[r * d..]);
-            match nq - r {
-                3 => pv_tile::<S, 3>(w, vals, m, d, acc),
-                2 => pv_tile::<S, 2>(w, vals, m, d, acc),
-                1 => pv_tile::<S, 1>(w, vals, m, d, acc),
-                _ => {}
-            }
+            by_vector_groups!(nq, true, |r, U| pv_tile::<S, U>(
+                &scores[r..],
+                vals,
+                m,
+                d,
+                &mut state.acc[r * d..]
+            ));
             j0 += m;
         }
         t0 = t1;
