@@ -39,11 +39,7 @@ from test_attention import (
     run_layer,
     sinks_layer,
 )
-
-
-def int8_cache(float_cache: torch.Tensor) -> torch.Tensor:
-    """The int8 cache holding ``float_cache``'s rows, quantized by the reference."""
-    return quantize_rows(float_cache)
+from test_quantization import prompt_logprobs
 
 
 @settings(max_examples=40, deadline=None)
@@ -88,7 +84,7 @@ def test_attention_over_int8_cache_matches_sdpa_of_dequantized_rows(case):
     gen = torch.Generator().manual_seed(case.pop("seed"))
     window, softcap = case.pop("window"), case.pop("softcap")
     query, key_cache, value_cache, block_tables, seq_lens, qsl = make_batch(gen, **case)
-    kc, vc = int8_cache(key_cache), int8_cache(value_cache)
+    kc, vc = quantize_rows(key_cache), quantize_rows(value_cache)
     scale = 1.0 / math.sqrt(case["head_size"])
     got = torch.full_like(query, float("nan"))
     _core.paged_attention(got, query, kc, vc, block_tables, seq_lens, qsl, scale, window, softcap)
@@ -119,7 +115,7 @@ def test_rust_and_torch_backends_agree_on_int8_caches(case):
     block_tables = block_tables.clamp(min=0)  # the engine pads tables with block 0
     outs, caches = [], []
     for ops in (RUST_OPS, TORCH_OPS):
-        kc, vc = int8_cache(key_cache), int8_cache(value_cache)
+        kc, vc = quantize_rows(key_cache), quantize_rows(value_cache)
         layer = sinks_layer(case, window, softcap, None, kc, vc)
         outs.append(
             run_layer(layer, ops, query, block_tables, seq_lens, qsl, (key_cache, value_cache))
@@ -167,30 +163,21 @@ def _held_out_ids(llm: LLM) -> list[int]:
     raise AssertionError("no standard-library source to score")
 
 
-def _prompt_logprobs(llm: LLM, ids: list[int]) -> list[float]:
-    (o,) = llm.generate(
-        [{"prompt_token_ids": ids}],
-        SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0),
-        use_tqdm=False,
-    )
-    return [entry[tok].logprob for tok, entry in zip(ids[1:], o.prompt_logprobs[1:])]
-
-
 def test_engine_int8_cache_keeps_perplexity_and_fused_matches_layers():
     # Chunks of 128 tokens: later chunks read earlier ones from the cache.
     kw = dict(max_num_batched_tokens=128, max_num_seqs=4)
     base = LLM(demo_model_path(), **kw)
     ids = _held_out_ids(base)
-    ppl_float = float(np.exp(-np.mean(_prompt_logprobs(base, ids))))
+    ppl_float = float(np.exp(-np.mean(prompt_logprobs(base, ids))))
     q8 = LLM(demo_model_path(), kv_cache_dtype="int8", **kw)
     runner = q8.llm_engine.runner
     assert runner.k_caches[0].dtype == torch.int8 and runner.fused_layers
-    lp_fused = _prompt_logprobs(q8, ids)
+    lp_fused = prompt_logprobs(q8, ids)
     ppl_int8 = float(np.exp(-np.mean(lp_fused)))
     assert ppl_int8 / ppl_float < 1.005, (ppl_float, ppl_int8)
     # The same steps through the per-layer Rust ops (no fused stack).
     runner.fused_layers = False
-    lp_layers = _prompt_logprobs(q8, ids)
+    lp_layers = prompt_logprobs(q8, ids)
     np.testing.assert_allclose(lp_layers, lp_fused, atol=2e-3)
     greedy = SamplingParams(temperature=0, max_tokens=24)
     prompts = ["def parse(self, text):", "import os\nclass Cache:"]

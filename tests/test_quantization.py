@@ -128,14 +128,18 @@ def test_bad_arguments_name_the_problem():
         LLM(demo_model_path(), quantization="fp8")
 
 
-def _perplexity(llm: LLM, ids: list[int]) -> float:
+def prompt_logprobs(llm: LLM, ids: list[int]) -> list[float]:
+    """The log-probability of each prompt token after the first."""
     (o,) = llm.generate(
         [{"prompt_token_ids": ids}],
         SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0),
         use_tqdm=False,
     )
-    lps = [entry[tok].logprob for tok, entry in zip(ids[1:], o.prompt_logprobs[1:])]
-    return float(np.exp(-np.mean(lps)))
+    return [entry[tok].logprob for tok, entry in zip(ids[1:], o.prompt_logprobs[1:])]
+
+
+def _perplexity(llm: LLM, ids: list[int]) -> float:
+    return float(np.exp(-np.mean(prompt_logprobs(llm, ids))))
 
 
 @pytest.fixture(scope="module")

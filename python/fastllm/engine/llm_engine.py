@@ -105,7 +105,7 @@ class LLMEngine:
 
         from fastllm.engine.cache_size import plan_kv_cache
         from fastllm.engine.kv_cache_manager import KVLayout
-        from fastllm.engine.model_runner import ModelRunner
+        from fastllm.engine.model_runner import ModelRunner, cache_dtype
         from fastllm.engine.state_cache import StateCache
         from fastllm.layers.rotary import limit_positions
 
@@ -148,7 +148,7 @@ class LLMEngine:
         )
         self.max_model_len = self.cache.max_model_len
         limit_positions(loaded.model, self.max_model_len)
-        kv = "int8" if config.kv_cache_dtype == "int8" else str(loaded.dtype).removeprefix("torch.")
+        kv = str(cache_dtype(config.kv_cache_dtype, loaded.dtype)).removeprefix("torch.")
         logger.info("KV cache (%s): %s", kv, self.cache.describe())
         self.runner = ModelRunner(
             loaded.model,
