@@ -36,10 +36,7 @@ fn values(len: usize, salt: usize) -> Vec<bf16> {
 fn bench_gemm(c: &mut Criterion) {
     let paths: Vec<Path> = match std::env::var("FASTLLM_BENCH_PATHS") {
         Ok(v) => v.split(',').filter_map(Path::parse).collect(),
-        Err(_) => available_paths()
-            .into_iter()
-            .filter(|p| *p != Path::Avx512Bf16)
-            .collect(),
+        Err(_) => available_paths(),
     };
     for (name, n, k) in SHAPES {
         let w = values(n * k, 0);

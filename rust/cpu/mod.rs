@@ -26,9 +26,9 @@ pub enum Path {
     Avx2,
     /// AVX-512F/BW/VL (with AVX2 and FMA), 16 f32 lanes.
     Avx512,
-    /// AVX512-BF16 CPUs. The GEMM accepts the name and runs the `Avx512`
-    /// kernel: two f32 FMAs retire per cycle against one `vdpbf16ps` per
-    /// two (see `docs/cpu-kernels.md`).
+    /// AVX512-BF16 CPUs: the AVX-512 code, except that the GEMM runs bf16
+    /// weights against bf16 rows with `vdpbf16ps` (`gemm::dot_bf16`; see
+    /// `gemm::default_path` for the CPUs it is chosen on).
     Avx512Bf16,
 }
 
