@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from fastllm import LLM, SamplingParams  # noqa: E402
+from fastllm import LLM, SamplingParams, _core  # noqa: E402
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -317,6 +317,31 @@ def test_cpu_gemm_mode_is_validated(monkeypatch):
     monkeypatch.setenv("FASTLLM_CPU_GEMM", "fast")
     with pytest.raises(ValueError, match="FASTLLM_CPU_GEMM='fast'"):
         should_pack("cpu", torch.float32)
+
+
+@pytest.mark.parametrize("path", _core.gemm_paths())
+def test_cpu_gemm_path_switch_packs_every_linear_on_that_path(make_model, monkeypatch, path):
+    """``FASTLLM_CPU_GEMM_PATH`` names the float GEMM's path for every packed
+    linear, the head and an MoE router included; unset, the CPU's default."""
+    monkeypatch.setenv("FASTLLM_CPU_GEMM_PATH", path)
+    llm = LLM(make_model("qwen2"), dtype="bfloat16", device="cpu")
+    model = llm.llm_engine.runner.model
+    packed = [m.packed for m in model.modules() if m.__class__.__name__ == "Linear"]
+    assert packed and {p.path for p in [*packed, model.packed_head]} == {path}
+    (out,) = llm.generate([PROMPTS[0]], greedy(4), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
+    monkeypatch.delenv("FASTLLM_CPU_GEMM_PATH")
+    from fastllm.layers.linear import packed_linear
+
+    assert packed_linear(torch.ones(3, 4), None).path == _core.gemm_default_path()
+
+
+def test_cpu_gemm_path_switch_is_validated(monkeypatch):
+    from fastllm.layers.linear import packed_linear
+
+    monkeypatch.setenv("FASTLLM_CPU_GEMM_PATH", "avx1024")
+    with pytest.raises(ValueError, match="FASTLLM_CPU_GEMM_PATH='avx1024'.*unknown"):
+        packed_linear(torch.ones(3, 4), None)
 
 
 def test_interrupted_generation_returns_blocks_cut_off_from_their_sequence(llama, monkeypatch):

@@ -368,7 +368,8 @@ class PackedLinear:
 
     ``weight`` [out_features, in_features] and ``bias`` [out_features]: bf16 or
     f32, contiguous, on the CPU; bf16 weights stay bf16. ``path`` names a
-    kernel (one of ``gemm_paths()``; avx512bf16 runs the avx512 kernel);
+    kernel (one of ``gemm_paths()``; avx512bf16 runs the avx512 kernel, except
+    bf16 weights against bf16 inputs, which use ``vdpbf16ps``);
     default: ``gemm_default_path()``. Packing releases the GIL.
     """
 

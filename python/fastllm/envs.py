@@ -39,6 +39,11 @@ SWITCHES: tuple[Switch, ...] = (
         "auto",
         "`auto`: pack linear layers where a SIMD kernel runs; `rust`: always; `torch`: never",
     ),
+    Switch(
+        "FASTLLM_CPU_GEMM_PATH",
+        "",
+        "float GEMM kernel path (`avx2`, `avx512`, `avx512bf16`, `scalar`); default: the CPU's fastest",
+    ),
     Switch("FASTLLM_CPU_FUSED", "1", "`0`: run decoder layers one by one, not as one fused call"),
     Switch("FASTLLM_CUDA_KERNELS", "1", "`0`: run torch instead of fastllm's CUDA kernels"),
     Switch("FASTLLM_CONFIGURE_LOGGING", "1", "`0`: leave the `fastllm` logger as it is"),

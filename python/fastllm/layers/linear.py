@@ -24,6 +24,7 @@ from fastllm.layers import CPU_KERNEL_DTYPES, Module
 logger = logging.getLogger("fastllm")
 
 GEMM_ENV = "FASTLLM_CPU_GEMM"
+GEMM_PATH_ENV = "FASTLLM_CPU_GEMM_PATH"
 
 
 def _packed_forward(packed, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -58,7 +59,7 @@ class Linear(Module):
         ``packed`` (a ``_core.PackedLinear`` of this same weight), and frees
         the torch copy."""
         if packed is None:
-            packed = _core.PackedLinear(self.weight.detach().contiguous(), _detached(self.bias))
+            packed = packed_linear(self.weight, self.bias)
         self.packed = packed
         self.weight = None
 
@@ -124,6 +125,25 @@ def head_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return F.linear(hidden, weight, bias).float()
 
 
+def gemm_path() -> str | None:
+    """``FASTLLM_CPU_GEMM_PATH``: the float GEMM's kernel path, or None for
+    the CPU's fastest (``_core.gemm_default_path()``)."""
+    return envs.get(GEMM_PATH_ENV)
+
+
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None):
+    """``weight`` (and ``bias``) packed for the float GEMM, on
+    ``FASTLLM_CPU_GEMM_PATH``'s path (an error naming the switch when this
+    CPU has no such path)."""
+    path = gemm_path()
+    try:
+        return _core.PackedLinear(weight.detach().contiguous(), _detached(bias), path=path)
+    except ValueError as e:
+        if path is None:
+            raise
+        raise ValueError(f"{GEMM_PATH_ENV}={path!r}: {e}") from None
+
+
 def gemm_mode() -> str:
     """``FASTLLM_CPU_GEMM``: ``auto`` (default: pack where a SIMD kernel
     runs), ``rust`` (always pack) or ``torch`` (never)."""
@@ -157,8 +177,7 @@ def pack_linears(model: nn.Module, make=None) -> int:
     default = make is None
     if default:
 
-        def make(weight, bias):
-            return _core.PackedLinear(weight.detach().contiguous(), _detached(bias))
+        make = packed_linear
 
     head = getattr(model, "packed_head", None)  # a GGUF file's quantized head is ready
     head_weight = None

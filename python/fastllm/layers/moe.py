@@ -22,7 +22,7 @@ from torch import nn
 from fastllm import _core
 from fastllm.layers import CPU_KERNEL_DTYPES, Module
 from fastllm.layers.activation import get_activation
-from fastllm.layers.linear import Linear
+from fastllm.layers.linear import Linear, packed_linear
 
 #: Expert activations the Rust kernel runs, by config name.
 KERNEL_ACTIVATIONS = {
@@ -83,8 +83,7 @@ class Router(Module):
 
     def pack(self) -> None:
         """The router's float panels (``packed``), for ``_core.MoeBlock``."""
-        bias = None if self.bias is None else self.bias.detach().contiguous()
-        self.packed = _core.PackedLinear(self.weight.detach().contiguous(), bias)
+        self.packed = packed_linear(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits [T, experts], computed in the model's dtype (the torch path)."""
