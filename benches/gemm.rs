@@ -102,7 +102,8 @@ fn bench_layers(c: &mut Criterion) {
 
 /// The CPU's f32 FMA peak on one core: 12 independent chains of 512-bit FMAs
 /// on registers only (criterion's "elements" are FLOPs). Twice this per core
-/// bounds what any bf16/f32 GEMM can reach (`docs/performance.md`).
+/// bounds what the FMA tiles can reach (`docs/performance.md`); the
+/// `vdpbf16ps` peak beside it bounds the avx512bf16 path's dot-product tile.
 fn bench_fma_peak(c: &mut Criterion) {
     #[cfg(target_arch = "x86_64")]
     if Path::Avx512.is_available() {
@@ -113,7 +114,29 @@ fn bench_fma_peak(c: &mut Criterion) {
             // SAFETY: AVX-512F is available (checked above).
             b.iter(|| unsafe { fma_chains(black_box(1.000_001)) })
         });
+        if Path::Avx512Bf16.is_available() {
+            // The same with `vdpbf16ps`: 64 FLOPs per instruction.
+            group.throughput(Throughput::Elements((ITERS * 12 * 64) as u64));
+            group.bench_function("dpbf16_512_one_core", |b| {
+                // SAFETY: AVX512-BF16 is available (checked above).
+                b.iter(|| unsafe { dot_chains(black_box(1.0)) })
+            });
+        }
         group.finish();
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn dot_chains(x: f32) -> f32 {
+        use std::arch::x86_64::*;
+        let m: __m512bh = std::mem::transmute(_mm512_set1_epi32(x.to_bits() as i32));
+        let mut acc = [_mm512_set1_ps(1.0); 12];
+        for _ in 0..100_000 {
+            for v in acc.iter_mut() {
+                *v = _mm512_dpbf16_ps(*v, m, m);
+            }
+        }
+        acc.iter().map(|v| _mm512_reduce_add_ps(*v)).sum()
     }
 
     #[cfg(target_arch = "x86_64")]

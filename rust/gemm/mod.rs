@@ -560,7 +560,11 @@ mod tests {
                     let mut one = vec![0f32; n];
                     let xs = Src::Bf16(&xb[i * k..(i + 1) * k]);
                     gemm_with_path(path, Dst::F32(&mut one), xs, &packed, 1).unwrap();
-                    assert_eq!(&all[i * n..(i + 1) * n], &one[..], "{path:?} bf16 x row {i}");
+                    assert_eq!(
+                        &all[i * n..(i + 1) * n],
+                        &one[..],
+                        "{path:?} bf16 x row {i}"
+                    );
                 }
             }
         }
