@@ -343,7 +343,7 @@ fn tile_dispatch(
     let xf = match x {
         Rows::F32(s) => s[at..].as_ptr(),
         Rows::Bf16(s) => {
-            assert!(rows <= dot_bf16::MAX_ROWS && w.bf16 && k0 % 2 == 0);
+            assert!(rows <= dot_bf16::MAX_ROWS && w.bf16 && k0.is_multiple_of(2));
             assert!(path == Path::Avx512Bf16 && path.is_available());
             let t = dot_bf16::DotTile {
                 x: s[at..].as_ptr(),

@@ -176,7 +176,6 @@ def pack_linears(model: nn.Module, make=None) -> int:
     caller of a custom ``make`` says what it did."""
     default = make is None
     if default:
-
         make = packed_linear
 
     head = getattr(model, "packed_head", None)  # a GGUF file's quantized head is ready
