@@ -322,7 +322,8 @@ def test_cpu_gemm_mode_is_validated(monkeypatch):
 @pytest.mark.parametrize("path", _core.gemm_paths())
 def test_cpu_gemm_path_switch_packs_every_linear_on_that_path(make_model, monkeypatch, path):
     """``FASTLLM_CPU_GEMM_PATH`` names the float GEMM's path for every packed
-    linear, the head and an MoE router included; unset, the CPU's default."""
+    linear and the head (MoE routers pack through the same helper); unset,
+    the CPU's default."""
     monkeypatch.setenv("FASTLLM_CPU_GEMM_PATH", path)
     llm = LLM(make_model("qwen2"), dtype="bfloat16", device="cpu")
     model = llm.llm_engine.runner.model
