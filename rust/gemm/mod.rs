@@ -54,7 +54,8 @@ const SERIAL_FLOPS: usize = 1 << 18;
 /// Up to this many rows a call is memory-bound: one task per thread.
 const STREAM_ROWS: usize = 4;
 
-/// Bytes of `x` (as f32) a block of rows may take on the AVX-512 paths (see
+/// Bytes of `x` (as the kernel reads it: f32, or bf16 for the dot-product
+/// tile) a block of rows may take on the AVX-512 paths (see
 /// `row_block_bytes`).
 pub(crate) const ROW_BLOCK_BYTES: usize = 512 * 1024;
 
@@ -207,7 +208,11 @@ fn run<T: Element>(
         _ => k,
     };
     let shared = SharedOut(out.as_mut_ptr());
-    let rows_in_l2 = row_block_bytes(path) / (4 * k).max(1);
+    let x_bytes = match x {
+        Rows::F32(_) => 4,
+        Rows::Bf16(_) => 2,
+    };
+    let rows_in_l2 = row_block_bytes(path) / (x_bytes * k).max(1);
     let serial = m * n * k < SERIAL_FLOPS;
     for_each_task(m, w.panels(), rows_in_l2, mr, serial, &|r0, r1, p0, p1| {
         // SAFETY (store_tile): rows r0..r1 x features of panel p belong to
