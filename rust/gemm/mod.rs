@@ -80,7 +80,7 @@ fn k_block_bytes(path: Path) -> Option<usize> {
     }
 }
 
-/// Bytes of `x` (as f32) a block of rows may take, per path, so that it
+/// Bytes of `x` (as the kernel reads it) a block of rows may take, per path, so that it
 /// stays in L2 while every panel of a task passes over it: half of the
 /// 512 KB L2 of the AVX2-only CPUs aimed at (AMD Zen 3), leaving room for
 /// the panel; 512 KB elsewhere.
