@@ -80,10 +80,10 @@ fn k_block_bytes(path: Path) -> Option<usize> {
     }
 }
 
-/// Bytes of `x` (as the kernel reads it) a block of rows may take, per path, so that it
-/// stays in L2 while every panel of a task passes over it: half of the
-/// 512 KB L2 of the AVX2-only CPUs aimed at (AMD Zen 3), leaving room for
-/// the panel; 512 KB elsewhere.
+/// Bytes of `x` (as the kernel reads it) a block of rows may take, per
+/// path, so that it stays in L2 while every panel of a task passes over
+/// it: half of the 512 KB L2 of the AVX2-only CPUs aimed at (AMD Zen 3),
+/// leaving room for the panel; 512 KB elsewhere.
 fn row_block_bytes(path: Path) -> usize {
     match path {
         Path::Avx2 => ROW_BLOCK_BYTES / 2,
@@ -168,6 +168,32 @@ enum Rows<'a> {
     Bf16(&'a [u16]),
 }
 
+impl Rows<'_> {
+    /// Elements of `x`.
+    fn len(&self) -> usize {
+        match self {
+            Rows::F32(s) => s.len(),
+            Rows::Bf16(s) => s.len(),
+        }
+    }
+
+    /// Bytes of one element of `x`.
+    fn elem_bytes(&self) -> usize {
+        match self {
+            Rows::F32(_) => 4,
+            Rows::Bf16(_) => 2,
+        }
+    }
+
+    /// The most rows a register tile takes on `path` for these rows.
+    fn tile_rows(&self, path: Path) -> usize {
+        match self {
+            Rows::F32(_) => max_rows(path),
+            Rows::Bf16(_) => dot_bf16::MAX_ROWS,
+        }
+    }
+}
+
 /// Checks a call: its path runs on this CPU (`available`; `what` names it)
 /// and `x` holds `m x k`, `out` `m x n`. Returns whether there is work.
 pub(crate) fn check_call(
@@ -197,10 +223,7 @@ fn run<T: Element>(
     m: usize,
 ) -> CoreResult<()> {
     let (n, k) = (w.n, w.k);
-    let mr = match x {
-        Rows::F32(_) => max_rows(path),
-        Rows::Bf16(_) => dot_bf16::MAX_ROWS,
-    };
+    let mr = x.tile_rows(path);
     // k in blocks (a multiple of 16 lines) where the path asks for them.
     let line_bytes = if w.bf16 { 64 } else { 128 };
     let kc = match k_block_bytes(path) {
@@ -208,11 +231,7 @@ fn run<T: Element>(
         _ => k,
     };
     let shared = SharedOut(out.as_mut_ptr());
-    let x_bytes = match x {
-        Rows::F32(_) => 4,
-        Rows::Bf16(_) => 2,
-    };
-    let rows_in_l2 = row_block_bytes(path) / (x_bytes * k).max(1);
+    let rows_in_l2 = row_block_bytes(path) / (x.elem_bytes() * k).max(1);
     let serial = m * n * k < SERIAL_FLOPS;
     for_each_task(m, w.panels(), rows_in_l2, mr, serial, &|r0, r1, p0, p1| {
         // SAFETY (store_tile): rows r0..r1 x features of panel p belong to
@@ -337,18 +356,14 @@ fn tile_dispatch(
     rows: usize,
     tile: &mut [[f32; NR]],
 ) {
-    let x_len = match x {
-        Rows::F32(s) => s.len(),
-        Rows::Bf16(s) => s.len(),
-    };
-    assert!(tile.len() == rows && k0 + kc <= k);
-    assert!(x_len >= at + (rows - 1) * k + kc);
+    assert!(tile.len() == rows && rows <= x.tile_rows(path) && k0 + kc <= k);
+    assert!(x.len() >= at + (rows - 1) * k + kc);
     let line = p * w.panel_bytes() / 64 + k0 * if w.bf16 { 1 } else { 2 };
     let b = w.lines[line..].as_ptr() as *const u8;
     let xf = match x {
         Rows::F32(s) => s[at..].as_ptr(),
         Rows::Bf16(s) => {
-            assert!(rows <= dot_bf16::MAX_ROWS && w.bf16 && k0.is_multiple_of(2));
+            assert!(w.bf16 && k0.is_multiple_of(2));
             assert!(path == Path::Avx512Bf16 && path.is_available());
             let t = dot_bf16::DotTile {
                 x: s[at..].as_ptr(),
@@ -365,7 +380,6 @@ fn tile_dispatch(
             return;
         }
     };
-    assert!(rows <= max_rows(path));
     macro_rules! each_rows {
         ($($r:literal)*) => {
             match rows {
