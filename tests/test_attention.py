@@ -535,3 +535,69 @@ def test_sinks_uncached_prompts_match_dense_reference(dtype, window):
     layer.sinks = None
     plain = attend_uncached(layer, q, k, v, meta)
     assert not torch.allclose(plain.double(), want, **TORCH_TOL[dtype])
+
+
+@st.composite
+def encoder_cases(draw):
+    """Packed inputs of mixed lengths, MHA or GQA, a band or none, strided or packed rows."""
+    num_kv_heads = draw(st.integers(1, 3))
+    group = draw(st.sampled_from([1, 2, 4]))
+    return dict(
+        lengths=draw(st.lists(st.integers(1, 150), min_size=1, max_size=5)),
+        num_heads=num_kv_heads * group,
+        num_kv_heads=num_kv_heads,
+        head_size=draw(st.sampled_from([8, 16, 40, 64, 72])),
+        band=draw(st.sampled_from([0, 0, 1, 7, 40])),
+        dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+        fused=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(encoder_cases())
+def test_encoder_attention_matches_sdpa(case):
+    """``_core.encoder_attention`` equals per-input float32 SDPA (bidirectional,
+    an optional band of positions, GQA), on views of a fused projection or packed rows."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    lengths, dtype = case["lengths"], case["dtype"]
+    h, kvh, d = case["num_heads"], case["num_kv_heads"], case["head_size"]
+    total = sum(lengths)
+    widths = [h * d, kvh * d, kvh * d]
+    if case["fused"]:
+        fused = torch.randn(total, sum(widths) + 3, generator=gen).to(dtype)
+        q, k, v = (t.view(total, -1, d) for t in fused[:, : sum(widths)].split(widths, dim=1))
+    else:
+        q, k, v = (torch.randn(total, w // d, d, generator=gen).to(dtype) for w in widths)
+    out = torch.full((total, h, d), float("nan"), dtype=dtype)
+    scale = d**-0.5
+    _core.encoder_attention(out, q, k, v, lengths, scale, case["band"])
+    first = 0
+    for n in lengths:
+        rows = slice(first, first + n)
+        qs, ks, vs = (x[rows].float().transpose(0, 1) for x in (q, k, v))
+        ks, vs = (x.repeat_interleave(h // kvh, dim=0) for x in (ks, vs))
+        mask = None
+        if case["band"]:
+            pos = torch.arange(n)
+            mask = (pos[:, None] - pos[None, :]).abs() <= case["band"]
+        want = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+        torch.testing.assert_close(out[rows].float(), want.transpose(0, 1), **TOL[dtype])
+        first += n
+
+
+def test_encoder_attention_errors():
+    """Bad tensors are errors naming the argument; nothing is written."""
+    q = torch.zeros(5, 2, 8)
+    out = torch.zeros(5, 2, 8)
+    with pytest.raises(ValueError, match="lengths|out"):
+        _core.encoder_attention(out, q, q.clone(), q.clone(), [2, 2], 1.0)
+    with pytest.raises(ValueError, match="value"):
+        _core.encoder_attention(out, q, q.clone(), torch.zeros(5, 1, 8), [5], 1.0)
+    with pytest.raises(ValueError, match="key"):
+        _core.encoder_attention(out, q, torch.zeros(5, 2, 8, dtype=torch.bfloat16), q, [5], 1.0)
+    with pytest.raises(ValueError, match="out"):
+        _core.encoder_attention(q, q, q.clone(), q.clone(), [5], 1.0)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        kv = torch.zeros(5, 3, 8)
+        _core.encoder_attention(out, q, kv, kv.clone(), [5], 1.0)

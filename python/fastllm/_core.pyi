@@ -131,6 +131,25 @@ def paged_attention(
     row (``-inf``: none for that head); NaN or ``+inf`` is a ``ValueError``.
     """
 
+def encoder_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    lengths: list[int],
+    scale: float,
+    band: int = 0,
+) -> None:
+    """Bidirectional attention of an encoder's packed inputs, written into ``out``.
+
+    ``query``/``out``: ``[num_tokens, num_heads, head_size]``; ``key``/``value``:
+    ``[num_tokens, num_kv_heads, head_size]``; all float32 or all bfloat16, and
+    the inputs' rows may be any stride apart (views of a fused projection).
+    ``lengths``: the packed inputs' token counts in order; each token sees every
+    token of its own input, or with ``band > 0`` those at most ``band`` positions
+    away. ``scale`` multiplies the scores.
+    """
+
 # ---- sampling ----
 
 class SamplingBatch:

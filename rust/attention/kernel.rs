@@ -120,7 +120,12 @@ pub(super) fn exp_nonpos<S: Simd>(x: f32) -> f32 {
     // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer.
     const ROUND: f32 = 12_582_912.0;
     let xc = if x < -87.0 { -87.0 } else { x };
-    let n = (xc * LOG2E + ROUND) - ROUND;
+    let t = xc * LOG2E + ROUND;
+    let n = t - ROUND;
+    // The integer `n` also sits in the low bits of `t` (|n| < 2^22): read
+    // it from there with integer arithmetic, which vectorises (a float to
+    // int cast would not: Rust's `as` saturates).
+    let ni = (t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
     let r = S::mul_add(n, -LN2_LO, S::mul_add(n, -LN2_HI, xc));
     let mut p = 1.987_569_1e-4f32;
     p = S::mul_add(p, r, 1.398_199_9e-3);
@@ -130,7 +135,7 @@ pub(super) fn exp_nonpos<S: Simd>(x: f32) -> f32 {
     p = S::mul_add(p, r, 0.5);
     let r2 = r * r;
     let e = S::mul_add(p, r2, r) + 1.0;
-    let scale = f32::from_bits((((n as i32) + 127) as u32) << 23);
+    let scale = f32::from_bits((ni.wrapping_add(127) as u32) << 23);
     if x < -87.0 {
         0.0
     } else {
@@ -223,7 +228,10 @@ fn prefetch<T>(data: &[T]) {
 }
 
 /// Keys per score tile: one AVX-512 vector, two AVX2 ones.
-const TILE: usize = 16;
+pub(super) const TILE: usize = 16;
+/// Keys per softmax step: up to four tiles of one block, so that a row's
+/// maximum, sum and rescale (horizontal work) are paid once per 64 keys.
+const CHUNK: usize = 4 * TILE;
 /// Items with at least this many query vectors (rows x query heads) score
 /// a transposed key tile; fewer (decode) score the keys as stored, where
 /// building the transposed tile would cost more than it saves.
@@ -232,55 +240,66 @@ const TRANSPOSE_MIN_VECTORS: usize = 12;
 /// and one tile of keys or values fit the registers of every path.
 const QROWS: usize = 4;
 
-/// `out[u][l] = q[u] . kt[.., l]` for `U` query vectors (`q`: `U * d`) and
-/// the `TILE` keys of a transposed tile (`kt`: `d * TILE`, key `l` in lane
-/// `l` of each of its `d` rows): a broadcast query element times one tile
-/// row per step, no horizontal sums.
+/// `out[u][at + l] = q[u] . kt[.., l]` for `U` query vectors and the `TILE`
+/// keys of a transposed tile (`kt`: `d * TILE`, key `l` in lane `l` of each
+/// of its `d` rows). The queries are dimension-major (`qt[i * nq + u]`:
+/// element `i` of vector `u`), so each step's `U` broadcasts sit side by
+/// side at fixed offsets: a broadcast query element times one tile row per
+/// step, no horizontal sums.
 #[inline(always)]
 #[allow(clippy::needless_range_loop)] // register tiles: indices say which register
-fn qk_tile<S: Simd, const U: usize>(q: &[f32], kt: &[f32], d: usize, out: &mut [[f32; TILE]]) {
+fn qk_tile<S: Simd, const U: usize>(
+    (qt, nq): (&[f32], usize),
+    kt: &[f32],
+    d: usize,
+    out: &mut [[f32; CHUNK]],
+    at: usize,
+) {
     let nv = TILE / S::LANES;
-    let q = &q[..U * d];
+    assert!(d > 0 && U <= nq && qt.len() >= (d - 1) * nq + U);
     let kt = &kt[..d * TILE];
     // SAFETY: S's instructions run inside its entry point (`Kernel::run`);
-    // every load reads `kt[i * TILE + v * LANES..][..LANES]`, inside `kt`.
+    // every load reads `kt[i * TILE + v * LANES..][..LANES]`, inside `kt`,
+    // and `qt[i * nq + u]` with `i < d`, `u < U`: inside `qt` (asserted).
     unsafe {
         let mut acc = [[S::zero(); TILE]; U];
-        let qp = q.as_ptr();
+        let mut qp = qt.as_ptr();
         for i in 0..d {
             let row = kt.as_ptr().add(i * TILE);
             for v in 0..nv {
                 let k = S::load(row.add(v * S::LANES));
                 for u in 0..U {
-                    acc[u][v] = S::fmadd(S::splat(*qp.add(u * d + i)), k, acc[u][v]);
+                    acc[u][v] = S::fmadd(S::splat(*qp.add(u)), k, acc[u][v]);
                 }
             }
+            qp = qp.add(nq);
         }
         for u in 0..U {
+            let row = &mut out[u][at..at + TILE];
             for v in 0..nv {
-                S::store(out[u].as_mut_ptr().add(v * S::LANES), acc[u][v]);
+                S::store(row.as_mut_ptr().add(v * S::LANES), acc[u][v]);
             }
         }
     }
 }
 
-/// `acc[u] += sum_j p[u][j] * vals[j]` for `U` query vectors over the `m`
-/// value rows of a tile (`vals`: `m * d`, `acc`: `U * d`): one value
-/// vector times a broadcast weight per step, the accumulators held in
-/// registers across the tile.
+/// `acc[u] += sum_j p[u][j] * vals[j]` for `U` query vectors over value
+/// rows `j` in `keys` of a chunk (`vals`: the chunk's rows, `d` apart;
+/// `acc`: `U * d`): one value vector times a broadcast weight per step, the
+/// accumulators held in registers across the chunk.
 #[inline(always)]
 #[allow(clippy::needless_range_loop)] // register tiles: indices say which register
 fn pv_tile<S: Simd, const U: usize>(
-    p: &[[f32; TILE]],
+    p: &[[f32; CHUNK]],
     vals: &[f32],
-    m: usize,
+    keys: std::ops::Range<usize>,
     d: usize,
     acc: &mut [f32],
 ) {
-    let vals = &vals[..m * d];
+    let vals = &vals[..keys.end * d];
     let acc = &mut acc[..U * d];
     let p = &p[..U];
-    assert!(m <= TILE);
+    assert!(keys.end <= CHUNK);
     let mut c = 0;
     // SAFETY: as `qk_tile`; loads and stores stay inside `vals` and `acc`
     // (`c + LANES <= d`).
@@ -290,10 +309,10 @@ fn pv_tile<S: Simd, const U: usize>(
             for u in 0..U {
                 a[u] = S::load(acc.as_ptr().add(u * d + c));
             }
-            for j in 0..m {
+            for j in keys.clone() {
                 let v = S::load(vals.as_ptr().add(j * d + c));
                 for u in 0..U {
-                    // `j < m <= TILE`.
+                    // `j < keys.end <= CHUNK`.
                     a[u] = S::fmadd(S::splat(*p[u].get_unchecked(j)), v, a[u]);
                 }
             }
@@ -304,7 +323,7 @@ fn pv_tile<S: Simd, const U: usize>(
         }
     }
     for u in 0..U {
-        for j in 0..m {
+        for j in keys.clone() {
             let w = p[u][j];
             for x in c..d {
                 acc[u * d + x] = S::mul_add(w, vals[j * d + x], acc[u * d + x]);
@@ -357,7 +376,7 @@ macro_rules! by_vector_groups {
 }
 
 /// Scores of every query vector against the `m` keys of a tile as stored
-/// (`keys`: `m * d`), 8 keys at a time where the ISA has the transposing
+/// (`keys`: `m * d`), into lanes `at..at + m` of its chunk, 8 keys at a time where the ISA has the transposing
 /// score kernel, else 4 then 1.
 #[inline(always)]
 fn scores_as_stored<S: Simd>(
@@ -365,10 +384,12 @@ fn scores_as_stored<S: Simd>(
     keys: &[f32],
     m: usize,
     d: usize,
-    scores: &mut [[f32; TILE]],
+    scores: &mut [[f32; CHUNK]],
+    at: usize,
 ) {
     for (r, s) in scores.iter_mut().enumerate() {
         let qrow = &q[r * d..(r + 1) * d];
+        let s = &mut s[at..at + m];
         let mut j = 0;
         while j + 8 <= m && scores8::<S>(qrow, &keys[j * d..], &mut s[j..j + 8]) {
             j += 8;
@@ -390,14 +411,14 @@ fn scores_as_stored<S: Simd>(
     }
 }
 
-/// The online-softmax update of query vector `r` for one tile: masks the
-/// keys its row does not see (`lo..hi` of the tile's lanes), soft-caps,
+/// The online-softmax update of query vector `r` for one chunk: masks the
+/// keys its row does not see (`lo..hi` of the chunk's lanes), soft-caps,
 /// turns the scores into weights `e^(s - max)` and rescales the row's
 /// accumulator when its running maximum grows. A row that sees no key of
-/// the tile gets weights of zero.
+/// the chunk gets weights of zero.
 #[inline(always)]
 fn softmax_tile<S: Simd>(
-    s: &mut [f32; TILE],
+    s: &mut [f32; CHUNK],
     (lo, hi): (usize, usize),
     softcap: f32,
     max: &mut f32,
@@ -405,15 +426,17 @@ fn softmax_tile<S: Simd>(
     acc: &mut [f32],
 ) {
     if lo >= hi {
-        *s = [0.0; TILE];
+        *s = [0.0; CHUNK];
         return;
     }
     if softcap > 0.0 {
         soft_cap::<S>(s, softcap);
     }
-    for (l, x) in s.iter_mut().enumerate() {
-        if l < lo || l >= hi {
-            *x = f32::NEG_INFINITY;
+    if lo > 0 || hi < CHUNK {
+        for (l, x) in s.iter_mut().enumerate() {
+            if l < lo || l >= hi {
+                *x = f32::NEG_INFINITY;
+            }
         }
     }
     let tile_max = max_of(s);
@@ -458,25 +481,32 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
     let mut q = vec![0.0f32; nq * d];
     for r in 0..nrows {
         let token = item.seq.q_start + item.row_lo + r;
-        let src = &p.query[(token * p.num_heads + item.kv_head * g) * d..][..g * d];
+        let src = &p.query[token * p.query_stride + item.kv_head * g * d..][..g * d];
         for (o, &x) in q[r * g * d..(r + 1) * g * d].iter_mut().zip(src) {
             *o = x.to_f32() * p.scale;
         }
     }
+    // The transposed route reads them dimension-major (`qk_tile`).
+    let qt: Vec<f32> = if nq >= TRANSPOSE_MIN_VECTORS || p.keys_tiled {
+        let mut qt = vec![0.0f32; d * nq];
+        for (u, row) in q.chunks_exact(d).enumerate() {
+            for (i, &x) in row.iter().enumerate() {
+                qt[i * nq + u] = x;
+            }
+        }
+        qt
+    } else {
+        Vec::new()
+    };
     // Visible key range [lo, hi) of each query row.
     let vis: Vec<(usize, usize)> = (0..nrows)
-        .map(|r| {
-            let pos = ctx_start + item.row_lo + r;
-            let lo = if p.window > 0 {
-                (pos + 1).saturating_sub(p.window)
-            } else {
-                0
-            };
-            (lo, pos + 1)
-        })
+        .map(|r| p.mask.keys(ctx_start + item.row_lo + r, item.seq.seq_len))
         .collect();
 
-    let transpose = nq >= TRANSPOSE_MIN_VECTORS;
+    // Keys stored as transposed tiles (the encoder's private cache) need no
+    // transposing, and a tile starts at a multiple of `TILE` in its block.
+    let tiled = p.keys_tiled;
+    let transpose = tiled || nq >= TRANSPOSE_MIN_VECTORS;
     let widen_len = if C::f32_rows(&p.key_cache[..0]).is_some() {
         0
     } else {
@@ -486,10 +516,10 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
     let mut kbuf = vec![0.0f32; if transpose { 0 } else { widen_len }];
     let mut krow = vec![0.0f32; d];
     let mut kt = vec![0.0f32; d * TILE];
-    let mut scores = vec![[0.0f32; TILE]; nq];
+    let mut scores = vec![[0.0f32; CHUNK]; nq];
     let table = &p.block_tables[item.seq.seq * p.max_blocks..][..p.max_blocks];
 
-    let mut t0 = key_lo;
+    let mut t0 = if tiled { key_lo / TILE * TILE } else { key_lo };
     while t0 < key_hi {
         let block_idx = t0 / bs;
         let t1 = ((block_idx + 1) * bs).min(key_hi);
@@ -507,7 +537,10 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
             prefetch(&p.key_cache[next_base..next_base + next_n]);
             prefetch(&p.value_cache[next_base..next_base + next_n]);
         }
-        let kraw = &p.key_cache[base..base + n * stride];
+        // A tiled block's last tile runs to the tile's end (zero keys past
+        // the block's last; the block size is a multiple of `TILE`).
+        let klen = if tiled { n.next_multiple_of(TILE) } else { n };
+        let kraw = &p.key_cache[base..base + klen * stride];
         let vraw = &p.value_cache[base..base + n * stride];
         let values: &[f32] = match C::f32_rows(vraw) {
             Some(v) => v,
@@ -528,60 +561,79 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
 
         let mut j0 = 0;
         while j0 < n {
-            let m = (n - j0).min(TILE);
-            let (tk0, tk1) = (t0 + j0, t0 + j0 + m);
-            // Lanes of the tile each query row sees.
+            let mc = (n - j0).min(CHUNK);
+            let (ck0, ck1) = (t0 + j0, t0 + j0 + mc);
+            // Lanes of the chunk each query row sees.
             let lanes = |r: usize| {
                 let (vlo, vhi) = vis[r];
-                let lo = vlo.max(tk0).min(tk1) - tk0;
-                let hi = vhi.min(tk1).max(tk0) - tk0;
+                let lo = vlo.max(ck0).min(ck1) - ck0;
+                let hi = vhi.min(ck1).max(ck0) - ck0;
                 (lo, hi)
             };
-            if (0..nrows).all(|r| {
-                let (lo, hi) = lanes(r);
-                lo >= hi
-            }) {
-                j0 += m;
+            // Lanes any row sees: tiles outside are not scored, and keys
+            // outside are not weighted.
+            let (seen_lo, seen_hi) = (0..nrows)
+                .map(lanes)
+                .filter(|(lo, hi)| lo < hi)
+                .fold((mc, 0), |(a, b), (lo, hi)| (a.min(lo), b.max(hi)));
+            if seen_lo >= seen_hi {
+                j0 += mc;
                 continue;
             }
-            if let Some(keys) = stored {
-                scores_as_stored::<S>(&q, &keys[j0 * d..(j0 + m) * d], m, d, &mut scores);
-            } else {
-                // The tile's keys, widened and transposed (lanes past `m` zero).
-                for jj in 0..m {
-                    let raw = &kraw[(j0 + jj) * stride..(j0 + jj + 1) * stride];
-                    C::widen_rows(raw, d, &mut krow);
-                    for (i, &x) in krow.iter().enumerate() {
-                        kt[i * TILE + jj] = x;
+            let mut jt = seen_lo / TILE * TILE;
+            while jt < seen_hi {
+                let m = (mc - jt).min(TILE);
+                let k0 = j0 + jt;
+                if let Some(keys) = stored {
+                    scores_as_stored::<S>(&q, &keys[k0 * d..(k0 + m) * d], m, d, &mut scores, jt);
+                } else if tiled {
+                    let tile = C::f32_rows(&kraw[k0 * d..(k0 + TILE) * d]).unwrap_or(&kt);
+                    by_vector_groups!(nq, S::LANES >= TILE, |r, U| qk_tile::<S, U>(
+                        (&qt[r..], nq),
+                        tile,
+                        d,
+                        &mut scores[r..],
+                        jt
+                    ));
+                } else {
+                    // The tile's keys, widened and transposed (lanes past `m` zero).
+                    for jj in 0..m {
+                        let raw = &kraw[(k0 + jj) * stride..(k0 + jj + 1) * stride];
+                        C::widen_rows(raw, d, &mut krow);
+                        for (i, &x) in krow.iter().enumerate() {
+                            kt[i * TILE + jj] = x;
+                        }
                     }
-                }
-                if m < TILE {
-                    for i in 0..d {
-                        kt[i * TILE + m..(i + 1) * TILE].fill(0.0);
+                    if m < TILE {
+                        for i in 0..d {
+                            kt[i * TILE + m..(i + 1) * TILE].fill(0.0);
+                        }
                     }
+                    // One vector per tile row on AVX-512: twice the query vectors fit.
+                    by_vector_groups!(nq, S::LANES >= TILE, |r, U| qk_tile::<S, U>(
+                        (&qt[r..], nq),
+                        &kt,
+                        d,
+                        &mut scores[r..],
+                        jt
+                    ));
                 }
-                // One vector per tile row on AVX-512: twice the query vectors fit.
-                by_vector_groups!(nq, S::LANES >= TILE, |r, U| qk_tile::<S, U>(
-                    &q[r * d..],
-                    &kt,
-                    d,
-                    &mut scores[r..]
-                ));
+                jt += m;
             }
             for (r, s) in scores.iter_mut().enumerate() {
                 let acc = &mut state.acc[r * d..(r + 1) * d];
                 let (max, sum) = (&mut state.max[r], &mut state.sum[r]);
                 softmax_tile::<S>(s, lanes(r / g), p.softcap, max, sum, acc);
             }
-            let vals = &values[j0 * d..(j0 + m) * d];
+            let vals = &values[j0 * d..(j0 + mc) * d];
             by_vector_groups!(nq, true, |r, U| pv_tile::<S, U>(
                 &scores[r..],
                 vals,
-                m,
+                seen_lo..seen_hi,
                 d,
                 &mut state.acc[r * d..]
             ));
-            j0 += m;
+            j0 += mc;
         }
         t0 = t1;
     }

@@ -28,11 +28,13 @@
 //! compiled for AVX-512, AVX2+FMA and portable code, chosen at run time from
 //! what the CPU reports (`cpu::features`).
 
+mod encoder;
 mod kernel;
 mod rows;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
+pub use encoder::{encoder_attention, StridedRows};
 pub use rows::{row_scale, KvElem, INT8_SCALE_BYTES};
 
 use std::sync::Mutex;
@@ -233,6 +235,21 @@ fn available_paths() -> Vec<Path> {
         .collect()
 }
 
+/// The production plan, and one of many tiny partitions and single-row
+/// chunks (to exercise the merge of partitions).
+#[cfg(test)]
+fn plans() -> Vec<Plan> {
+    vec![
+        Plan::production(),
+        Plan {
+            rows_target: 1,
+            min_partition: 8,
+            tasks_per_thread: 16,
+            threads: 8,
+        },
+    ]
+}
+
 /// Attention of the packed new tokens over the paged cache, written into `out`.
 ///
 /// `query` and `out` are `[num_tokens, num_heads, head_size]`; `scale`
@@ -298,6 +315,31 @@ struct Item {
     parts: usize,
 }
 
+/// Which keys a query row sees.
+#[derive(Clone, Copy, Debug)]
+struct Mask {
+    /// Keys up to the row's own position (a decoder), or keys on both
+    /// sides (an encoder).
+    causal: bool,
+    /// 0: no limit. Causal: the row's key and the `window - 1` before it
+    /// (`sliding_window`). Bidirectional: keys at most `window` positions
+    /// away on either side (an encoder's local attention band).
+    window: usize,
+}
+
+impl Mask {
+    /// The visible keys `[lo, hi)` of the row at position `pos` of a
+    /// sequence of `seq_len` tokens.
+    fn keys(self, pos: usize, seq_len: usize) -> (usize, usize) {
+        match (self.causal, self.window) {
+            (true, 0) => (0, pos + 1),
+            (true, w) => ((pos + 1).saturating_sub(w), pos + 1),
+            (false, 0) => (0, seq_len),
+            (false, w) => (pos.saturating_sub(w), (pos + w + 1).min(seq_len)),
+        }
+    }
+}
+
 /// Fixed facts of one call, shared by every item.
 struct Problem<'a, T, C> {
     query: &'a [T],
@@ -308,8 +350,15 @@ struct Problem<'a, T, C> {
     shape: CacheShape,
     num_heads: usize,
     group: usize,
+    /// Elements from one token's query row to the next's (`num_heads *
+    /// head_size` when the rows are packed).
+    query_stride: usize,
     scale: f32,
-    window: usize,
+    mask: Mask,
+    /// The key cache holds f32 tiles of 16 keys transposed (`[head_size][16]`
+    /// per tile, zeros past a block's last key; the block size a multiple
+    /// of 16): the encoder's private cache. Otherwise keys are rows.
+    keys_tiled: bool,
     /// Soft-cap of the scaled scores (0: none).
     softcap: f32,
     /// One sink logit per query head (`[num_heads]`), or none.
@@ -382,12 +431,11 @@ pub(crate) fn paged_attention_with<T: Element, C: KvElem<T>>(
     let seqs = validate(out, query, shape, num_heads, batch)?;
     let d = shape.head_size;
     let group = num_heads / shape.num_kv_heads;
-    let window = if sliding_window > 0 {
-        sliding_window as usize
-    } else {
-        0
+    let mask = Mask {
+        causal: true,
+        window: sliding_window.max(0) as usize,
     };
-    let items = plan_items(&seqs, shape, group, window, plan);
+    let items = plan_items(&seqs, shape, group, mask, plan);
     if items.is_empty() || d == 0 {
         return Ok(());
     }
@@ -400,14 +448,28 @@ pub(crate) fn paged_attention_with<T: Element, C: KvElem<T>>(
         shape,
         num_heads,
         group,
+        query_stride: num_heads * d,
         scale,
-        window,
+        mask,
+        keys_tiled: false,
         softcap,
         sinks,
         path,
     };
+    run_items(&problem, &items, plan, out)
+}
+
+/// Runs the items of a problem on the thread team and writes their rows
+/// of `out` (`[num_tokens, num_heads, head_size]`, checked by the caller).
+fn run_items<T: Element, C: KvElem<T>>(
+    problem: &Problem<'_, T, C>,
+    items: &[Item],
+    plan: Plan,
+    out: &mut [T],
+) -> CoreResult<()> {
+    let (shape, group) = (problem.shape, problem.group);
+    let d = shape.head_size;
     let out_ptr = OutPtr(out.as_mut_ptr());
-    let problem = &problem;
     // Tasks are (item, key range) pairs: an item whose keys are split into
     // partitions is one task per partition, merged once all have run.
     let tasks: Vec<(usize, usize, usize)> = items
@@ -577,7 +639,7 @@ fn plan_items(
     seqs: &[SeqInfo],
     shape: CacheShape,
     group: usize,
-    window: usize,
+    mask: Mask,
     plan: Plan,
 ) -> Vec<Item> {
     let chunk = (plan.rows_target / group).max(1);
@@ -587,15 +649,10 @@ fn plan_items(
         let mut row_lo = 0;
         while row_lo < s.q_len {
             let row_hi = (row_lo + chunk).min(s.q_len);
-            // Keys visible to any row of the chunk: up to the last row's
-            // position, from the first row's window start.
-            let key_hi = ctx_start + row_hi;
-            let first_pos = ctx_start + row_lo;
-            let key_lo = if window > 0 {
-                (first_pos + 1).saturating_sub(window)
-            } else {
-                0
-            };
+            // Keys visible to any row of the chunk: from the first row's
+            // first key to the last row's last.
+            let key_lo = mask.keys(ctx_start + row_lo, s.seq_len).0;
+            let key_hi = mask.keys(ctx_start + row_hi - 1, s.seq_len).1;
             for kv_head in 0..shape.num_kv_heads {
                 items.push(Item {
                     seq: *s,
@@ -1046,19 +1103,6 @@ mod tests {
                 window: 128,
                 softcap: 0.0,
                 sinks: true,
-            },
-        ]
-    }
-
-    fn plans() -> Vec<Plan> {
-        vec![
-            Plan::production(),
-            // Many tiny partitions and single-row chunks, to exercise the merge.
-            Plan {
-                rows_target: 1,
-                min_partition: 8,
-                tasks_per_thread: 16,
-                threads: 8,
             },
         ]
     }

@@ -48,6 +48,29 @@ impl<T: Element> KvElem<T> for T {
     }
 }
 
+/// f32 rows under bf16 queries: the encoder's private cache, widened once
+/// when it is written.
+impl KvElem<half::bf16> for f32 {
+    const EXTRA: usize = 0;
+
+    #[inline(always)]
+    fn store_row(src: &[half::bf16], dst: &mut [f32]) {
+        for (o, x) in dst.iter_mut().zip(src) {
+            *o = x.to_f32();
+        }
+    }
+
+    #[inline(always)]
+    fn f32_rows(rows: &[f32]) -> Option<&[f32]> {
+        Some(rows)
+    }
+
+    #[inline(always)]
+    fn widen_rows(rows: &[f32], _d: usize, dst: &mut [f32]) {
+        dst.copy_from_slice(&rows[..dst.len()]);
+    }
+}
+
 impl<T: Element> KvElem<T> for i8 {
     const EXTRA: usize = INT8_SCALE_BYTES;
 

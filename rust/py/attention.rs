@@ -6,7 +6,9 @@ use pyo3::prelude::*;
 use half::bf16;
 
 use super::tensor::{DType, TensorArg};
-use crate::attention::{self, BatchLayout, CacheShape, Element, KvElem, INT8_SCALE_BYTES};
+use crate::attention::{
+    self, BatchLayout, CacheShape, Element, KvElem, StridedRows, INT8_SCALE_BYTES,
+};
 
 /// Fails unless two tensors' memory ranges are disjoint (a kernel reads one while writing the other).
 fn expect_disjoint(a: &TensorArg, b: &TensorArg) -> PyResult<()> {
@@ -302,7 +304,96 @@ unsafe fn attend<T: Element, C: KvElem<T>>(
     Ok(())
 }
 
+/// Bidirectional attention of an encoder's packed inputs, written into
+/// `out` (`[num_tokens, num_heads, head_size]`, contiguous). `query`,
+/// `key`, `value`: `[num_tokens, heads, head_size]` whose rows may be any
+/// stride apart (views of a fused projection); `lengths`: the inputs'
+/// token counts in order; `band > 0`: a token sees keys at most `band`
+/// positions away.
+#[pyfunction]
+#[pyo3(signature = (out, query, key, value, lengths, scale, band = 0))]
+#[allow(clippy::too_many_arguments)]
+fn encoder_attention(
+    py: Python<'_>,
+    out: &Bound<'_, PyAny>,
+    query: &Bound<'_, PyAny>,
+    key: &Bound<'_, PyAny>,
+    value: &Bound<'_, PyAny>,
+    lengths: Vec<usize>,
+    scale: f64,
+    band: usize,
+) -> PyResult<()> {
+    let o = TensorArg::extract("out", out)?;
+    let q = TensorArg::extract("query", query)?;
+    let k = TensorArg::extract("key", key)?;
+    let v = TensorArg::extract("value", value)?;
+    o.check(&[DType::F32, DType::BF16], 3)?;
+    for t in [&q, &k, &v] {
+        t.check_rows(&[DType::F32, DType::BF16], 3)?;
+        expect_same_dtype(t, &o)?;
+        t.expect_dim(0, o.shape[0], "num_tokens of out")?;
+        t.expect_dim(2, o.shape[2], "head_size of out")?;
+        let (start, end) = (t.ptr, t.ptr + t.row_span() * t.dtype.size());
+        let (o0, o1) = (o.ptr, o.ptr + o.numel() * o.dtype.size());
+        if t.row_span() > 0 && o.numel() > 0 && start < o1 && o0 < end {
+            return Err(PyValueError::new_err(format!(
+                "out and {} must not share memory",
+                t.name
+            )));
+        }
+    }
+    if q.shape != o.shape {
+        return Err(PyValueError::new_err(format!(
+            "out: shape {:?} must match query {:?}",
+            o.shape, q.shape
+        )));
+    }
+    if k.shape != v.shape {
+        return Err(PyValueError::new_err(format!(
+            "value: shape {:?} must match key {:?}",
+            v.shape, k.shape
+        )));
+    }
+    let heads = (q.shape[1], k.shape[1], q.shape[2]);
+    let (o, q, k, v) = (&o, &q, &k, &v);
+    // SAFETY: dtypes and row layouts are checked above; `out` is disjoint
+    // from the inputs; the tensors outlive the call.
+    unsafe {
+        match o.dtype {
+            DType::BF16 => encode::<bf16>(py, (o, q, k, v), heads, &lengths, scale, band),
+            _ => encode::<f32>(py, (o, q, k, v), heads, &lengths, scale, band),
+        }
+    }
+}
+
+/// `encoder_attention` on the checked tensors, for one element type.
+///
+/// # Safety
+/// As `TensorArg::rows_slice`: the tensors were checked to hold `T`, rows
+/// contiguous, `out` disjoint from the others.
+unsafe fn encode<T: Element>(
+    py: Python<'_>,
+    (o, q, k, v): (&TensorArg, &TensorArg, &TensorArg, &TensorArg),
+    heads: (usize, usize, usize),
+    lengths: &[usize],
+    scale: f64,
+    band: usize,
+) -> PyResult<()>
+where
+    f32: KvElem<T>,
+{
+    unsafe fn rows<T>(t: &TensorArg) -> StridedRows<'_, T> {
+        let (data, stride) = t.rows_slice::<T>();
+        StridedRows { data, stride }
+    }
+    let (q, k, v) = (rows::<T>(q), rows::<T>(k), rows::<T>(v));
+    let o = o.slice_mut::<T>();
+    py.detach(|| attention::encoder_attention(o, q, k, v, heads, lengths, scale as f32, band))?;
+    Ok(())
+}
+
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(encoder_attention, m)?)?;
     m.add_function(wrap_pyfunction!(reshape_and_cache, m)?)?;
     m.add_function(wrap_pyfunction!(paged_attention, m)?)?;
     Ok(())

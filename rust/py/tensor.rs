@@ -144,6 +144,48 @@ impl TensorArg {
         self.expect_layout(dtypes, ndim, 0)
     }
 
+    /// As `check`, but rows (dimension 0) may be any stride apart, as in a
+    /// view of a fused projection; the other dimensions are contiguous.
+    pub fn check_rows(&self, dtypes: &[DType], ndim: usize) -> PyResult<&Self> {
+        if self.device != "cpu" {
+            return Err(PyValueError::new_err(format!(
+                "{}: expected a CPU tensor, got device '{}'",
+                self.name, self.device
+            )));
+        }
+        self.expect_layout(dtypes, ndim, 1)
+    }
+
+    /// Elements from the first row's start to the last row's end (a
+    /// `check_rows` tensor's span in memory).
+    pub fn row_span(&self) -> usize {
+        match self.shape.first() {
+            None => 1,
+            Some(0) => 0,
+            Some(&rows) => {
+                let width: usize = self.shape[1..].iter().product();
+                (rows - 1) * self.row_stride().max(0) as usize + width
+            }
+        }
+    }
+
+    /// The elements of a `check_rows` tensor's span, and its row stride.
+    ///
+    /// # Safety
+    /// As `slice`, with `check_rows` in place of `check`.
+    pub unsafe fn rows_slice<T>(&self) -> (&[T], usize) {
+        debug_assert_eq!(std::mem::size_of::<T>(), self.dtype.size());
+        let span = self.row_span();
+        let stride = self.row_stride().max(0) as usize;
+        if span == 0 {
+            return (&[], stride);
+        }
+        (
+            std::slice::from_raw_parts(self.ptr as *const T, span),
+            stride,
+        )
+    }
+
     /// As `check`, for a tensor on a CUDA device.
     pub fn expect_cuda(&self, dtypes: &[DType], ndim: usize) -> PyResult<&Self> {
         self.expect_cuda_device()?;

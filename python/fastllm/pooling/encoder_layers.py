@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastllm import _core
 from fastllm.layers import Module
 
 
@@ -90,7 +91,12 @@ class PackedInputs:
 class EncoderAttention:
     """Bidirectional attention of packed rows, input by input; ``window``: a
     token sees only tokens at most ``window`` positions away (ModernBERT's
-    local layers: half of ``local_attention``)."""
+    local layers: half of ``local_attention``).
+
+    On the CPU the Rust kernel (``_core.encoder_attention``: the paged
+    kernel's tiled flash loop with a bidirectional mask) takes the whole
+    packed batch in one call; elsewhere torch's ``scaled_dot_product_attention``
+    runs per run of equal-length inputs."""
 
     def __init__(self, num_heads: int, head_dim: int, window: int | None = None) -> None:
         self.num_heads = num_heads
@@ -103,6 +109,9 @@ class EncoderAttention:
         """``q``, ``k``, ``v`` [T, heads, head_dim] (views are fine) → [T, heads * head_dim]."""
         h, d = self.num_heads, self.head_dim
         out = torch.empty(q.shape[0], h, d, dtype=q.dtype, device=q.device)
+        if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16):
+            _core.encoder_attention(out, q, k, v, inputs.lengths, d**-0.5, self.window or 0)
+            return out.view(q.shape[0], h * d)
         for first, count, length in inputs.runs:
             rows = slice(first, first + count * length)
             shape = (count, length, h, d)
