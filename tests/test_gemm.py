@@ -144,6 +144,70 @@ def test_silu_and_mul_matches_torch(rows, d, dtype, seed):
         torch.testing.assert_close(out.float(), ref.float(), rtol=2 * 2.0**-7, atol=1e-6)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 300),
+    dim=st.integers(1, 900),
+    dtype=st.sampled_from(["bf16", "f32"]),
+    residual=st.booleans(),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_layer_norm_matches_torch(rows, dim, dtype, residual, bias, seed):
+    """``_core.layer_norm`` equals torch's ``F.layer_norm(x + residual)`` (the sum
+    rounded to the dtype first, as torch adds), with and without a bias."""
+    g = torch.Generator().manual_seed(seed)
+    dt = DTYPES[dtype]
+    x = (3 * torch.randn(rows, dim, generator=g) + 1).to(dt)
+    r = (2 * torch.randn(rows, dim, generator=g)).to(dt) if residual else None
+    w = (1 + 0.1 * torch.randn(dim, generator=g)).to(dt)
+    b = (0.1 * torch.randn(dim, generator=g)).to(dt) if bias else None
+    out = torch.empty_like(x)
+    _core.layer_norm(out, x, r, w, b, 1e-5)
+    ref = torch.nn.functional.layer_norm(x if r is None else x + r, (dim,), w, b, 1e-5)
+    if dt == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5)
+    else:
+        # One rounding each side of the same f32 value up to sum order: one
+        # bf16 step apart at most (2^-7 of the value at the bottom of a binade).
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2.0**-7, atol=1e-2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 300), min_size=1, max_size=3),
+    dtype=st.sampled_from(["bf16", "f32"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_gelu_matches_torch(shape, dtype, seed):
+    """``_core.gelu`` equals torch's exact (erf) ``F.gelu``."""
+    g = torch.Generator().manual_seed(seed)
+    dt = DTYPES[dtype]
+    x = (4 * torch.randn(*shape, generator=g)).to(dt)
+    out = torch.empty_like(x)
+    _core.gelu(out, x)
+    ref = torch.nn.functional.gelu(x)
+    if dt == torch.float32:
+        # erf to 5e-7 absolute: gelu within 3e-7 * (1 + |x|), |x| < 20 here.
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=6e-6)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2.0**-7, atol=1e-6)
+
+
+def test_layer_norm_and_gelu_reject_bad_arguments():
+    x = torch.zeros(3, 8)
+    with pytest.raises(ValueError, match="weight"):
+        _core.layer_norm(torch.empty(3, 8), x, None, torch.ones(7), None, 1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        _core.layer_norm(torch.empty(3, 8), x, torch.zeros(2, 8), torch.ones(8), None, 1e-5)
+    with pytest.raises(ValueError, match="bias"):
+        _core.layer_norm(torch.empty(3, 8), x, None, torch.ones(8), torch.ones(8).bfloat16(), 1e-5)
+    with pytest.raises(ValueError, match="out"):
+        _core.gelu(torch.empty(3, 7), x)
+    with pytest.raises(ValueError, match="out"):
+        _core.gelu(x, x)
+
+
 def test_layer_kernels_reject_bad_arguments():
     x = torch.zeros(3, 8)
     with pytest.raises(ValueError, match="weight"):

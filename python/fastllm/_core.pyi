@@ -150,6 +150,23 @@ def encoder_attention(
     away. ``scale`` multiplies the scores.
     """
 
+def layer_norm(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> None:
+    """``out [rows, dim] = LayerNorm(x + residual) * weight + bias`` over the last
+    dimension, normalised in float32 and rounded once (the sum ``x + residual``
+    rounded to the dtype first, as torch adds); ``residual`` and ``bias`` optional;
+    one dtype (float32 or bfloat16), contiguous, on the thread team."""
+
+def gelu(out: torch.Tensor, x: torch.Tensor) -> None:
+    """``out = gelu(x)`` elementwise, the exact (erf) GELU; one dtype (float32 or
+    bfloat16), any shape, contiguous, on the thread team."""
+
 # ---- sampling ----
 
 class SamplingBatch:

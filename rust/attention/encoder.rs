@@ -214,9 +214,19 @@ where
             sinks: None,
             path,
         };
-        run_items(&problem, &items, plan, out)
+        let result = run_items(&problem, &items, plan, out);
+        if key_cache.len() > KEEP_ELEMENTS {
+            // A very long batch: give its memory back rather than hold it.
+            *key_cache = Vec::new();
+            *value_cache = Vec::new();
+        }
+        result
     })
 }
+
+/// Elements of each private cache kept for the next call (64 MiB of f32):
+/// a BERT-base layer of 21,000 tokens; longer batches free theirs.
+const KEEP_ELEMENTS: usize = 16 << 20;
 
 thread_local! {
     /// The private key and value caches of the last call on this thread.

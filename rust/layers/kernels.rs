@@ -23,6 +23,50 @@ impl<T: Element> Kernel for Norm<'_, T> {
     }
 }
 
+/// LayerNorm of the rows of `x` (plus `residual`'s, rounded first) into `out`.
+pub(super) struct LayerNorm<'a, T> {
+    pub(super) out: &'a mut [T],
+    pub(super) x: &'a [T],
+    pub(super) residual: Option<&'a [T]>,
+    pub(super) w: &'a [T],
+    pub(super) b: Option<&'a [T]>,
+    pub(super) eps: f32,
+    pub(super) dim: usize,
+}
+
+impl<T: Element> Kernel for LayerNorm<'_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn run<S: Simd>(self) {
+        let LayerNorm {
+            out,
+            x,
+            residual,
+            w,
+            b,
+            eps,
+            dim,
+        } = self;
+        layer_norm_body(out, x, residual, w, b, eps, dim)
+    }
+}
+
+/// Exact (erf) GELU of every element of `x` into `out`.
+pub(super) struct Gelu<'a, T> {
+    pub(super) out: &'a mut [T],
+    pub(super) x: &'a [T],
+}
+
+impl<T: Element> Kernel for Gelu<'_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn run<S: Simd>(self) {
+        for (o, &v) in self.out.iter_mut().zip(self.x) {
+            *o = T::from_f32(gelu_erf(v.to_f32()));
+        }
+    }
+}
+
 /// A gated activation of the rows of `x` (`2d` each: gate, then up) into
 /// `out` (`d` each).
 pub(super) struct Act<'a, T> {
@@ -79,9 +123,9 @@ fn rotate_body<T: Element>(out: &mut [T], x: &[T], cos: &[T], sin: &[T], d: usiz
 
 /// `e^x` for the SiLU: relative error below 2e-7 over the f32 range, 0 below
 /// -87.3, and written without branches or libm so that it vectorises. (The
-/// attention kernel's `exp_nonpos` covers only x <= 0 and keeps a saturating
-/// int cast; a SiLU built on it measured 2.2x slower in `cargo bench --bench
-/// gemm -- layers/silu`.)
+/// attention kernel's `exp_nonpos` covers only x <= 0; a SiLU built on it,
+/// when it still cast with a saturating `as`, measured 2.2x slower in
+/// `cargo bench --bench gemm -- layers/silu`.)
 #[inline(always)]
 #[allow(clippy::manual_clamp)] // clamp does not vectorise here
 pub(super) fn exp_f32(x: f32) -> f32 {
@@ -127,6 +171,101 @@ fn gelu_tanh(g: f32) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
     let z = SQRT_2_OVER_PI * (g + 0.044_715 * g * g * g);
     g / (1.0 + exp_f32(-2.0 * z))
+}
+
+/// `erf(x)`, absolute error below 5e-7 (Abramowitz and Stegun 7.1.26 with
+/// the exponential above): no branches or libm, so a loop over it
+/// vectorises.
+#[inline(always)]
+pub(super) fn erf(x: f32) -> f32 {
+    const P: f32 = 0.327_591_1;
+    const A: [f32; 5] = [
+        0.254_829_6,
+        -0.284_496_74,
+        1.421_413_7,
+        -1.453_152_1,
+        1.061_405_4,
+    ];
+    let a = x.abs();
+    let t = 1.0 / (1.0 + P * a);
+    let poly = t * (A[0] + t * (A[1] + t * (A[2] + t * (A[3] + t * A[4]))));
+    let y = 1.0 - poly * exp_f32(-a * a);
+    if x < 0.0 {
+        -y
+    } else {
+        y
+    }
+}
+
+/// GELU as `0.5 g (1 + erf(g / sqrt(2)))` (torch's default, `approximate="none"`).
+#[inline(always)]
+fn gelu_erf(g: f32) -> f32 {
+    0.5 * g * (1.0 + erf(g * std::f32::consts::FRAC_1_SQRT_2))
+}
+
+/// LayerNorm of each row: `s = round(x + residual)` (no residual: `x`),
+/// mean and variance of `s` in f32 (two passes, sixteen partial sums),
+/// then `round((s - mean) * rstd * w + b)` in f32, as torch's mixed-type
+/// `layer_norm` computes a bf16 row.
+#[inline(always)]
+fn layer_norm_body<T: Element>(
+    out: &mut [T],
+    x: &[T],
+    residual: Option<&[T]>,
+    w: &[T],
+    b: Option<&[T]>,
+    eps: f32,
+    dim: usize,
+) {
+    let mut row = vec![0f32; dim];
+    for (r, (o, xr)) in out
+        .chunks_exact_mut(dim)
+        .zip(x.chunks_exact(dim))
+        .enumerate()
+    {
+        match residual {
+            Some(res) => {
+                for ((d, &a), &c) in row.iter_mut().zip(xr).zip(&res[r * dim..(r + 1) * dim]) {
+                    *d = T::round(a.to_f32() + c.to_f32());
+                }
+            }
+            None => {
+                for (d, &a) in row.iter_mut().zip(xr) {
+                    *d = a.to_f32();
+                }
+            }
+        }
+        let n = dim as f32;
+        let mean = sum16(&row, |v| v) / n;
+        let var = sum16(&row, |v| (v - mean) * (v - mean)) / n;
+        let rstd = 1.0 / (var + eps).sqrt();
+        match b {
+            Some(b) => {
+                for (((d, &v), &wv), &bv) in o.iter_mut().zip(&row).zip(w).zip(b) {
+                    *d = T::from_f32((v - mean) * rstd * wv.to_f32() + bv.to_f32());
+                }
+            }
+            None => {
+                for ((d, &v), &wv) in o.iter_mut().zip(&row).zip(w) {
+                    *d = T::from_f32((v - mean) * rstd * wv.to_f32());
+                }
+            }
+        }
+    }
+}
+
+/// `sum(f(v))` over `xs` in sixteen partial sums (vectorisable).
+#[inline(always)]
+fn sum16(xs: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    let mut acc = [0f32; 16];
+    let mut it = xs.chunks_exact(16);
+    for c in &mut it {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += f(v);
+        }
+    }
+    let tail: f32 = it.remainder().iter().map(|&v| f(v)).sum();
+    acc.iter().sum::<f32>() + tail
 }
 
 #[inline(always)]

@@ -15,7 +15,7 @@
 
 mod kernels;
 
-use kernels::{Act, Norm, Rotate};
+use kernels::{Act, Gelu, LayerNorm, Norm, Rotate};
 
 use crate::cpu::elem::SharedOut;
 use crate::cpu::simd::dispatch;
@@ -61,6 +61,114 @@ pub fn rms_norm(out: Dst<'_>, x: Src<'_>, weight: Src<'_>, eps: f32, dim: usize)
         (Dst::F32(o), Src::F32(x), Src::F32(w)) => norm_rows(o, x, w, eps, dim, rows),
         (Dst::Bf16(o), Src::Bf16(x), Src::Bf16(w)) => norm_rows(o, x, w, eps, dim, rows),
         _ => Err(CoreError::invalid("x, weight and out must share one dtype")),
+    }
+}
+
+/// `out[r] = LayerNorm(round(x[r] + residual[r])) * weight + bias` over
+/// rows of `dim` elements (no residual: `x[r]`; no bias: none added),
+/// normalised in f32 and rounded once, as torch's `layer_norm` of the
+/// rounded sum. Every tensor shares one element type.
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm(
+    out: Dst<'_>,
+    x: Src<'_>,
+    residual: Option<Src<'_>>,
+    weight: Src<'_>,
+    bias: Option<Src<'_>>,
+    eps: f32,
+    dim: usize,
+) -> CoreResult<()> {
+    if dim == 0 || !x.len().is_multiple_of(dim) || out.len() != x.len() {
+        return Err(CoreError::invalid(format!(
+            "out: expected {} elements in rows of {dim} (as x), got {}",
+            x.len(),
+            out.len()
+        )));
+    }
+    if residual.as_ref().is_some_and(|r| r.len() != x.len()) {
+        return Err(CoreError::invalid("residual: must have x's shape"));
+    }
+    if weight.len() != dim || bias.as_ref().is_some_and(|b| b.len() != dim) {
+        return Err(CoreError::invalid(format!(
+            "weight/bias: expected {dim} elements each"
+        )));
+    }
+    let rows = x.len() / dim;
+    macro_rules! run {
+        ($o:expr, $x:expr, $w:expr, $V:ident) => {{
+            let residual = match residual {
+                None => None,
+                Some(Src::$V(r)) => Some(r),
+                Some(_) => return Err(CoreError::invalid("residual: must have x's dtype")),
+            };
+            let bias = match bias {
+                None => None,
+                Some(Src::$V(b)) => Some(b),
+                Some(_) => return Err(CoreError::invalid("bias: must have x's dtype")),
+            };
+            let shared = SharedOut($o.as_mut_ptr());
+            for_row_chunks(rows, dim, |r0, r1| {
+                // SAFETY: rows r0..r1 of out belong to this chunk only; out
+                // holds rows * dim elements (checked above).
+                let o = unsafe {
+                    std::slice::from_raw_parts_mut(shared.ptr().add(r0 * dim), (r1 - r0) * dim)
+                };
+                let span = r0 * dim..r1 * dim;
+                let kernel = LayerNorm {
+                    out: o,
+                    x: &$x[span.clone()],
+                    residual: residual.map(|r| &r[span.clone()]),
+                    w: $w,
+                    b: bias,
+                    eps,
+                    dim,
+                };
+                dispatch(best_path(), kernel);
+            })
+        }};
+    }
+    match (out, x, weight) {
+        (Dst::F32(o), Src::F32(x), Src::F32(w)) => run!(o, x, w, F32),
+        (Dst::Bf16(o), Src::Bf16(x), Src::Bf16(w)) => run!(o, x, w, Bf16),
+        _ => Err(CoreError::invalid("x, weight and out must share one dtype")),
+    }
+}
+
+/// `out = round(gelu(x))` elementwise, GELU exact (erf, torch's default);
+/// one dtype.
+pub fn gelu(out: Dst<'_>, x: Src<'_>) -> CoreResult<()> {
+    if out.len() != x.len() {
+        return Err(CoreError::invalid(format!(
+            "out: expected {} elements (as x), got {}",
+            x.len(),
+            out.len()
+        )));
+    }
+    const ROW: usize = 4096;
+    let n = x.len();
+    macro_rules! run {
+        ($o:expr, $x:expr) => {{
+            let shared = SharedOut($o.as_mut_ptr());
+            for_row_chunks(n.div_ceil(ROW), ROW, |c0, c1| {
+                let span = (c0 * ROW).min(n)..(c1 * ROW).min(n);
+                // SAFETY: elements `span` of out belong to this chunk only.
+                let o = unsafe {
+                    std::slice::from_raw_parts_mut(shared.ptr().add(span.start), span.len())
+                };
+                dispatch(
+                    best_path(),
+                    Gelu {
+                        out: o,
+                        x: &$x[span],
+                    },
+                );
+            })
+        }};
+    }
+    match (out, x) {
+        (Dst::F32(o), Src::F32(x)) => run!(o, x),
+        (Dst::Bf16(o), Src::Bf16(x)) => run!(o, x),
+        _ => Err(CoreError::invalid("x and out must share one dtype")),
     }
 }
 
@@ -317,6 +425,144 @@ mod tests {
         }
         assert!(exp_f32(-1000.0) < 1e-37);
         assert!(exp_f32(f32::NEG_INFINITY) < 1e-37);
+    }
+
+    /// erf in f64: its Maclaurin series for |x| <= 3 (to ~1e-12), else the
+    /// asymptotic series of erfc to five terms (to ~1e-8 at 3, better beyond).
+    fn erf64(x: f64) -> f64 {
+        if x.abs() > 3.0 {
+            let a = x.abs();
+            let z = 1.0 / (a * a);
+            let series = 1.0 - z / 2.0 + 3.0 * z * z / 4.0 - 15.0 * z.powi(3) / 8.0
+                + 105.0 * z.powi(4) / 16.0;
+            let erfc = (-a * a).exp() / (a * std::f64::consts::PI.sqrt()) * series;
+            return x.signum() * (1.0 - erfc);
+        }
+        let (mut term, mut sum, mut n) = (x, x, 0.0f64);
+        while term.abs() > 1e-17 * sum.abs().max(1e-300) || n < 3.0 {
+            n += 1.0;
+            term *= -x * x / n;
+            sum += term / (2.0 * n + 1.0);
+            if n > 400.0 {
+                break;
+            }
+        }
+        sum * 2.0 / std::f64::consts::PI.sqrt()
+    }
+
+    #[test]
+    fn erf_and_gelu_are_accurate() {
+        for i in -600..=600 {
+            let x = i as f32 * 0.01;
+            let got = kernels::erf(x) as f64;
+            let want = erf64(x as f64);
+            assert!((got - want).abs() < 5e-7, "erf({x}) = {got}, want {want}");
+        }
+        let x: Vec<f32> = (-4000..4000).map(|i| i as f32 * 0.0025).collect();
+        let mut out = vec![0f32; x.len()];
+        gelu(Dst::F32(&mut out), Src::F32(&x)).unwrap();
+        for (&v, &o) in x.iter().zip(&out) {
+            let v = v as f64;
+            let want = 0.5 * v * (1.0 + erf64(v / 2f64.sqrt()));
+            assert!(
+                (o as f64 - want).abs() < 3e-7 * (1.0 + v.abs()),
+                "gelu({v}) = {o}"
+            );
+        }
+        assert!(gelu(Dst::F32(&mut out[..3]), Src::F32(&x)).is_err());
+    }
+
+    #[test]
+    fn layer_norm_matches_definition() {
+        let (dim, rows) = (45, 7);
+        let x: Vec<f32> = (0..rows * dim)
+            .map(|i| ((i * 7919) % 31) as f32 * 0.3 - 4.0)
+            .collect();
+        let res: Vec<f32> = (0..rows * dim)
+            .map(|i| ((i * 104729) % 17) as f32 * 0.1)
+            .collect();
+        let w: Vec<f32> = (0..dim).map(|i| 0.5 + i as f32 * 0.02).collect();
+        let b: Vec<f32> = (0..dim).map(|i| i as f32 * 0.01 - 0.2).collect();
+        for (with_res, with_bias) in [(true, true), (false, true), (true, false)] {
+            let mut out = vec![0f32; rows * dim];
+            layer_norm(
+                Dst::F32(&mut out),
+                Src::F32(&x),
+                with_res.then_some(Src::F32(&res)),
+                Src::F32(&w),
+                with_bias.then_some(Src::F32(&b)),
+                1e-12,
+                dim,
+            )
+            .unwrap();
+            for r in 0..rows {
+                let s: Vec<f64> = (0..dim)
+                    .map(|j| {
+                        x[r * dim + j] as f64
+                            + if with_res {
+                                res[r * dim + j] as f64
+                            } else {
+                                0.0
+                            }
+                    })
+                    .collect();
+                let mean = s.iter().sum::<f64>() / dim as f64;
+                let var = s.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / dim as f64;
+                for j in 0..dim {
+                    let bias = if with_bias { b[j] as f64 } else { 0.0 };
+                    let want = (s[j] - mean) / (var + 1e-12).sqrt() * w[j] as f64 + bias;
+                    let got = out[r * dim + j] as f64;
+                    assert!(
+                        (got - want).abs() < 1e-5,
+                        "row {r} col {j}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+        // bf16: the sum rounds first, the result once.
+        let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        let rb: Vec<bf16> = res.iter().map(|&v| bf16::from_f32(v)).collect();
+        let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+        let mut out = vec![bf16::ZERO; rows * dim];
+        layer_norm(
+            Dst::Bf16(&mut out),
+            Src::Bf16(&xb),
+            Some(Src::Bf16(&rb)),
+            Src::Bf16(&wb),
+            None,
+            1e-12,
+            dim,
+        )
+        .unwrap();
+        for r in 0..rows {
+            let s: Vec<f64> = (0..dim)
+                .map(|j| {
+                    bf16::from_f32(xb[r * dim + j].to_f32() + rb[r * dim + j].to_f32()).to_f32()
+                        as f64
+                })
+                .collect();
+            let mean = s.iter().sum::<f64>() / dim as f64;
+            let var = s.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / dim as f64;
+            for j in 0..dim {
+                let want = (s[j] - mean) / (var + 1e-12).sqrt() * wb[j].to_f32() as f64;
+                let got = out[r * dim + j].to_f32() as f64;
+                assert!(
+                    (got - want).abs() <= 1e-5 + want.abs() * 2f64.powi(-8),
+                    "{got} vs {want}"
+                );
+            }
+        }
+        let mut short = vec![0f32; 3];
+        assert!(layer_norm(
+            Dst::F32(&mut short),
+            Src::F32(&x),
+            None,
+            Src::F32(&w),
+            None,
+            1e-5,
+            dim
+        )
+        .is_err());
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! The CPU elementwise layers: RMSNorm, SiLU-and-mul, QKV split + rotary.
+//! The CPU elementwise layers: RMSNorm, LayerNorm, GELU, SiLU-and-mul, QKV
+//! split + rotary.
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -33,6 +34,92 @@ fn rms_norm(
         (dst, kernel_src(&x), kernel_src(&weight))
     };
     py.detach(move || crate::layers::rms_norm(dst, xs, ws, eps, dim))?;
+    Ok(())
+}
+
+/// out [rows, dim] = LayerNorm(x + residual) * weight + bias over the last
+/// dimension (residual and bias optional); one dtype.
+#[pyfunction]
+#[pyo3(signature = (out, x, residual, weight, bias, eps))]
+fn layer_norm(
+    py: Python<'_>,
+    out: &Bound<'_, PyAny>,
+    x: &Bound<'_, PyAny>,
+    residual: Option<&Bound<'_, PyAny>>,
+    weight: &Bound<'_, PyAny>,
+    bias: Option<&Bound<'_, PyAny>>,
+    eps: f32,
+) -> PyResult<()> {
+    let x = TensorArg::extract("x", x)?;
+    x.check(&[DType::BF16, DType::F32], 2)?;
+    let dim = x.shape[1];
+    let weight = TensorArg::extract("weight", weight)?;
+    weight.check(&[x.dtype], 1)?;
+    weight.expect_dim(0, dim, "the last dimension of x")?;
+    let out = TensorArg::extract("out", out)?;
+    out.check(&[x.dtype], 2)?;
+    out.expect_dim(0, x.shape[0], "rows of x")?;
+    out.expect_dim(1, dim, "the last dimension of x")?;
+    check_no_overlap(&out, &x)?;
+    check_no_overlap(&out, &weight)?;
+    let residual = match residual {
+        Some(r) if !r.is_none() => {
+            let r = TensorArg::extract("residual", r)?;
+            r.check(&[x.dtype], 2)?;
+            r.expect_dim(0, x.shape[0], "rows of x")?;
+            r.expect_dim(1, dim, "the last dimension of x")?;
+            check_no_overlap(&out, &r)?;
+            Some(r)
+        }
+        _ => None,
+    };
+    let bias = match bias {
+        Some(b) if !b.is_none() => {
+            let b = TensorArg::extract("bias", b)?;
+            b.check(&[x.dtype], 1)?;
+            b.expect_dim(0, dim, "the last dimension of x")?;
+            check_no_overlap(&out, &b)?;
+            Some(b)
+        }
+        _ => None,
+    };
+    // SAFETY: every tensor was checked (dtype, CPU, contiguity, shape) and
+    // out shares no memory with the inputs; the caller keeps them alive.
+    let (dst, xs, rs, ws, bs) = unsafe {
+        let dst = kernel_dst(&out);
+        (
+            dst,
+            kernel_src(&x),
+            residual.as_ref().map(|r| kernel_src(r)),
+            kernel_src(&weight),
+            bias.as_ref().map(|b| kernel_src(b)),
+        )
+    };
+    py.detach(move || crate::layers::layer_norm(dst, xs, rs, ws, bs, eps, dim))?;
+    Ok(())
+}
+
+/// out = gelu(x) elementwise (exact, erf); one dtype, any shape (contiguous).
+#[pyfunction]
+fn gelu(py: Python<'_>, out: &Bound<'_, PyAny>, x: &Bound<'_, PyAny>) -> PyResult<()> {
+    let x = TensorArg::extract("x", x)?;
+    x.check(&[DType::BF16, DType::F32], x.shape.len())?;
+    let out = TensorArg::extract("out", out)?;
+    out.check(&[x.dtype], x.shape.len())?;
+    if out.shape != x.shape {
+        return Err(PyValueError::new_err(format!(
+            "out: shape {:?} must match x {:?}",
+            out.shape, x.shape
+        )));
+    }
+    check_no_overlap(&out, &x)?;
+    // SAFETY: both were checked (dtype, CPU, contiguity, shape) and share no
+    // memory; the caller keeps them alive.
+    let (dst, xs) = unsafe {
+        let dst = kernel_dst(&out);
+        (dst, kernel_src(&x))
+    };
+    py.detach(move || crate::layers::gelu(dst, xs))?;
     Ok(())
 }
 
@@ -138,6 +225,8 @@ fn qkv_rotary(
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(layer_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(gelu, m)?)?;
     m.add_function(wrap_pyfunction!(silu_and_mul, m)?)?;
     m.add_function(wrap_pyfunction!(qkv_rotary, m)?)?;
     Ok(())

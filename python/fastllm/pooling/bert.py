@@ -18,9 +18,13 @@ import torch
 from torch import nn
 
 from fastllm.layers import Module
-from fastllm.layers.activation import get_activation
 from fastllm.layers.linear import Embedding, Linear
-from fastllm.pooling.encoder_layers import EncoderAttention, EncoderLayerNorm, PackedInputs
+from fastllm.pooling.encoder_layers import (
+    EncoderAttention,
+    EncoderLayerNorm,
+    PackedInputs,
+    encoder_activation,
+)
 
 #: architecture -> (family, whether it has a sequence-classification head)
 BERT_ARCHITECTURES: dict[str, tuple[str, bool]] = {
@@ -50,7 +54,7 @@ class BertLayer(Module):
         self.intermediate = Linear(hidden, hf["intermediate_size"], bias=True)
         self.output = Linear(hf["intermediate_size"], hidden, bias=True)
         self.out_norm = EncoderLayerNorm(hidden, eps)
-        self.act = get_activation(hf.get("hidden_act", "gelu"))
+        self.act = encoder_activation(hf.get("hidden_act", "gelu"))
         self.attention = EncoderAttention(heads, hidden // heads)
 
     def forward(self, x: torch.Tensor, inputs: PackedInputs) -> torch.Tensor:
@@ -58,8 +62,8 @@ class BertLayer(Module):
         qkv = self.qkv(x)
         h, d, n = self.attention.num_heads, self.attention.head_dim, self.hidden
         q, k, v = (qkv[:, i * n : (i + 1) * n].view(-1, h, d) for i in range(3))
-        x = self.attn_norm(x + self.attn_out(self.attention(q, k, v, inputs)))
-        return self.out_norm(x + self.output(self.act(self.intermediate(x))))
+        x = self.attn_norm(self.attn_out(self.attention(q, k, v, inputs)), residual=x)
+        return self.out_norm(self.output(self.act(self.intermediate(x))), residual=x)
 
 
 class BertEncoder(Module):

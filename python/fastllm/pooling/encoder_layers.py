@@ -16,6 +16,7 @@ a block-diagonal mask (which computes every pair of rows).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ from torch import nn
 
 from fastllm import _core
 from fastllm.layers import Module
+from fastllm.layers.activation import get_activation
 
 
 @dataclass
@@ -142,9 +144,45 @@ class EncoderLayerNorm(Module):
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(hidden_size), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalises the last dimension of ``x``."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalises the last dimension of ``x`` (of ``x + residual`` when given,
+        the sum rounded to the dtype first, as torch adds). On the CPU, float32
+        or bfloat16 rows run the Rust kernel on the thread team."""
+        if (
+            x.device.type == "cpu"
+            and x.dim() == 2
+            and x.dtype in _KERNEL_DTYPES
+            and self.weight.dtype == x.dtype
+            and (self.bias is None or self.bias.dtype == x.dtype)
+            and (residual is None or residual.dtype == x.dtype)
+        ):
+            out = torch.empty_like(x, memory_format=torch.contiguous_format)
+            res = None if residual is None else residual.contiguous()
+            _core.layer_norm(out, x.contiguous(), res, self.weight, self.bias, self.eps)
+            return out
+        if residual is not None:
+            x = x + residual
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def encoder_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``get_activation(name)``, with the exact GELU on the Rust kernel (the
+    thread team) for contiguous float32 / bfloat16 tensors on the CPU."""
+    fn = get_activation(name)
+    if fn is not F.gelu:
+        return fn
+
+    def gelu(x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES and x.is_contiguous():
+            out = torch.empty_like(x)
+            _core.gelu(out, x)
+            return out
+        return F.gelu(x)
+
+    return gelu
 
 
 def rotary_tables(

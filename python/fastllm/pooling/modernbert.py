@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from fastllm.layers import Module
-from fastllm.layers.activation import get_activation
 from fastllm.layers.linear import Embedding, Linear
 from fastllm.pooling.bert import num_labels
 from fastllm.pooling.encoder_layers import (
@@ -27,6 +26,7 @@ from fastllm.pooling.encoder_layers import (
     EncoderLayerNorm,
     PackedInputs,
     apply_rotary,
+    encoder_activation,
     rotary_tables,
 )
 
@@ -87,7 +87,7 @@ class ModernBertLayer(Module):
         self.mlp_norm = EncoderLayerNorm(hidden, eps, norm_bias)
         self.Wi = Linear(hidden, 2 * inter, bias=mlp_bias)
         self.mlp_Wo = Linear(inter, hidden, bias=mlp_bias)
-        self.act = get_activation(hf.get("hidden_activation", "gelu"))
+        self.act = encoder_activation(hf.get("hidden_activation", "gelu"))
         self.attention = EncoderAttention(heads, hidden // heads, window)
         self.theta = theta
         self.inter = inter
@@ -141,7 +141,7 @@ class ModernBertEncoder(Module):
                     f"got {self.classifier_pooling!r}"
                 )
             self.head_dense = Linear(hidden, hidden, bias=hf.get("classifier_bias", False))
-            self.head_act = get_activation(hf.get("classifier_activation", "gelu"))
+            self.head_act = encoder_activation(hf.get("classifier_activation", "gelu"))
             self.head_norm = EncoderLayerNorm(hidden, eps, norm_bias)
             self.classifier = Linear(hidden, self.num_labels, bias=True)
 
