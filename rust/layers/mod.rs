@@ -472,6 +472,13 @@ mod tests {
         assert!(gelu(Dst::F32(&mut out[..3]), Src::F32(&x)).is_err());
     }
 
+    /// Mean and (biased) variance of a row.
+    fn moments(s: &[f64]) -> (f64, f64) {
+        let mean = s.iter().sum::<f64>() / s.len() as f64;
+        let var = s.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / s.len() as f64;
+        (mean, var)
+    }
+
     #[test]
     fn layer_norm_matches_definition() {
         let (dim, rows) = (45, 7);
@@ -506,8 +513,7 @@ mod tests {
                             }
                     })
                     .collect();
-                let mean = s.iter().sum::<f64>() / dim as f64;
-                let var = s.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / dim as f64;
+                let (mean, var) = moments(&s);
                 for j in 0..dim {
                     let bias = if with_bias { b[j] as f64 } else { 0.0 };
                     let want = (s[j] - mean) / (var + 1e-12).sqrt() * w[j] as f64 + bias;
@@ -541,8 +547,7 @@ mod tests {
                         as f64
                 })
                 .collect();
-            let mean = s.iter().sum::<f64>() / dim as f64;
-            let var = s.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / dim as f64;
+            let (mean, var) = moments(&s);
             for j in 0..dim {
                 let want = (s[j] - mean) / (var + 1e-12).sqrt() * wb[j].to_f32() as f64;
                 let got = out[r * dim + j].to_f32() as f64;

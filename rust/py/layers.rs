@@ -6,15 +6,13 @@ use pyo3::prelude::*;
 
 use super::tensor::{check_no_overlap, kernel_dst, kernel_src, DType, TensorArg};
 
-/// out [rows, dim] = RMSNorm(x [rows, dim]) * weight [dim]; one dtype.
-#[pyfunction]
-fn rms_norm(
-    py: Python<'_>,
-    out: &Bound<'_, PyAny>,
+/// The tensors every norm takes, checked: x [rows, dim] (bf16 or f32),
+/// weight [dim] and out [rows, dim] of x's dtype, out apart from both; and dim.
+fn norm_args(
     x: &Bound<'_, PyAny>,
     weight: &Bound<'_, PyAny>,
-    eps: f32,
-) -> PyResult<()> {
+    out: &Bound<'_, PyAny>,
+) -> PyResult<(TensorArg, TensorArg, TensorArg, usize)> {
     let x = TensorArg::extract("x", x)?;
     x.check(&[DType::BF16, DType::F32], 2)?;
     let dim = x.shape[1];
@@ -27,6 +25,19 @@ fn rms_norm(
     out.expect_dim(1, dim, "the last dimension of x")?;
     check_no_overlap(&out, &x)?;
     check_no_overlap(&out, &weight)?;
+    Ok((x, weight, out, dim))
+}
+
+/// out [rows, dim] = RMSNorm(x [rows, dim]) * weight [dim]; one dtype.
+#[pyfunction]
+fn rms_norm(
+    py: Python<'_>,
+    out: &Bound<'_, PyAny>,
+    x: &Bound<'_, PyAny>,
+    weight: &Bound<'_, PyAny>,
+    eps: f32,
+) -> PyResult<()> {
+    let (x, weight, out, dim) = norm_args(x, weight, out)?;
     // SAFETY: all three were checked (dtype, CPU, contiguity, shape) and out
     // shares no memory with the inputs; the caller keeps them alive.
     let (dst, xs, ws) = unsafe {
@@ -50,18 +61,7 @@ fn layer_norm(
     bias: Option<&Bound<'_, PyAny>>,
     eps: f32,
 ) -> PyResult<()> {
-    let x = TensorArg::extract("x", x)?;
-    x.check(&[DType::BF16, DType::F32], 2)?;
-    let dim = x.shape[1];
-    let weight = TensorArg::extract("weight", weight)?;
-    weight.check(&[x.dtype], 1)?;
-    weight.expect_dim(0, dim, "the last dimension of x")?;
-    let out = TensorArg::extract("out", out)?;
-    out.check(&[x.dtype], 2)?;
-    out.expect_dim(0, x.shape[0], "rows of x")?;
-    out.expect_dim(1, dim, "the last dimension of x")?;
-    check_no_overlap(&out, &x)?;
-    check_no_overlap(&out, &weight)?;
+    let (x, weight, out, dim) = norm_args(x, weight, out)?;
     let residual = match residual {
         Some(r) if !r.is_none() => {
             let r = TensorArg::extract("residual", r)?;
