@@ -376,8 +376,8 @@ macro_rules! by_vector_groups {
 }
 
 /// Scores of every query vector against the `m` keys of a tile as stored
-/// (`keys`: `m * d`), into lanes `at..at + m` of its chunk, 8 keys at a time where the ISA has the transposing
-/// score kernel, else 4 then 1.
+/// (`keys`: `m * d`), into lanes `at..at + m` of its chunk, 8 keys at a
+/// time where the ISA has the transposing score kernel, else 4 then 1.
 #[inline(always)]
 fn scores_as_stored<S: Simd>(
     q: &[f32],
@@ -486,8 +486,12 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
             *o = x.to_f32() * p.scale;
         }
     }
-    // The transposed route reads them dimension-major (`qk_tile`).
-    let qt: Vec<f32> = if nq >= TRANSPOSE_MIN_VECTORS || p.keys_tiled {
+    // Keys stored as transposed tiles (the encoder's private cache) need no
+    // transposing, and a tile starts at a multiple of `TILE` in its block.
+    let tiled = p.keys_tiled;
+    let transpose = tiled || nq >= TRANSPOSE_MIN_VECTORS;
+    // The transposed route reads the queries dimension-major (`qk_tile`).
+    let qt: Vec<f32> = if transpose {
         let mut qt = vec![0.0f32; d * nq];
         for (u, row) in q.chunks_exact(d).enumerate() {
             for (i, &x) in row.iter().enumerate() {
@@ -503,10 +507,6 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
         .map(|r| p.mask.keys(ctx_start + item.row_lo + r, item.seq.seq_len))
         .collect();
 
-    // Keys stored as transposed tiles (the encoder's private cache) need no
-    // transposing, and a tile starts at a multiple of `TILE` in its block.
-    let tiled = p.keys_tiled;
-    let transpose = tiled || nq >= TRANSPOSE_MIN_VECTORS;
     let widen_len = if C::f32_rows(&p.key_cache[..0]).is_some() {
         0
     } else {
@@ -537,8 +537,9 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
             prefetch(&p.key_cache[next_base..next_base + next_n]);
             prefetch(&p.value_cache[next_base..next_base + next_n]);
         }
-        // A tiled block's last tile runs to the tile's end (zero keys past
-        // the block's last; the block size is a multiple of `TILE`).
+        // A tiled block's last tile runs to the tile's end (the block size
+        // is a multiple of `TILE`); past the block's last key its lanes hold
+        // what the cache held, and the softmax masks them.
         let klen = if tiled { n.next_multiple_of(TILE) } else { n };
         let kraw = &p.key_cache[base..base + klen * stride];
         let vraw = &p.value_cache[base..base + n * stride];
