@@ -417,7 +417,7 @@ fn scores_as_stored<S: Simd>(
 /// accumulator when its running maximum grows. A row that sees no key of
 /// the chunk gets weights of zero.
 #[inline(always)]
-fn softmax_tile<S: Simd>(
+fn softmax_chunk<S: Simd>(
     s: &mut [f32; CHUNK],
     (lo, hi): (usize, usize),
     softcap: f32,
@@ -550,6 +550,8 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
                 &vbuf[..n * d]
             }
         };
+        // The encoder's keys, already transposed tiles of f32.
+        let tiles: Option<&[f32]> = if tiled { C::f32_rows(kraw) } else { None };
         // Without the transposed tile, the block's keys as stored (widened).
         let stored: Option<&[f32]> = match (transpose, C::f32_rows(kraw)) {
             (true, _) => None,
@@ -587,11 +589,10 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
                 let k0 = j0 + jt;
                 if let Some(keys) = stored {
                     scores_as_stored::<S>(&q, &keys[k0 * d..(k0 + m) * d], m, d, &mut scores, jt);
-                } else if tiled {
-                    let tile = C::f32_rows(&kraw[k0 * d..(k0 + TILE) * d]).unwrap_or(&kt);
+                } else if let Some(tiles) = tiles {
                     by_vector_groups!(nq, S::LANES >= TILE, |r, U| qk_tile::<S, U>(
                         (&qt[r..], nq),
-                        tile,
+                        &tiles[k0 * d..(k0 + TILE) * d],
                         d,
                         &mut scores[r..],
                         jt
@@ -624,7 +625,7 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
             for (r, s) in scores.iter_mut().enumerate() {
                 let acc = &mut state.acc[r * d..(r + 1) * d];
                 let (max, sum) = (&mut state.max[r], &mut state.sum[r]);
-                softmax_tile::<S>(s, lanes(r / g), p.softcap, max, sum, acc);
+                softmax_chunk::<S>(s, lanes(r / g), p.softcap, max, sum, acc);
             }
             let vals = &values[j0 * d..(j0 + mc) * d];
             by_vector_groups!(nq, true, |r, U| pv_tile::<S, U>(

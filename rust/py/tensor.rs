@@ -162,10 +162,10 @@ impl TensorArg {
         match self.shape.first() {
             None => 1,
             Some(0) => 0,
-            Some(&rows) => {
-                let width: usize = self.shape[1..].iter().product();
-                (rows - 1) * self.row_stride().max(0) as usize + width
-            }
+            Some(&rows) => match self.shape[1..].iter().product::<usize>() {
+                0 => 0,
+                width => (rows - 1) * self.row_stride().max(0) as usize + width,
+            },
         }
     }
 

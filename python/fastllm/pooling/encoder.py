@@ -82,6 +82,9 @@ class EncoderRunner:
         self.pooler = pooler
         self.num_labels = model.encoder.num_labels
         self.device = device
+        #: whether the linear layers run the Rust GEMM (packed by
+        #: ``prepare_for_kernels`` before the runner is made; ``_torch_threads``)
+        self._packed = any(m.packed is not None for m in model.modules() if isinstance(m, Linear))
         self.type_vocab_size = (
             model.encoder.token_type_embeddings.num_embeddings if model.encoder.uses_type_ids else 1
         )
@@ -149,8 +152,7 @@ class EncoderRunner:
         one thread, so large forwards keep torch's count."""
         if tokens > SMALL_FORWARD_TOKENS:
             return None
-        packed = any(m.packed is not None for m in self.model.modules() if isinstance(m, Linear))
-        return 1 if packed else None
+        return 1 if self._packed else None
 
     def _check(self, batch: list[tuple[list[int], list[int] | None]]) -> None:
         """A ValueError naming the first input that cannot run, before any work."""
