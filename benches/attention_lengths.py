@@ -6,11 +6,12 @@ block size 16) it times ``_core.paged_attention`` on one sequence:
 * prefill: a chunk of ``--chunk`` new tokens at the end of a context of
   ``C`` tokens (the last chunk of a ``C``-token prompt), for each ``C`` in
   ``--contexts``; GFLOP/s counts the causal multiply-adds (QK and PV).
-* decode: one new token over a context of each length, and the KV bytes it
-  reads per second.
+* decode: one new token over a context of each length, for each batch size
+  in ``--decode-batch`` (sequences with their own blocks), and the KV bytes
+  it reads per second.
 
     PYTHONPATH=python python benches/attention_lengths.py \\
-        [--contexts 2048 8192] [--chunk 2048] [--kv auto int8]
+        [--contexts 2048 8192] [--chunk 2048] [--kv auto int8] [--decode-batch 1 16]
 
 (threads: FASTLLM_NUM_THREADS, default all cores)
 """
@@ -36,28 +37,31 @@ def time_call(fn, reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def bench(ctx: int, q_len: int, kv: str) -> dict:
+def bench(ctx: int, q_len: int, kv: str, batch: int = 1) -> dict:
+    """``batch`` sequences of ``ctx`` tokens, each with ``q_len`` new ones."""
     torch.manual_seed(0)
-    nb = ctx // BLOCK + 1
+    per_seq = ctx // BLOCK + 1
+    nb = per_seq * batch
     kc = torch.randn(nb, KV_HEADS, BLOCK, HEAD).to(torch.bfloat16)
     vc = torch.randn(nb, KV_HEADS, BLOCK, HEAD).to(torch.bfloat16)
     if kv == "int8":
         kc, vc = quantize_rows(kc), quantize_rows(vc)
-    q = torch.randn(q_len, HEADS, HEAD).to(torch.bfloat16)
+    q = torch.randn(batch * q_len, HEADS, HEAD).to(torch.bfloat16)
     out = torch.empty_like(q)
-    tables = torch.arange(nb, dtype=torch.int32)[None]
-    seq_lens = torch.tensor([ctx], dtype=torch.int32)
-    qsl = torch.tensor([0, q_len], dtype=torch.int32)
+    tables = torch.arange(nb, dtype=torch.int32).view(batch, per_seq)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
+    qsl = torch.arange(batch + 1, dtype=torch.int32) * q_len
 
     def call():
         _core.paged_attention(out, q, kc, vc, tables, seq_lens, qsl, HEAD**-0.5, 0, 0.0)
 
     s = time_call(call, 3 if q_len > 1 else 50)
-    keys = sum(ctx - q_len + i + 1 for i in range(q_len))
-    kv_bytes = 2 * ctx * KV_HEADS * (HEAD + 4 if kv == "int8" else 2 * HEAD)
+    keys = batch * sum(ctx - q_len + i + 1 for i in range(q_len))
+    kv_bytes = batch * 2 * ctx * KV_HEADS * (HEAD + 4 if kv == "int8" else 2 * HEAD)
     return {
         "context": ctx,
         "new_tokens": q_len,
+        "batch": batch,
         "kv": kv,
         "ms": s * 1e3,
         "gflops": 4 * HEADS * HEAD * keys / s / 1e9,
@@ -70,15 +74,17 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--kv", nargs="+", default=["auto", "int8"], choices=["auto", "int8"])
+    ap.add_argument("--decode-batch", type=int, nargs="+", default=[1])
     args = ap.parse_args()
     print(f"{_core.num_threads()} threads")
     for kv in args.kv:
         for ctx in args.contexts:
-            for q_len in (min(args.chunk, ctx), 1):
-                r = bench(ctx, q_len, kv)
+            runs = [(min(args.chunk, ctx), 1)] + [(1, b) for b in args.decode_batch]
+            for q_len, batch in runs:
+                r = bench(ctx, q_len, kv, batch)
                 print(
-                    f"kv {kv:>4}  context {ctx:>6}  new tokens {q_len:>5}: {r['ms']:8.2f} ms  "
-                    f"{r['gflops']:6.1f} GFLOP/s  KV read {r['kv_gbs']:5.1f} GB/s"
+                    f"kv {kv:>4}  context {ctx:>6}  batch {batch:>3}  new tokens {q_len:>5}: "
+                    f"{r['ms']:8.2f} ms  {r['gflops']:6.1f} GFLOP/s  KV read {r['kv_gbs']:5.1f} GB/s"
                 )
 
 

@@ -232,6 +232,9 @@ pub(super) const TILE: usize = 16;
 /// Keys per softmax step: up to four tiles of one block, so that a row's
 /// maximum, sum and rescale (horizontal work) are paid once per 64 keys.
 const CHUNK: usize = 4 * TILE;
+/// Score lanes per query vector: a chunk, and room for a last tile that
+/// starts inside it to be written whole (its lanes past the chunk unused).
+const LANES_PER_ROW: usize = CHUNK + TILE;
 /// Items with at least this many query vectors (rows x query heads) score
 /// a transposed key tile; fewer (decode) score the keys as stored, where
 /// building the transposed tile would cost more than it saves.
@@ -252,7 +255,7 @@ fn qk_tile<S: Simd, const U: usize>(
     (qt, nq): (&[f32], usize),
     kt: &[f32],
     d: usize,
-    out: &mut [[f32; CHUNK]],
+    out: &mut [[f32; LANES_PER_ROW]],
     at: usize,
 ) {
     let nv = TILE / S::LANES;
@@ -283,26 +286,29 @@ fn qk_tile<S: Simd, const U: usize>(
     }
 }
 
-/// `acc[u] += sum_j p[u][j] * vals[j]` for `U` query vectors over value
-/// rows `j` in `keys` of a chunk (`vals`: the chunk's rows, `d` apart;
-/// `acc`: `U * d`): one value vector times a broadcast weight per step, the
-/// accumulators held in registers across the chunk.
+/// `acc[u] += sum_j p[u][j] * vals[j - lane0]` for `U` query vectors over
+/// the chunk's lanes `j` in `keys` (`vals`: value rows, `d` apart, the first
+/// one lane `lane0`'s; `acc`: `U * d`): one value vector times a broadcast
+/// weight per step, the accumulators held in registers across the lanes.
 #[inline(always)]
 #[allow(clippy::needless_range_loop)] // register tiles: indices say which register
 fn pv_tile<S: Simd, const U: usize>(
-    p: &[[f32; CHUNK]],
-    vals: &[f32],
+    p: &[[f32; LANES_PER_ROW]],
+    (vals, lane0): (&[f32], usize),
     keys: std::ops::Range<usize>,
     d: usize,
     acc: &mut [f32],
 ) {
-    let vals = &vals[..keys.end * d];
+    if keys.start >= keys.end {
+        return;
+    }
+    assert!(keys.start >= lane0 && keys.end <= CHUNK);
+    let vals = &vals[(keys.start - lane0) * d..(keys.end - lane0) * d];
     let acc = &mut acc[..U * d];
     let p = &p[..U];
-    assert!(keys.end <= CHUNK);
     let mut c = 0;
     // SAFETY: as `qk_tile`; loads and stores stay inside `vals` and `acc`
-    // (`c + LANES <= d`).
+    // (`c + LANES <= d`; row `j - keys.start` of `vals` for `j` in `keys`).
     unsafe {
         while c + S::LANES <= d {
             let mut a = [S::zero(); U];
@@ -310,7 +316,7 @@ fn pv_tile<S: Simd, const U: usize>(
                 a[u] = S::load(acc.as_ptr().add(u * d + c));
             }
             for j in keys.clone() {
-                let v = S::load(vals.as_ptr().add(j * d + c));
+                let v = S::load(vals.as_ptr().add((j - keys.start) * d + c));
                 for u in 0..U {
                     // `j < keys.end <= CHUNK`.
                     a[u] = S::fmadd(S::splat(*p[u].get_unchecked(j)), v, a[u]);
@@ -325,8 +331,9 @@ fn pv_tile<S: Simd, const U: usize>(
     for u in 0..U {
         for j in keys.clone() {
             let w = p[u][j];
+            let row = &vals[(j - keys.start) * d..];
             for x in c..d {
-                acc[u * d + x] = S::mul_add(w, vals[j * d + x], acc[u * d + x]);
+                acc[u * d + x] = S::mul_add(w, row[x], acc[u * d + x]);
             }
         }
     }
@@ -384,7 +391,7 @@ fn scores_as_stored<S: Simd>(
     keys: &[f32],
     m: usize,
     d: usize,
-    scores: &mut [[f32; CHUNK]],
+    scores: &mut [[f32; LANES_PER_ROW]],
     at: usize,
 ) {
     for (r, s) in scores.iter_mut().enumerate() {
@@ -418,7 +425,7 @@ fn scores_as_stored<S: Simd>(
 /// the chunk gets weights of zero.
 #[inline(always)]
 fn softmax_chunk<S: Simd>(
-    s: &mut [f32; CHUNK],
+    s: &mut [f32],
     (lo, hi): (usize, usize),
     softcap: f32,
     max: &mut f32,
@@ -426,13 +433,13 @@ fn softmax_chunk<S: Simd>(
     acc: &mut [f32],
 ) {
     if lo >= hi {
-        *s = [0.0; CHUNK];
+        s.fill(0.0);
         return;
     }
     if softcap > 0.0 {
         soft_cap::<S>(s, softcap);
     }
-    if lo > 0 || hi < CHUNK {
+    if lo > 0 || hi < s.len() {
         for (l, x) in s.iter_mut().enumerate() {
             if l < lo || l >= hi {
                 *x = f32::NEG_INFINITY;
@@ -507,86 +514,99 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
         .map(|r| p.mask.keys(ctx_start + item.row_lo + r, item.seq.seq_len))
         .collect();
 
-    let widen_len = if C::f32_rows(&p.key_cache[..0]).is_some() {
-        0
-    } else {
-        bs * d
-    };
-    let mut vbuf = vec![0.0f32; widen_len];
-    let mut kbuf = vec![0.0f32; if transpose { 0 } else { widen_len }];
+    // Caches of f32 rows are read in place; others are widened per chunk.
+    let widen = C::f32_rows(&p.key_cache[..0]).is_none();
+    let mut vbuf = vec![0.0f32; if widen { CHUNK * d } else { 0 }];
+    let mut kbuf = vec![0.0f32; if widen && !transpose { CHUNK * d } else { 0 }];
     let mut krow = vec![0.0f32; d];
     let mut kt = vec![0.0f32; d * TILE];
-    let mut scores = vec![[0.0f32; CHUNK]; nq];
+    let mut scores = vec![[0.0f32; LANES_PER_ROW]; nq];
     let table = &p.block_tables[item.seq.seq * p.max_blocks..][..p.max_blocks];
+    // Element offset of the stored row of key position `t` (validated: the
+    // block id is in range for every block below seq_len).
+    let row_at = |t: usize| {
+        let block = table[t / bs] as usize;
+        ((block * p.shape.num_kv_heads + item.kv_head) * bs + t % bs) * stride
+    };
+    // Runs `$body` with `(pos, n)` for each block's run of key positions in `$lo..$hi`.
+    macro_rules! by_block {
+        ($lo:expr, $hi:expr, |$pos:ident, $n:ident| $body:expr) => {{
+            let (mut $pos, hi): (usize, usize) = ($lo, $hi);
+            while $pos < hi {
+                let $n = ((($pos / bs) + 1) * bs).min(hi) - $pos;
+                $body;
+                $pos += $n;
+            }
+        }};
+    }
+    // Value rows in place (f32 caches), by block: (first lane, rows).
+    let mut runs: Vec<(usize, &[f32])> = Vec::new();
 
-    let mut t0 = if tiled { key_lo / TILE * TILE } else { key_lo };
-    while t0 < key_hi {
-        let block_idx = t0 / bs;
-        let t1 = ((block_idx + 1) * bs).min(key_hi);
-        let off0 = t0 - block_idx * bs;
-        let n = t1 - t0;
-        // Validated: the block id is in range for every block below seq_len.
-        let block = table[block_idx] as usize;
-        let base = ((block * p.shape.num_kv_heads + item.kv_head) * bs + off0) * stride;
-        if t1 < key_hi {
-            // The next block is elsewhere in the pool (the hardware prefetcher
-            // cannot guess it): ask for it while this one is computed.
-            let next = table[t1 / bs] as usize;
-            let next_base = (next * p.shape.num_kv_heads + item.kv_head) * bs * stride;
-            let next_n = (key_hi - t1).min(bs) * stride;
-            prefetch(&p.key_cache[next_base..next_base + next_n]);
-            prefetch(&p.value_cache[next_base..next_base + next_n]);
+    let mut c0 = if tiled { key_lo / TILE * TILE } else { key_lo };
+    while c0 < key_hi {
+        // A chunk: up to `CHUNK` consecutive key positions, across blocks.
+        let mc = (key_hi - c0).min(CHUNK);
+        let (ck0, ck1) = (c0, c0 + mc);
+        // Lanes of the chunk each query row sees.
+        let lanes = |r: usize| {
+            let (vlo, vhi) = vis[r];
+            let lo = vlo.max(ck0).min(ck1) - ck0;
+            let hi = vhi.min(ck1).max(ck0) - ck0;
+            (lo, hi)
+        };
+        // Lanes any row sees: tiles outside are not scored, and keys
+        // outside are not weighted.
+        let (seen_lo, seen_hi) = (0..nrows)
+            .map(lanes)
+            .filter(|(lo, hi)| lo < hi)
+            .fold((mc, 0), |(a, b), (lo, hi)| (a.min(lo), b.max(hi)));
+        if seen_lo >= seen_hi {
+            c0 = ck1;
+            continue;
         }
-        // A tiled block's last tile runs to the tile's end (the block size
-        // is a multiple of `TILE`); past the block's last key its lanes hold
-        // what the cache held, and the softmax masks them.
-        let klen = if tiled { n.next_multiple_of(TILE) } else { n };
-        let kraw = &p.key_cache[base..base + klen * stride];
-        let vraw = &p.value_cache[base..base + n * stride];
-        let values: &[f32] = match C::f32_rows(vraw) {
-            Some(v) => v,
-            None => {
-                C::widen_rows(vraw, d, &mut vbuf[..n * d]);
-                &vbuf[..n * d]
+        let first = seen_lo / TILE * TILE;
+        runs.clear();
+        by_block!(ck0 + first, ck0 + seen_hi, |pos, n| {
+            // Rows of the next chunk are elsewhere in the pool (the hardware
+            // prefetcher does not follow the block table): ask for them a
+            // chunk ahead, a block's run at a time, while this one is computed.
+            by_block!(
+                (pos + CHUNK).min(key_hi),
+                (pos + n + CHUNK).min(key_hi),
+                |ahead, an| {
+                    let at = row_at(ahead);
+                    prefetch(&p.key_cache[at..at + an * stride]);
+                    prefetch(&p.value_cache[at..at + an * stride]);
+                }
+            );
+            let at = row_at(pos);
+            let lane0 = pos - ck0;
+            // A tiled block's last tile runs to the tile's end (the block size
+            // is a multiple of `TILE`); past the block's last key its lanes
+            // hold what the cache held, and the softmax masks them.
+            let klen = if tiled { n.next_multiple_of(TILE) } else { n };
+            let kraw = &p.key_cache[at..at + klen * stride];
+            let vraw = &p.value_cache[at..at + n * stride];
+            match C::f32_rows(vraw) {
+                Some(v) => runs.push((lane0, v)),
+                None => C::widen_rows(vraw, d, &mut vbuf[lane0 * d..(lane0 + n) * d]),
             }
-        };
-        // The encoder's keys, already transposed tiles of f32.
-        let tiles: Option<&[f32]> = if tiled { C::f32_rows(kraw) } else { None };
-        // Without the transposed tile, the block's keys as stored (widened).
-        let stored: Option<&[f32]> = match (transpose, C::f32_rows(kraw)) {
-            (true, _) => None,
-            (false, Some(k)) => Some(k),
-            (false, None) => {
-                C::widen_rows(kraw, d, &mut kbuf[..n * d]);
-                Some(&kbuf[..n * d])
-            }
-        };
-
-        let mut j0 = 0;
-        while j0 < n {
-            let mc = (n - j0).min(CHUNK);
-            let (ck0, ck1) = (t0 + j0, t0 + j0 + mc);
-            // Lanes of the chunk each query row sees.
-            let lanes = |r: usize| {
-                let (vlo, vhi) = vis[r];
-                let lo = vlo.max(ck0).min(ck1) - ck0;
-                let hi = vhi.min(ck1).max(ck0) - ck0;
-                (lo, hi)
+            // The encoder's keys, already transposed tiles of f32.
+            let tiles: Option<&[f32]> = if tiled { C::f32_rows(kraw) } else { None };
+            // Without the transposed tile, the block's keys as stored (widened).
+            let stored: Option<&[f32]> = match (transpose, C::f32_rows(kraw)) {
+                (true, _) => None,
+                (false, Some(k)) => Some(k),
+                (false, None) => {
+                    let kb = &mut kbuf[lane0 * d..(lane0 + n) * d];
+                    C::widen_rows(kraw, d, kb);
+                    Some(kb)
+                }
             };
-            // Lanes any row sees: tiles outside are not scored, and keys
-            // outside are not weighted.
-            let (seen_lo, seen_hi) = (0..nrows)
-                .map(lanes)
-                .filter(|(lo, hi)| lo < hi)
-                .fold((mc, 0), |(a, b), (lo, hi)| (a.min(lo), b.max(hi)));
-            if seen_lo >= seen_hi {
-                j0 += mc;
-                continue;
-            }
-            let mut jt = seen_lo / TILE * TILE;
-            while jt < seen_hi {
-                let m = (mc - jt).min(TILE);
-                let k0 = j0 + jt;
+            let mut k0 = 0;
+            while k0 < n {
+                let m = (n - k0).min(TILE);
+                let jt = lane0 + k0;
                 if let Some(keys) = stored {
                     scores_as_stored::<S>(&q, &keys[k0 * d..(k0 + m) * d], m, d, &mut scores, jt);
                 } else if let Some(tiles) = tiles {
@@ -620,23 +640,35 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
                         jt
                     ));
                 }
-                jt += m;
+                k0 += m;
             }
-            for (r, s) in scores.iter_mut().enumerate() {
-                let acc = &mut state.acc[r * d..(r + 1) * d];
-                let (max, sum) = (&mut state.max[r], &mut state.sum[r]);
-                softmax_chunk::<S>(s, lanes(r / g), p.softcap, max, sum, acc);
-            }
-            let vals = &values[j0 * d..(j0 + mc) * d];
+        });
+        for (r, s) in scores.iter_mut().enumerate() {
+            let acc = &mut state.acc[r * d..(r + 1) * d];
+            let (max, sum) = (&mut state.max[r], &mut state.sum[r]);
+            softmax_chunk::<S>(&mut s[..mc], lanes(r / g), p.softcap, max, sum, acc);
+        }
+        if runs.is_empty() {
+            let vals = &vbuf[..mc * d];
             by_vector_groups!(nq, true, |r, U| pv_tile::<S, U>(
                 &scores[r..],
-                vals,
+                (vals, 0),
                 seen_lo..seen_hi,
                 d,
                 &mut state.acc[r * d..]
             ));
-            j0 += mc;
+        } else {
+            for &(lane0, vals) in &runs {
+                let keys = lane0.max(seen_lo)..(lane0 + vals.len() / d);
+                by_vector_groups!(nq, true, |r, U| pv_tile::<S, U>(
+                    &scores[r..],
+                    (vals, lane0),
+                    keys.clone(),
+                    d,
+                    &mut state.acc[r * d..]
+                ));
+            }
         }
-        t0 = t1;
+        c0 = ck1;
     }
 }

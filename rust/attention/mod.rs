@@ -1094,6 +1094,36 @@ mod tests {
                 softcap: 3.0,
                 sinks: true,
             },
+            // Blocks of 5 tokens: a softmax chunk spans blocks that end
+            // inside its tiles (decode with GQA, and a prefill).
+            Case {
+                shape: shape(100, 2, 5, 64),
+                num_heads: 6,
+                q_lens: vec![1, 30, 1],
+                seq_lens: vec![260, 100, 7],
+                window: 0,
+                softcap: 0.0,
+                sinks: false,
+            },
+            // Blocks of 24 and of one token, with windows and soft-cap.
+            Case {
+                shape: shape(30, 1, 24, 48),
+                num_heads: 3,
+                q_lens: vec![17, 1],
+                seq_lens: vec![150, 400],
+                window: 50,
+                softcap: 1.0,
+                sinks: false,
+            },
+            Case {
+                shape: shape(200, 1, 1, 32),
+                num_heads: 2,
+                q_lens: vec![1, 13],
+                seq_lens: vec![90, 100],
+                window: 0,
+                softcap: 0.0,
+                sinks: true,
+            },
             // Sinks with a sliding window over a long decode and a prefill.
             Case {
                 shape: shape(96, 2, 16, 80),
