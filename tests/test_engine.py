@@ -345,6 +345,80 @@ def test_cpu_gemm_path_switch_is_validated(monkeypatch):
         packed_linear(torch.ones(3, 4), None)
 
 
+def _simd_paths() -> list[str]:
+    """The SIMD paths this CPU runs (``_core.simd_path`` reads the switch afresh)."""
+    import os
+
+    paths = []
+    before = os.environ.get("FASTLLM_CPU_SIMD_PATH")
+    try:
+        for name in ("scalar", "avx2", "avx512"):
+            os.environ["FASTLLM_CPU_SIMD_PATH"] = name
+            try:
+                paths.append(_core.simd_path())
+            except ValueError:
+                pass
+    finally:
+        if before is None:
+            os.environ.pop("FASTLLM_CPU_SIMD_PATH", None)
+        else:
+            os.environ["FASTLLM_CPU_SIMD_PATH"] = before
+    return paths
+
+
+@pytest.mark.parametrize("path", _simd_paths())
+def test_cpu_simd_path_switch_runs_the_model_on_that_path(make_model, path):
+    """``FASTLLM_CPU_SIMD_PATH`` (read once per process, so in a fresh one)
+    puts attention, sampling, norms and activations on the named path: the
+    process reports it, and greedy tokens and logprobs equal transformers'."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    folder = make_model("qwen2")
+    ids = LLM(folder, device="cpu").get_tokenizer().encode(PROMPTS[1])
+    script = (
+        "import json, sys\n"
+        "from fastllm import LLM, SamplingParams, _core\n"
+        "from fastllm.env_report import collect_env, format_env\n"
+        "llm = LLM(sys.argv[1], dtype='float32', device='cpu')\n"
+        "p = SamplingParams(temperature=0, max_tokens=10, logprobs=0)\n"
+        "(o,) = llm.generate([{'prompt_token_ids': json.loads(sys.argv[2])}], p, use_tqdm=False)\n"
+        "c = o.outputs[0]\n"
+        "lps = [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]\n"
+        "print(json.dumps([_core.simd_path(), c.token_ids, lps, format_env(collect_env())]))\n"
+    )
+    env = {**os.environ, "FASTLLM_CPU_SIMD_PATH": path}
+    run = subprocess.run(
+        [sys.executable, "-c", script, folder, json.dumps(ids)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    got_path, tokens, lps, report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got_path == path
+    assert f"norms and activations: {path}" in report
+    ref, ref_lps = hf_greedy(folder, ids, 10)
+    assert tokens == ref
+    assert lps == pytest.approx(ref_lps, abs=1e-4)
+
+
+def test_cpu_simd_path_switch_is_validated(make_model, monkeypatch):
+    folder = make_model("qwen2")
+    monkeypatch.setenv("FASTLLM_CPU_SIMD_PATH", "avx1024")
+    with pytest.raises(ValueError, match="FASTLLM_CPU_SIMD_PATH=\"avx1024\": unknown path"):
+        _core.simd_path()
+    with pytest.raises(ValueError, match="FASTLLM_CPU_SIMD_PATH"):
+        LLM(folder, device="cpu")
+    # avx512bf16 names a GEMM path, not one of these kernels' paths.
+    monkeypatch.setenv("FASTLLM_CPU_SIMD_PATH", "avx512bf16")
+    with pytest.raises(ValueError, match="unknown path"):
+        _core.simd_path()
+
+
 def test_interrupted_generation_returns_blocks_cut_off_from_their_sequence(llama, monkeypatch):
     """A Ctrl-C between a block's allocation and its sequence's block table
     (simulated: the allocation raises KeyboardInterrupt after taking blocks)

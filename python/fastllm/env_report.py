@@ -78,6 +78,10 @@ def collect_env() -> dict[str, Any]:
         info["cpu_features"] = dict(_core.cpu_features())
         info["num_threads"] = int(_core.num_threads())
         info["gemm_path"] = _core.gemm_default_path()
+        try:
+            info["simd_path"] = _core.simd_path()
+        except ValueError as exc:
+            info["simd_path"] = f"the fastest this CPU runs ({exc})"
         info["quant_path"] = _core.quant_default_path()
         info["quant_formats"] = list(_core.quant_formats())
     except Exception as exc:
@@ -171,7 +175,8 @@ def _format_cpu(info: dict[str, Any]) -> list[str]:
             f"  integer matrix products ({', '.join(info['quant_formats'])}; quantization="
             f"'int8'/'int4', GGUF files): {quant} ({_INT_PATH_INSTRUCTIONS.get(quant, quant)})"
         )
-        lines.append(f"  paged attention, sampling, norms and activations: {gemm}")
+        simd = info.get("simd_path", gemm)
+        lines.append(f"  paged attention, sampling, norms and activations: {simd}")
     return lines
 
 

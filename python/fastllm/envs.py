@@ -44,6 +44,13 @@ SWITCHES: tuple[Switch, ...] = (
         "",
         "float GEMM kernel path (`avx2`, `avx512`, `avx512bf16`, `scalar`); default: the CPU's fastest",
     ),
+    Switch(
+        "FASTLLM_CPU_SIMD_PATH",
+        "",
+        "SIMD path of attention, sampling, norms and activations (`avx2`, `avx512`, `scalar`);"
+        " default: the CPU's fastest",
+        "rust",
+    ),
     Switch("FASTLLM_CPU_FUSED", "1", "`0`: run decoder layers one by one, not as one fused call"),
     Switch("FASTLLM_CUDA_KERNELS", "1", "`0`: run torch instead of fastllm's CUDA kernels"),
     Switch("FASTLLM_CONFIGURE_LOGGING", "1", "`0`: leave the `fastllm` logger as it is"),

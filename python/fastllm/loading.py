@@ -312,6 +312,10 @@ def prepare_for_kernels(
     kernels' layout where that is the faster path; returns whether they are."""
     from fastllm.layers.linear import pack_linears, should_pack
 
+    if device == "cpu":
+        from fastllm import _core
+
+        _core.simd_path()  # a bad FASTLLM_CPU_SIMD_PATH: a ValueError naming it
     if quantization is not None:
         from fastllm.layers.quantization import quantize_model
 

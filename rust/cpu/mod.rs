@@ -78,11 +78,51 @@ pub fn available_paths() -> Vec<Path> {
 }
 
 /// The fastest SIMD code this CPU can run: `Avx512`, `Avx2` or `Scalar`.
-pub fn best_path() -> Path {
+pub fn fastest_path() -> Path {
     [Path::Avx512, Path::Avx2]
         .into_iter()
         .find(|p| p.is_available())
         .unwrap_or(Path::Scalar)
+}
+
+/// The switch naming the SIMD code of the kernels other than the GEMMs
+/// (attention, sampling, norms, activations, the recurrent kernels), to
+/// compare paths on one CPU.
+pub const SIMD_PATH_ENV: &str = "FASTLLM_CPU_SIMD_PATH";
+
+/// The path `SIMD_PATH_ENV` names (the fastest when it is unset or empty),
+/// or an error naming the switch when it names no path this CPU runs.
+pub fn simd_path_from_env() -> Result<Path, String> {
+    let value = std::env::var(SIMD_PATH_ENV).unwrap_or_default();
+    let name = value.trim();
+    if name.is_empty() {
+        return Ok(fastest_path());
+    }
+    let names: Vec<&str> = [Path::Scalar, Path::Avx2, Path::Avx512]
+        .iter()
+        .map(|p| p.name())
+        .collect();
+    let path = Path::parse(name)
+        .filter(|p| p.simd() == *p)
+        .ok_or_else(|| {
+            format!("{SIMD_PATH_ENV}={name:?}: unknown path, expected one of {names:?}")
+        })?;
+    if !path.is_available() {
+        return Err(format!(
+            "{SIMD_PATH_ENV}={name:?}: this CPU cannot run that path (it runs up to {:?})",
+            fastest_path().name()
+        ));
+    }
+    Ok(path)
+}
+
+/// The SIMD code of the kernels other than the GEMMs: the fastest this CPU
+/// runs, or the one `FASTLLM_CPU_SIMD_PATH` names (read once per process;
+/// a bad value falls back to the fastest here, and the Python side refuses
+/// it with `simd_path_from_env`'s error).
+pub fn best_path() -> Path {
+    static PATH: std::sync::OnceLock<Path> = std::sync::OnceLock::new();
+    *PATH.get_or_init(|| simd_path_from_env().unwrap_or_else(|_| fastest_path()))
 }
 
 /// Parses a path name and checks this CPU can run it.

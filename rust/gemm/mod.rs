@@ -98,7 +98,7 @@ fn row_block_bytes(path: Path) -> usize {
 /// batch-1 call's weights faster); on the Intel Xeons measured, the FMA tile
 /// was faster (module docs), so they keep `avx512`.
 pub fn default_path() -> Path {
-    let best = crate::cpu::best_path();
+    let best = crate::cpu::fastest_path();
     let dot = Path::Avx512Bf16.is_available() && !crate::cpu::features::is_intel();
     if best == Path::Avx512 && dot {
         Path::Avx512Bf16

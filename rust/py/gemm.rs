@@ -93,8 +93,20 @@ fn gemm_default_path() -> &'static str {
     crate::gemm::default_path().name()
 }
 
+/// The SIMD path of the kernels other than the GEMMs (attention, sampling,
+/// norms, activations): the fastest this CPU runs, or the one
+/// `FASTLLM_CPU_SIMD_PATH` names; a `ValueError` naming the switch when it
+/// names no path this CPU runs.
+#[pyfunction]
+fn simd_path() -> PyResult<&'static str> {
+    crate::cpu::simd_path_from_env()
+        .map(|p| p.name())
+        .map_err(pyo3::exceptions::PyValueError::new_err)
+}
+
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPackedLinear>()?;
+    m.add_function(wrap_pyfunction!(simd_path, m)?)?;
     m.add_function(wrap_pyfunction!(gemm_default_path, m)?)?;
     m.add_function(wrap_pyfunction!(gemm_paths, m)?)?;
     Ok(())
