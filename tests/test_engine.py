@@ -345,28 +345,9 @@ def test_cpu_gemm_path_switch_is_validated(monkeypatch):
         packed_linear(torch.ones(3, 4), None)
 
 
-def _simd_paths() -> list[str]:
-    """The SIMD paths this CPU runs (``_core.simd_path`` reads the switch afresh)."""
-    import os
-
-    paths = []
-    before = os.environ.get("FASTLLM_CPU_SIMD_PATH")
-    try:
-        for name in ("scalar", "avx2", "avx512"):
-            os.environ["FASTLLM_CPU_SIMD_PATH"] = name
-            try:
-                paths.append(_core.simd_path())
-            except ValueError:
-                pass
-    finally:
-        if before is None:
-            os.environ.pop("FASTLLM_CPU_SIMD_PATH", None)
-        else:
-            os.environ["FASTLLM_CPU_SIMD_PATH"] = before
-    return paths
-
-
-@pytest.mark.parametrize("path", _simd_paths())
+@pytest.mark.parametrize(
+    "path", [p for p in _core.gemm_paths() if p in ("scalar", "avx2", "avx512")]
+)
 def test_cpu_simd_path_switch_runs_the_model_on_that_path(make_model, path):
     """``FASTLLM_CPU_SIMD_PATH`` (read once per process, so in a fresh one)
     puts attention, sampling, norms and activations on the named path: the

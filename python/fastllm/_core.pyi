@@ -429,10 +429,11 @@ def gemm_default_path() -> str:
     """The kernel ``PackedLinear`` runs when none is named: the fastest this CPU has."""
 
 def simd_path() -> str:
-    """The SIMD path of the kernels other than the GEMMs (attention, sampling,
-    norms, activations): the fastest this CPU runs, or the one
-    ``FASTLLM_CPU_SIMD_PATH`` names (read once per process by the kernels);
-    a ``ValueError`` naming the switch when it names no path this CPU runs."""
+    """The SIMD path the kernels other than the GEMMs (attention, sampling,
+    norms, activations) run on: the fastest this CPU runs, or the one
+    ``FASTLLM_CPU_SIMD_PATH`` named when they first ran (read once per
+    process); a ``ValueError`` naming the switch when its value now names no
+    path this CPU runs."""
 
 # ---- quantized linear (integer GEMM) ----
 

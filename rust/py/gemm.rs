@@ -93,15 +93,14 @@ fn gemm_default_path() -> &'static str {
     crate::gemm::default_path().name()
 }
 
-/// The SIMD path of the kernels other than the GEMMs (attention, sampling,
-/// norms, activations): the fastest this CPU runs, or the one
-/// `FASTLLM_CPU_SIMD_PATH` names; a `ValueError` naming the switch when it
-/// names no path this CPU runs.
+/// The SIMD path the kernels other than the GEMMs (attention, sampling,
+/// norms, activations) run on: the fastest this CPU runs, or the one
+/// `FASTLLM_CPU_SIMD_PATH` named when they first ran; a `ValueError` naming
+/// the switch when its value now names no path this CPU runs.
 #[pyfunction]
 fn simd_path() -> PyResult<&'static str> {
-    crate::cpu::simd_path_from_env()
-        .map(|p| p.name())
-        .map_err(pyo3::exceptions::PyValueError::new_err)
+    crate::cpu::simd_path_from_env().map_err(pyo3::exceptions::PyValueError::new_err)?;
+    Ok(crate::cpu::best_path().name())
 }
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
