@@ -4,8 +4,9 @@
   reference quantizer (``attention_torch.quantize_rows``: int8 values, then
   the row's float32 scale ``max|x| / 127``).
 * The attention read: the Rust kernel on an int8 cache against float32 SDPA
-  over the dequantized rows (``test_attention.reference_attention``), so the
-  only difference is summation order (float32 tolerance).
+  over the dequantized rows and the query rows quantized the same way
+  (``test_attention.reference_attention``, ``attention_torch.quantized_queries``),
+  so the only difference is summation order (float32 tolerance).
 * The torch backend and the Rust backend of ``PagedAttention`` write the
   same cache bytes and agree on the output.
 * The engine: int8 caches take 0.5x (+ the scales) the bytes of bf16 ones,
@@ -28,7 +29,12 @@ from hypothesis import strategies as st
 from fastllm import LLM, SamplingParams, _core
 from fastllm.demo import demo_model_path
 from fastllm.engine.model_runner import ModelRunner
-from fastllm.layers.attention_torch import INT8_SCALE_BYTES, dequantize_rows, quantize_rows
+from fastllm.layers.attention_torch import (
+    INT8_SCALE_BYTES,
+    dequantize_rows,
+    quantize_rows,
+    quantized_queries,
+)
 from fastllm.layers.ops import RUST_OPS, TORCH_OPS
 from test_attention import (
     TOL,
@@ -88,8 +94,9 @@ def test_attention_over_int8_cache_matches_sdpa_of_dequantized_rows(case):
     scale = 1.0 / math.sqrt(case["head_size"])
     got = torch.full_like(query, float("nan"))
     _core.paged_attention(got, query, kc, vc, block_tables, seq_lens, qsl, scale, window, softcap)
+    # Against an 8-bit cache the query rows are quantized as its rows are.
     want = reference_attention(
-        query,
+        quantized_queries(query.float()),
         dequantize_rows(kc),
         dequantize_rows(vc),
         block_tables,

@@ -3,9 +3,11 @@
 //! The inner loops run over fixed 16-lane chunks so that LLVM vectorises them
 //! for whichever ISA the entry point (`cpu::simd`) compiles them for.
 
+use super::rows::row_scale;
 use super::{Item, KvElem, PartialState, Problem};
+use crate::cpu::simd::{dispatch_int, IntKernel, IntSimd};
 use crate::cpu::simd::{Kernel, Simd};
-use crate::cpu::{Element, Path};
+use crate::cpu::{Element, IntPath, Path};
 
 /// One call of the body: an item over keys `key_lo..key_hi`.
 pub(super) struct Attend<'a, 'p, T, C> {
@@ -418,6 +420,168 @@ fn scores_as_stored<S: Simd>(
     }
 }
 
+/// An item's query vectors quantized against an 8-bit cache: each as a
+/// cache row stores it (`rows.rs`: `max|x| / 127`, round half to even),
+/// from its values before the score scale.
+struct QueryBytes {
+    /// Four bytes per (dimension group, vector), dimension-major:
+    /// `dwords[i * nq + u]` holds bytes `4i..4i + 4` of vector `u`.
+    dwords: Vec<u32>,
+    /// Each vector's bytes summed (for `vpdpbusd`'s unsigned operand).
+    sums: Vec<i32>,
+    /// Each vector's scale times the score scale.
+    scales: Vec<f32>,
+    nq: usize,
+}
+
+impl QueryBytes {
+    fn new(nq: usize, d: usize) -> Self {
+        QueryBytes {
+            dwords: vec![0; nq * d.div_ceil(4)],
+            sums: vec![0; nq],
+            scales: vec![0.0; nq],
+            nq,
+        }
+    }
+
+    /// Quantizes vector `u` (`x`, unscaled) and writes the f32 values its
+    /// bytes stand for, times `scale`, to `out`.
+    fn quantize<T: Element>(&mut self, u: usize, x: &[T], scale: f32, out: &mut [f32]) {
+        let d = x.len();
+        let mut row = vec![0i8; d + super::rows::INT8_SCALE_BYTES];
+        <i8 as KvElem<T>>::store_row(x, &mut row);
+        let s = row_scale(&row, d);
+        for (o, &b) in out.iter_mut().zip(&row[..d]) {
+            *o = b as f32 * s * scale;
+        }
+        self.sums[u] = row[..d].iter().map(|&b| b as i32).sum();
+        self.scales[u] = s * scale;
+        for (i, four) in row[..d].chunks(4).enumerate() {
+            let mut b = [0u8; 4];
+            for (o, &v) in b.iter_mut().zip(four) {
+                *o = v as u8;
+            }
+            self.dwords[i * self.nq + u] = u32::from_le_bytes(b);
+        }
+    }
+}
+
+/// One row of a transposed tile of 8-bit keys: lane `l` holds four bytes
+/// of key `l` (64-byte aligned, as the integer paths load it).
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct TileRow([u32; 16]);
+
+/// The integer path that goes with a SIMD path: the fastest dot product of
+/// the same register width (the scalar path's portable one otherwise).
+fn int_path(path: Path) -> IntPath {
+    let first = |paths: &[IntPath]| {
+        paths
+            .iter()
+            .copied()
+            .find(|p| p.is_available())
+            .unwrap_or(IntPath::Scalar)
+    };
+    match path.simd() {
+        Path::Avx512 => first(&[
+            IntPath::Avx512Vnni,
+            IntPath::Avx512,
+            IntPath::AvxVnni,
+            IntPath::Avx2,
+        ]),
+        Path::Avx2 => first(&[IntPath::AvxVnni, IntPath::Avx2]),
+        _ => IntPath::Scalar,
+    }
+}
+
+/// Scores of every query vector against `rows` (8-bit cache rows, `d + 4`
+/// bytes each) into lanes `at..` of the chunk: the keys laid out as a
+/// transposed tile of `LANES` keys (four bytes per lane), then per query
+/// vector one integer dot product per four dimensions with its four bytes
+/// broadcast, and the exact integer sums times the two scales. With VNNI
+/// the keys' bytes are flipped to unsigned (`k + 128`) and `128 * sum(q)`
+/// taken off again; without it, `|k|` against `q` with `k`'s signs keeps
+/// every pair of products inside `vpmaddwd`'s i16 step (`|k|, |q| <= 127`).
+/// The sums stay below 2^24 for `d <= 512`, so they are exact in f32.
+struct ScoresI8<'a> {
+    rows: &'a [i8],
+    d: usize,
+    /// The queries' dwords, count, byte sums and scales (`QueryBytes`).
+    queries: (&'a [u32], usize, &'a [i32], &'a [f32]),
+    tile: &'a mut [TileRow],
+    scores: &'a mut [[f32; LANES_PER_ROW]],
+    at: usize,
+}
+
+impl IntKernel for ScoresI8<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn run<S: IntSimd>(self) {
+        let ScoresI8 {
+            rows,
+            d,
+            queries: (q8t, nq, qsum, qscale),
+            tile,
+            scores,
+            at,
+        } = self;
+        let stride = d + super::rows::INT8_SCALE_BYTES;
+        let (d4, n) = (d / 4, rows.len() / stride);
+        let lanes = S::LANES;
+        assert!(lanes <= 16 && tile.len() >= d4 && q8t.len() >= d4 * nq && scores.len() >= nq);
+        let flip = if S::VNNI { 0x8080_8080u32 } else { 0 };
+        let mut t0 = 0;
+        while t0 < n {
+            let m = (n - t0).min(lanes);
+            assert!(at + t0 + lanes <= LANES_PER_ROW);
+            let mut ks = [0.0f32; 16];
+            for l in 0..lanes {
+                if l < m {
+                    let row = &rows[(t0 + l) * stride..(t0 + l + 1) * stride];
+                    ks[l] = row_scale(row, d);
+                    for (i, four) in row[..d].chunks_exact(4).enumerate() {
+                        let b = [four[0] as u8, four[1] as u8, four[2] as u8, four[3] as u8];
+                        tile[i].0[l] = u32::from_le_bytes(b) ^ flip;
+                    }
+                } else {
+                    for t in tile[..d4].iter_mut() {
+                        t.0[l] = flip;
+                    }
+                }
+            }
+            // SAFETY: S's instructions run inside its entry point
+            // (`IntKernel::run`); tile rows are 64-byte aligned and hold 16
+            // lanes (>= LANES); `q8t[i * nq + u]` with `i < d4`, `u < nq`
+            // is inside `q8t`; the store writes lanes `at + t0..` of a row
+            // of `LANES_PER_ROW` (asserted).
+            unsafe {
+                let kscale = S::load_f32(ks.as_ptr());
+                for u in 0..nq {
+                    let mut acc = S::splat_i32(0);
+                    for (i, row) in tile[..d4].iter().enumerate() {
+                        let k = S::load(row.0.as_ptr() as *const u8);
+                        let qb = S::bcast4(q8t.as_ptr().add(i * nq + u) as *const u8);
+                        acc = if S::VNNI {
+                            S::dot(acc, k, qb)
+                        } else {
+                            S::dot(acc, S::sign(k, k), S::sign(qb, k))
+                        };
+                    }
+                    let mut f = S::to_f32(acc);
+                    if S::VNNI {
+                        let off = S::splat_f32(-128.0 * qsum[u] as f32);
+                        f = S::fmadd(f, S::splat_f32(1.0), off);
+                    }
+                    let f = S::mul(S::mul(f, kscale), S::splat_f32(qscale[u]));
+                    S::store_f32(scores[u][at + t0..].as_mut_ptr(), f);
+                }
+            }
+            t0 += m;
+        }
+    }
+}
+
 /// The online-softmax update of query vector `r` for one chunk: masks the
 /// keys its row does not see (`lo..hi` of the chunk's lanes), soft-caps,
 /// turns the scores into weights `e^(s - max)` and rescales the row's
@@ -484,19 +648,36 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
     let nq = nrows * g;
     let ctx_start = item.seq.seq_len - item.seq.q_len;
 
-    // Queries of the item, pre-scaled, as f32: vector (r, head) at (r * g + head) * d.
+    // Against an 8-bit cache, each query vector is quantized as a cache row
+    // is (`rows.rs`), before the score scale.
+    let int8 = C::i8_rows(&p.key_cache[..0]).is_some();
+    // Queries of the item, pre-scaled, as f32: vector (r, head) at (r * g +
+    // head) * d; for an 8-bit cache, the values its bytes stand for.
     let mut q = vec![0.0f32; nq * d];
+    let mut q8 = QueryBytes::new(if int8 { nq } else { 0 }, d);
     for r in 0..nrows {
         let token = item.seq.q_start + item.row_lo + r;
         let src = &p.query[token * p.query_stride + item.kv_head * g * d..][..g * d];
-        for (o, &x) in q[r * g * d..(r + 1) * g * d].iter_mut().zip(src) {
-            *o = x.to_f32() * p.scale;
+        let dst = &mut q[r * g * d..(r + 1) * g * d];
+        if int8 {
+            for (h, (o, x)) in dst.chunks_exact_mut(d).zip(src.chunks_exact(d)).enumerate() {
+                q8.quantize(r * g + h, x, p.scale, o);
+            }
+        } else {
+            for (o, &x) in dst.iter_mut().zip(src) {
+                *o = x.to_f32() * p.scale;
+            }
         }
     }
+    // An 8-bit cache's keys are scored as bytes (integer dot products) where
+    // a vector's sums stay exact in f32 (`ScoresI8`).
+    let int_scores = int8 && d.is_multiple_of(4) && d <= 512;
+    let ipath = int_path(p.path);
+    let mut ktile = vec![TileRow([0; 16]); if int_scores { d / 4 } else { 0 }];
     // Keys stored as transposed tiles (the encoder's private cache) need no
     // transposing, and a tile starts at a multiple of `TILE` in its block.
     let tiled = p.keys_tiled;
-    let transpose = tiled || nq >= TRANSPOSE_MIN_VECTORS;
+    let transpose = !int_scores && (tiled || nq >= TRANSPOSE_MIN_VECTORS);
     // The transposed route reads the queries dimension-major (`qk_tile`).
     let qt: Vec<f32> = if transpose {
         let mut qt = vec![0.0f32; d * nq];
@@ -517,7 +698,14 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
     // Caches of f32 rows are read in place; others are widened per chunk.
     let widen = C::f32_rows(&p.key_cache[..0]).is_none();
     let mut vbuf = vec![0.0f32; if widen { CHUNK * d } else { 0 }];
-    let mut kbuf = vec![0.0f32; if widen && !transpose { CHUNK * d } else { 0 }];
+    let mut kbuf = vec![
+        0.0f32;
+        if widen && !transpose && !int_scores {
+            CHUNK * d
+        } else {
+            0
+        }
+    ];
     let mut krow = vec![0.0f32; d];
     let mut kt = vec![0.0f32; d * TILE];
     let mut scores = vec![[0.0f32; LANES_PER_ROW]; nq];
@@ -591,56 +779,82 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
                 Some(v) => runs.push((lane0, v)),
                 None => C::widen_rows(vraw, d, &mut vbuf[lane0 * d..(lane0 + n) * d]),
             }
-            // The encoder's keys, already transposed tiles of f32.
-            let tiles: Option<&[f32]> = if tiled { C::f32_rows(kraw) } else { None };
-            // Without the transposed tile, the block's keys as stored (widened).
-            let stored: Option<&[f32]> = match (transpose, C::f32_rows(kraw)) {
-                (true, _) => None,
-                (false, Some(k)) => Some(k),
-                (false, None) => {
-                    let kb = &mut kbuf[lane0 * d..(lane0 + n) * d];
-                    C::widen_rows(kraw, d, kb);
-                    Some(kb)
+            if int_scores {
+                // Validated: an 8-bit cache's rows are its bytes.
+                if let Some(rows) = C::i8_rows(kraw) {
+                    let (q8t, nq) = (&q8.dwords[..], nq);
+                    let (qsum, qscale) = (&q8.sums[..], &q8.scales[..]);
+                    dispatch_int(
+                        ipath,
+                        ScoresI8 {
+                            rows,
+                            d,
+                            queries: (q8t, nq, qsum, qscale),
+                            tile: &mut ktile,
+                            scores: &mut scores,
+                            at: lane0,
+                        },
+                    );
                 }
-            };
-            let mut k0 = 0;
-            while k0 < n {
-                let m = (n - k0).min(TILE);
-                let jt = lane0 + k0;
-                if let Some(keys) = stored {
-                    scores_as_stored::<S>(&q, &keys[k0 * d..(k0 + m) * d], m, d, &mut scores, jt);
-                } else if let Some(tiles) = tiles {
-                    by_vector_groups!(nq, S::LANES >= TILE, |r, U| qk_tile::<S, U>(
-                        (&qt[r..], nq),
-                        &tiles[k0 * d..(k0 + TILE) * d],
-                        d,
-                        &mut scores[r..],
-                        jt
-                    ));
-                } else {
-                    // The tile's keys, widened and transposed (lanes past `m` zero).
-                    for jj in 0..m {
-                        let raw = &kraw[(k0 + jj) * stride..(k0 + jj + 1) * stride];
-                        C::widen_rows(raw, d, &mut krow);
-                        for (i, &x) in krow.iter().enumerate() {
-                            kt[i * TILE + jj] = x;
-                        }
+            } else {
+                // The encoder's keys, already transposed tiles of f32.
+                let tiles: Option<&[f32]> = if tiled { C::f32_rows(kraw) } else { None };
+                // Without the transposed tile, the block's keys as stored (widened).
+                let stored: Option<&[f32]> = match (transpose, C::f32_rows(kraw)) {
+                    (true, _) => None,
+                    (false, Some(k)) => Some(k),
+                    (false, None) => {
+                        let kb = &mut kbuf[lane0 * d..(lane0 + n) * d];
+                        C::widen_rows(kraw, d, kb);
+                        Some(kb)
                     }
-                    if m < TILE {
-                        for i in 0..d {
-                            kt[i * TILE + m..(i + 1) * TILE].fill(0.0);
+                };
+                let mut k0 = 0;
+                while k0 < n {
+                    let m = (n - k0).min(TILE);
+                    let jt = lane0 + k0;
+                    if let Some(keys) = stored {
+                        scores_as_stored::<S>(
+                            &q,
+                            &keys[k0 * d..(k0 + m) * d],
+                            m,
+                            d,
+                            &mut scores,
+                            jt,
+                        );
+                    } else if let Some(tiles) = tiles {
+                        by_vector_groups!(nq, S::LANES >= TILE, |r, U| qk_tile::<S, U>(
+                            (&qt[r..], nq),
+                            &tiles[k0 * d..(k0 + TILE) * d],
+                            d,
+                            &mut scores[r..],
+                            jt
+                        ));
+                    } else {
+                        // The tile's keys, widened and transposed (lanes past `m` zero).
+                        for jj in 0..m {
+                            let raw = &kraw[(k0 + jj) * stride..(k0 + jj + 1) * stride];
+                            C::widen_rows(raw, d, &mut krow);
+                            for (i, &x) in krow.iter().enumerate() {
+                                kt[i * TILE + jj] = x;
+                            }
                         }
+                        if m < TILE {
+                            for i in 0..d {
+                                kt[i * TILE + m..(i + 1) * TILE].fill(0.0);
+                            }
+                        }
+                        // One vector per tile row on AVX-512: twice the query vectors fit.
+                        by_vector_groups!(nq, S::LANES >= TILE, |r, U| qk_tile::<S, U>(
+                            (&qt[r..], nq),
+                            &kt,
+                            d,
+                            &mut scores[r..],
+                            jt
+                        ));
                     }
-                    // One vector per tile row on AVX-512: twice the query vectors fit.
-                    by_vector_groups!(nq, S::LANES >= TILE, |r, U| qk_tile::<S, U>(
-                        (&qt[r..], nq),
-                        &kt,
-                        d,
-                        &mut scores[r..],
-                        jt
-                    ));
+                    k0 += m;
                 }
-                k0 += m;
             }
         });
         for (r, s) in scores.iter_mut().enumerate() {
@@ -670,5 +884,93 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
             }
         }
         c0 = ck1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `ScoresI8` on every integer path this CPU runs against the integer
+    /// sums in i64 times the two scales: 8-bit rows with extreme bytes
+    /// (+-127, 0), head sizes that leave partial tiles and odd dword counts.
+    #[test]
+    fn int8_scores_equal_exact_sums_on_every_int_path() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for (d, n, nq) in [
+            (64, 16, 7),
+            (72, 21, 3),
+            (4, 5, 1),
+            (128, 40, 9),
+            (512, 17, 2),
+        ] {
+            let stride = d + super::super::rows::INT8_SCALE_BYTES;
+            let mut rows = vec![0i8; n * stride];
+            for row in rows.chunks_exact_mut(stride) {
+                for b in row[..d].iter_mut() {
+                    *b = match next() % 5 {
+                        0 => 127,
+                        1 => -127,
+                        2 => 0,
+                        _ => (next() % 255) as i64 as i8,
+                    }
+                    .clamp(-127, 127);
+                }
+                let s = 0.001 + (next() % 1000) as f32 * 1e-4;
+                for (o, b) in row[d..].iter_mut().zip(s.to_le_bytes()) {
+                    *o = b as i8;
+                }
+            }
+            let mut q8 = QueryBytes::new(nq, d);
+            let mut qvals = vec![0.0f32; d];
+            let queries: Vec<Vec<f32>> = (0..nq)
+                .map(|_| {
+                    (0..d)
+                        .map(|_| (next() % 2001) as f32 / 100.0 - 10.0)
+                        .collect()
+                })
+                .collect();
+            let mut qbytes = vec![vec![0i8; stride]; nq];
+            for (u, x) in queries.iter().enumerate() {
+                q8.quantize(u, x, 0.125, &mut qvals);
+                <i8 as KvElem<f32>>::store_row(x, &mut qbytes[u]);
+            }
+            for path in IntPath::available() {
+                let mut tile = vec![TileRow([0; 16]); d / 4];
+                let mut scores = vec![[f32::NAN; LANES_PER_ROW]; nq];
+                // A chunk's lanes from 3 on (the kernel takes any start).
+                let at = 3;
+                let rows = &rows[..(n.min(CHUNK - at)) * stride];
+                dispatch_int(
+                    path,
+                    ScoresI8 {
+                        rows,
+                        d,
+                        queries: (&q8.dwords, nq, &q8.sums, &q8.scales),
+                        tile: &mut tile,
+                        scores: &mut scores,
+                        at,
+                    },
+                );
+                for (u, qb) in qbytes.iter().enumerate() {
+                    let qs = row_scale(qb, d);
+                    for (j, row) in rows.chunks_exact(stride).enumerate() {
+                        let sum: i64 = (0..d).map(|i| qb[i] as i64 * row[i] as i64).sum();
+                        let want = sum as f64 * qs as f64 * 0.125 * row_scale(row, d) as f64;
+                        let got = scores[u][at + j] as f64;
+                        assert!(
+                            (got - want).abs() <= 1e-6 * want.abs().max(1e-3),
+                            "{path:?} d {d} query {u} key {j}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
     }
 }

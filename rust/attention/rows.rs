@@ -7,8 +7,11 @@
 //! 0.52x at 128). The quantization is symmetric, one scale per row:
 //! `scale = max|x| / 127` and `q = round_half_even(x / scale)`, computed in
 //! f32 (a row of zeros has scale 0). Rows are quantized once, when they are
-//! written, and the attention kernel widens them back to f32
-//! (`q * scale`) one cache block at a time, as it does for bf16.
+//! written. The attention kernel widens value rows back to f32 (`q * scale`)
+//! a chunk at a time, as it does for bf16; against an 8-bit cache the query
+//! rows are quantized the same way (per query head, before the score scale),
+//! so the scores are integer dot products of the bytes times the two scales
+//! (`kernel::ScoresI8`).
 
 use crate::cpu::Element;
 
@@ -25,6 +28,8 @@ pub trait KvElem<T: Element>: Copy + Send + Sync + 'static {
     fn f32_rows(rows: &[Self]) -> Option<&[f32]>;
     /// Widens `n` stored rows (`n * (d + EXTRA)` elements) into `dst` (`n * d`).
     fn widen_rows(rows: &[Self], d: usize, dst: &mut [f32]);
+    /// Rows of an 8-bit cache as their bytes (values, then the scale), else `None`.
+    fn i8_rows(rows: &[Self]) -> Option<&[i8]>;
 }
 
 impl<T: Element> KvElem<T> for T {
@@ -45,6 +50,11 @@ impl<T: Element> KvElem<T> for T {
         for (o, &x) in dst.iter_mut().zip(rows) {
             *o = x.to_f32();
         }
+    }
+
+    #[inline(always)]
+    fn i8_rows(_rows: &[T]) -> Option<&[i8]> {
+        None
     }
 }
 
@@ -68,6 +78,11 @@ impl KvElem<half::bf16> for f32 {
     #[inline(always)]
     fn widen_rows(rows: &[f32], _d: usize, dst: &mut [f32]) {
         dst.copy_from_slice(&rows[..dst.len()]);
+    }
+
+    #[inline(always)]
+    fn i8_rows(_rows: &[f32]) -> Option<&[i8]> {
+        None
     }
 }
 
@@ -107,6 +122,11 @@ impl<T: Element> KvElem<T> for i8 {
                 *o = q as f32 * scale;
             }
         }
+    }
+
+    #[inline(always)]
+    fn i8_rows(rows: &[i8]) -> Option<&[i8]> {
+        Some(rows)
     }
 }
 

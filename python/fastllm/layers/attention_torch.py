@@ -12,6 +12,9 @@ dimension is ``head_size + 4``) keeps each (token, KV head) row as
 ``scale = max|x| / 127``, ``q = round_half_even(x / scale)`` in float32.
 ``quantize_rows`` / ``dequantize_rows`` are the reference of that format; the
 Rust kernels store and read the same bytes (``rust/attention/rows.rs``).
+Against an 8-bit cache the query rows are quantized the same way (per query
+head, before the score scale), so that the scores are products of bytes: the
+Rust kernel computes them as integer dot products (``quantized_queries``).
 """
 
 from __future__ import annotations
@@ -61,6 +64,12 @@ def dequantize_rows(rows: torch.Tensor) -> torch.Tensor:
     return rows[..., :d].float() * scale
 
 
+def quantized_queries(q: torch.Tensor) -> torch.Tensor:
+    """The query rows ``q [..., d]`` attention reads against an 8-bit cache:
+    each row quantized as a cache row is, in ``q``'s dtype."""
+    return dequantize_rows(quantize_rows(q)).to(q.dtype)
+
+
 def _readable(cache_rows: torch.Tensor) -> torch.Tensor:
     """Cache rows as values: 8-bit rows dequantized, float rows as they are."""
     return dequantize_rows(cache_rows) if cache_rows.dtype == torch.int8 else cache_rows
@@ -78,6 +87,7 @@ def attend(
     blocks, offsets = slots // block_size, slots % block_size
     if k_cache.dtype == torch.int8:
         k, v = quantize_rows(k), quantize_rows(v)
+        q = quantized_queries(q)
     # Advanced indices around a slice put the token dim first: [T, kv_heads, head].
     k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
     v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
