@@ -474,8 +474,9 @@ def summarize_fastllm_env(info: dict[str, Any]) -> dict[str, Any]:
         "num_threads": info.get("num_threads"),
         "float_gemm_path": info.get("gemm_path"),
         "int_gemm_path": info.get("quant_path"),
-        # paged attention runs the float kernels' instruction set (``fastllm env``)
-        "attention_path": info.get("gemm_path"),
+        # paged attention's SIMD path (``FASTLLM_CPU_SIMD_PATH``); older
+        # reports had none and ran the float kernels' instruction set
+        "attention_path": info.get("simd_path", info.get("gemm_path")),
         "quant_formats": info.get("quant_formats"),
         "core_error": info.get("core_error"),
     }

@@ -160,6 +160,9 @@ def test_fastllm_report_and_env():
     assert env["attention_path"] == "avx512" and env["cpu_features"] == ["avx2", "avx512f"]
     line = vs.describe_fastllm(env)
     assert "float GEMM avx512, integer GEMM avx512vnni, attention avx512" in line
+    # Attention's own path where the report has it (``FASTLLM_CPU_SIMD_PATH``).
+    env = vs.summarize_fastllm_env({"gemm_path": "avx512bf16", "simd_path": "avx2"})
+    assert env["float_gemm_path"] == "avx512bf16" and env["attention_path"] == "avx2"
 
 
 def test_table_keeps_its_columns_for_one_length(capsys):
