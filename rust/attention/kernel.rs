@@ -1,5 +1,6 @@
 //! The attention body, written once over `Simd`: one item's query rows
-//! over a range of keys, one cache block at a time, with an online softmax.
+//! over a range of keys, a chunk of up to 64 keys (across cache blocks) at a
+//! time, with an online softmax.
 //! The inner loops run over fixed 16-lane chunks so that LLVM vectorises them
 //! for whichever ISA the entry point (`cpu::simd`) compiles them for.
 
@@ -231,8 +232,9 @@ fn prefetch<T>(data: &[T]) {
 
 /// Keys per score tile: one AVX-512 vector, two AVX2 ones.
 pub(super) const TILE: usize = 16;
-/// Keys per softmax step: up to four tiles of one block, so that a row's
-/// maximum, sum and rescale (horizontal work) are paid once per 64 keys.
+/// Keys per softmax step: up to four tiles of consecutive positions (across
+/// cache blocks), so that a row's maximum, sum and rescale (horizontal work)
+/// are paid once per 64 keys whatever the block size.
 const CHUNK: usize = 4 * TILE;
 /// Score lanes per query vector: a chunk, and room for a last tile that
 /// starts inside it to be written whole (its lanes past the chunk unused).
@@ -625,12 +627,13 @@ fn softmax_chunk<S: Simd>(
 }
 
 /// The kernel body: one item's query vectors (rows x the KV head's query
-/// heads) over keys `key_lo..key_hi`, one cache block at a time, in tiles
-/// of `TILE` keys: the tile's keys transposed once, scores of
-/// `QROWS` query vectors at a time, the online softmax per vector, then the
+/// heads) over keys `key_lo..key_hi`, a chunk of up to `CHUNK` keys at a
+/// time read block by block, in tiles of `TILE` keys: scores (keys as
+/// stored, a tile transposed once, or bytes against an 8-bit cache's
+/// quantized queries), the online softmax per vector and chunk, then the
 /// weighted values of `QROWS` vectors at a time (a flash-attention loop:
 /// the cost per key is flat in the context length, and no score matrix is
-/// kept beyond one tile).
+/// kept beyond one chunk).
 #[inline(always)]
 fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
     p: &Problem<'_, T, C>,
