@@ -434,6 +434,8 @@ struct QueryBytes {
     /// Each vector's scale times the score scale.
     scales: Vec<f32>,
     nq: usize,
+    /// One quantized row (values, then the scale), reused per vector.
+    row: Vec<i8>,
 }
 
 impl QueryBytes {
@@ -443,6 +445,14 @@ impl QueryBytes {
             sums: vec![0; nq],
             scales: vec![0.0; nq],
             nq,
+            row: vec![
+                0;
+                if nq > 0 {
+                    d + super::rows::INT8_SCALE_BYTES
+                } else {
+                    0
+                }
+            ],
         }
     }
 
@@ -450,9 +460,9 @@ impl QueryBytes {
     /// bytes stand for, times `scale`, to `out`.
     fn quantize<T: Element>(&mut self, u: usize, x: &[T], scale: f32, out: &mut [f32]) {
         let d = x.len();
-        let mut row = vec![0i8; d + super::rows::INT8_SCALE_BYTES];
-        <i8 as KvElem<T>>::store_row(x, &mut row);
-        let s = row_scale(&row, d);
+        let row = &mut self.row[..d + super::rows::INT8_SCALE_BYTES];
+        <i8 as KvElem<T>>::store_row(x, row);
+        let s = row_scale(row, d);
         for (o, &b) in out.iter_mut().zip(&row[..d]) {
             *o = b as f32 * s * scale;
         }
@@ -782,23 +792,21 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
                 Some(v) => runs.push((lane0, v)),
                 None => C::widen_rows(vraw, d, &mut vbuf[lane0 * d..(lane0 + n) * d]),
             }
-            if int_scores {
-                // Validated: an 8-bit cache's rows are its bytes.
-                if let Some(rows) = C::i8_rows(kraw) {
-                    let (q8t, nq) = (&q8.dwords[..], nq);
-                    let (qsum, qscale) = (&q8.sums[..], &q8.scales[..]);
-                    dispatch_int(
-                        ipath,
-                        ScoresI8 {
-                            rows,
-                            d,
-                            queries: (q8t, nq, qsum, qscale),
-                            tile: &mut ktile,
-                            scores: &mut scores,
-                            at: lane0,
-                        },
-                    );
-                }
+            // An 8-bit cache's keys, scored as their bytes.
+            let key_bytes = if int_scores { C::i8_rows(kraw) } else { None };
+            if let Some(rows) = key_bytes {
+                let queries = (&q8.dwords[..], nq, &q8.sums[..], &q8.scales[..]);
+                dispatch_int(
+                    ipath,
+                    ScoresI8 {
+                        rows,
+                        d,
+                        queries,
+                        tile: &mut ktile,
+                        scores: &mut scores,
+                        at: lane0,
+                    },
+                );
             } else {
                 // The encoder's keys, already transposed tiles of f32.
                 let tiles: Option<&[f32]> = if tiled { C::f32_rows(kraw) } else { None };
