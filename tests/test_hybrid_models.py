@@ -106,6 +106,54 @@ def _configs() -> dict[str, object]:
             block_auto_adjust_ff_dim=False,
             tie_word_embeddings=False,
         ),
+        # Qwen3.5-MoE: every MLP sparse (2 of 6 softmax experts, always
+        # renormalised) with a gated shared expert of another width; the
+        # DeltaNet shapes of "qwen3_5_pattern" with the default layer pattern.
+        "qwen3_5_moe": t.Qwen3_5MoeTextConfig(
+            **COMMON,
+            head_dim=16,
+            num_hidden_layers=4,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=3,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            tie_word_embeddings=False,
+        ),
+        # LFM2-MoE: one dense layer first, then sparse ones (3 of 8 sigmoid
+        # experts chosen with a random expert bias, renormalised, scaled).
+        "lfm2_moe": t.Lfm2MoeConfig(
+            **COMMON,
+            intermediate_size=88,
+            moe_intermediate_size=24,
+            num_hidden_layers=4,
+            layer_types=["conv", "full_attention", "conv", "conv"],
+            num_dense_layers=1,
+            num_experts=8,
+            num_experts_per_tok=3,
+            routed_scaling_factor=1.7,
+        ),
+        # No expert bias, no renormalisation, every layer sparse, biased
+        # convolutions of 2 taps, untied head.
+        "lfm2_moe_plain": t.Lfm2MoeConfig(
+            **COMMON,
+            intermediate_size=72,
+            moe_intermediate_size=16,
+            num_hidden_layers=3,
+            layer_types=["full_attention", "conv", "conv"],
+            conv_L_cache=2,
+            conv_bias=True,
+            num_dense_layers=0,
+            num_experts=4,
+            num_experts_per_tok=2,
+            use_expert_bias=False,
+            norm_topk_prob=False,
+            tie_word_embeddings=False,
+        ),
     }
 
 
@@ -195,6 +243,10 @@ def test_each_option_matters(saved: dict) -> None:
     for name, change in (
         ("qwen3_5", {"layer_types": ["linear_attention", "full_attention"] * 2}),
         ("lfm2", {"layer_types": ["conv", "conv", "full_attention", "conv"]}),
+        ("qwen3_5_moe", {"num_experts_per_tok": 3}),
+        ("lfm2_moe", {"routed_scaling_factor": 1.0}),
+        ("lfm2_moe", {"num_dense_layers": 2}),
+        ("lfm2_moe", {"norm_topk_prob": False}),
     ):
         folder, ref_model = saved[name]
         seqs = _sequences(4, [12])
@@ -207,6 +259,63 @@ def test_each_option_matters(saved: dict) -> None:
         assert (ref - base).abs().max() > 1e-3, change
         ours = _chunked_then_decode(_load(folder + "-changed", True), seqs)[0]
         _close(ours, ref, f"{name} with {change}")
+
+
+def test_expert_bias_chooses_the_experts(saved: dict) -> None:
+    """LFM2-MoE's ``expert_bias`` changes which experts a token takes (and so
+    transformers' logits): zeroing it in the checkpoint moves fastllm's
+    logits the same way."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder, ref_model = saved["lfm2_moe"]
+    seqs = _sequences(21, [12])
+    dst = folder + "-no-bias"
+    shutil.copytree(folder, dst)
+    state = load_file(f"{dst}/model.safetensors")
+    biases = [k for k in state if k.endswith("expert_bias")]
+    assert len(biases) == 3  # the three sparse layers
+    for k in biases:
+        state[k] = torch.zeros_like(state[k])
+    save_file(state, f"{dst}/model.safetensors", metadata={"format": "pt"})
+    import copy
+
+    unbiased = copy.deepcopy(ref_model)
+    for layer in unbiased.model.layers[1:]:
+        layer.feed_forward.expert_bias.zero_()
+    base, ref = _reference(ref_model, seqs)[0], _reference(unbiased, seqs)[0]
+    assert (ref - base).abs().max() > 1e-3
+    _close(_chunked_then_decode(_load(dst, True), seqs)[0], ref, "lfm2_moe without expert bias")
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "lfm2_moe"])
+def test_stacked_expert_checkpoint(name: str, tmp_path, saved: dict) -> None:
+    """Experts stored stacked, as transformers 5 holds them
+    (``experts.gate_up_proj`` [experts, 2 x inter, hidden], ``down_proj``
+    [experts, hidden, inter]), load as the same model."""
+    from safetensors.torch import load_file, save_file
+
+    folder, ref_model = saved[name]
+    block, names = ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    if name.startswith("lfm2"):
+        block, names = ("feed_forward", ("w1", "w3", "w2"))
+    state = load_file(f"{folder}/model.safetensors")
+    n = CONFIGS[name].num_experts
+    for i in range(CONFIGS[name].num_hidden_layers):
+        p = f"model.layers.{i}.{block}.experts"
+        if f"{p}.0.{names[0]}.weight" not in state:
+            continue  # a dense layer
+        w = [[state.pop(f"{p}.{j}.{k}.weight") for j in range(n)] for k in names]
+        state[f"{p}.gate_up_proj"] = torch.stack(
+            [torch.cat([g, u]) for g, u in zip(w[0], w[1], strict=True)]
+        )
+        state[f"{p}.down_proj"] = torch.stack(w[2])
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(open(f"{folder}/config.json").read())
+    seqs = _sequences(5, [9])
+    ours = _chunked_then_decode(_load(str(tmp_path), True), seqs)[0]
+    _close(ours, _reference(ref_model, seqs)[0], f"{name}, stacked experts")
 
 
 def test_bad_hybrid_config(tmp_path, saved: dict) -> None:
@@ -228,12 +337,14 @@ def test_bad_hybrid_config(tmp_path, saved: dict) -> None:
             load_model(ModelConfig.from_pretrained(str(dst)), str(dst), torch.float32, "cpu")
 
 
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize("tie", [False, True])
-def test_multimodal_checkpoint_runs_its_text_model(tmp_path, tie: bool) -> None:
-    """A ``Qwen3_5ForConditionalGeneration`` folder (a vision tower beside the
-    text model under ``model.language_model``; the head tied by the top-level
-    flag) runs as its text model, equal to transformers on text."""
-    text = CONFIGS["qwen3_5"].to_dict()
+def test_multimodal_checkpoint_runs_its_text_model(tmp_path, tie: bool, name: str) -> None:
+    """A ``Qwen3_5ForConditionalGeneration`` (or ``Qwen3_5MoeFor...``) folder
+    (a vision tower beside the text model under ``model.language_model``;
+    the head tied by the top-level flag) runs as its text model, equal to
+    transformers on text."""
+    text = CONFIGS[name].to_dict()
     text["tie_word_embeddings"] = not tie  # the top level decides
     vision = dict(
         depth=1,
@@ -244,11 +355,16 @@ def test_multimodal_checkpoint_runs_its_text_model(tmp_path, tie: bool) -> None:
         patch_size=4,
         num_position_embeddings=16,
     )
-    config = transformers.Qwen3_5Config(
-        text_config=text, vision_config=vision, tie_word_embeddings=tie
-    )
+    moe = name.endswith("moe")
+    config_class = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
+    config = config_class(text_config=text, vision_config=vision, tie_word_embeddings=tie)
     torch.manual_seed(0)
-    ref_model = transformers.Qwen3_5ForConditionalGeneration(config)
+    model_class = (
+        transformers.Qwen3_5MoeForConditionalGeneration
+        if moe
+        else transformers.Qwen3_5ForConditionalGeneration
+    )
+    ref_model = model_class(config)
     from test_models import _randomize
 
     _randomize(ref_model, 3)
@@ -296,6 +412,41 @@ def test_quantized_match_the_quantized_reference(name: str, quantization: str, s
     assert (ours.argmax(-1) == same_weights.argmax(-1)).float().mean() >= 0.85
 
 
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "lfm2_moe"])
+def test_quantized_experts_run_the_integer_kernels(name: str, saved: dict) -> None:
+    """``quantization="int8"`` on the hybrid MoE families: every expert (and
+    the shared expert) is a ``QuantizedLinear``, the router and LFM2-MoE's
+    selection bias stay float32, and the logits stay close to the float
+    model's: the median position within the 15% floor of
+    ``test_quantized_match_the_quantized_reference`` (8-bit activations at
+    every projection of these tiny models; a near-tied expert choice may
+    flip at some positions, moving them further)."""
+    from fastllm import _core
+    from fastllm.layers.moe import SparseMoeBlock
+    from fastllm.layers.quantization import QUANTIZATION_FORMATS, quantize_model
+
+    folder, ref_model = saved[name]
+    model = _load(folder, rust=False)
+    bind_ops(model, RUST_OPS)
+    quantize_model(model, QUANTIZATION_FORMATS["int8"], VOCAB)
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks
+    for block in blocks:
+        experts = list(block.experts) + [e for e in (block.shared_expert,) if e is not None]
+        for e in experts:
+            assert isinstance(e.gate_up_proj.packed, _core.QuantizedLinear)
+            assert isinstance(e.down_proj.packed, _core.QuantizedLinear)
+        assert block.gate.weight.dtype == torch.float32
+        assert block.selection_bias is None or block.selection_bias.dtype == torch.float32
+        assert block.packed_kernel() is not None
+    seqs = _sequences(4, [10, 7])
+    ours = torch.cat(_chunked_then_decode(model, seqs))
+    ref = torch.cat(_reference(ref_model, seqs))
+    err = (ours - ref).abs().amax(-1)
+    assert err.median() <= 0.15 * ref.abs().max(), err.tolist()
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.85
+
+
 @pytest.mark.parametrize("rust", [True, False], ids=["rust", "torch"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_bfloat16_close_to_float32_reference(name: str, rust: bool, saved: dict) -> None:
@@ -316,8 +467,15 @@ def test_bfloat16_close_to_float32_reference(name: str, rust: bool, saved: dict)
     ref_bf16 = copy.deepcopy(ref_model).to(torch.bfloat16)
     own = (torch.cat(_reference(ref_bf16, seqs)) - expected).abs().max().item()
     tol = max(0.03 * expected.abs().max().item(), 1.5 * own)
-    err = (ours - expected).abs().max().item()
-    assert err <= tol, (name, err, own)
+    err = (ours - expected).abs().amax(-1)
+    if "moe" in name:
+        # A token whose k-th and (k+1)-th expert scores are nearly tied
+        # (1e-4 apart on lfm2_moe_plain's layer 1, position 3) may take
+        # the other expert under bfloat16 rounding, a jump of the logits
+        # at that position only: nine positions in ten stay within the bound.
+        assert (err <= tol).float().mean() >= 0.9, (name, err.tolist(), own)
+    else:
+        assert err.max() <= tol, (name, err.max().item(), own)
     assert (ours.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.8
 
 

@@ -212,6 +212,9 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.1 * noise)
             else:
                 p.copy_(0.08 * noise)
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):  # LFM2-MoE's selection bias (zeros at init)
+                b.copy_(0.2 * torch.randn(b.shape, generator=g))
 
 
 def _build(name: str, folder: str, seed: int = 0, config: object = None) -> torch.nn.Module:

@@ -220,28 +220,46 @@ def test_quantized_experts_match_expert_by_expert(
     k=st.integers(1, 8),
     scoring=st.sampled_from(["softmax", "sigmoid"]),
     renormalize=st.booleans(),
+    biased=st.booleans(),
+    scale=st.sampled_from([1.0, 2.5]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_moe_route_matches_torch(tokens, n_experts, k, scoring, renormalize, seed):
+def test_moe_route_matches_torch(tokens, n_experts, k, scoring, renormalize, biased, scale, seed):
+    """Against a plain torch router written here: scores, the top-k (on the
+    scores plus LFM2-MoE's selection bias where given), the weights the
+    unbiased scores, renormalised with an epsilon, scaled."""
     k = min(k, n_experts)
     g = torch.Generator().manual_seed(seed)
     logits = 3 * torch.randn(tokens, n_experts, generator=g)
+    bias = 0.5 * torch.randn(n_experts, generator=g) if biased else None
+    eps = 1e-6 if biased else 0.0
     ids = torch.full((tokens, k), -1, dtype=torch.int32)
     weights = torch.full((tokens, k), float("nan"))
-    _core.moe_route(ids, weights, logits, scoring=scoring, renormalize=renormalize)
+    _core.moe_route(
+        ids,
+        weights,
+        logits,
+        scoring=scoring,
+        renormalize=renormalize,
+        selection_bias=None if bias is None else bias.tolist(),
+        renorm_eps=eps,
+        scale=scale,
+    )
     if scoring == "softmax":
         p = F.softmax(logits, dim=-1, dtype=torch.float32)
     else:
         p = torch.sigmoid(logits)
-    top, _ = torch.topk(p, k, dim=-1)
-    ours = p.gather(1, ids.long())
-    # The same scores (an exact tie may pick either expert): distinct
-    # experts, in descending order.
-    torch.testing.assert_close(ours, top, rtol=1e-6, atol=0)
+    key = p if bias is None else p + bias
+    top_key, chosen = torch.topk(key, k, dim=-1)
+    # The same choice (an exact tie may pick either expert): distinct
+    # experts, in descending order of the score they were chosen by.
+    ours = key.gather(1, ids.long())
+    torch.testing.assert_close(ours, top_key, rtol=1e-6, atol=0)
     assert all(len(set(row)) == k for row in ids.tolist())
+    top = p.gather(1, chosen)
     if renormalize:
-        top = top / top.sum(-1, keepdim=True)
-    torch.testing.assert_close(weights, top, rtol=1e-5, atol=1e-7)
+        top = top / (top.sum(-1, keepdim=True) + eps)
+    torch.testing.assert_close(weights, top * scale, rtol=1e-5, atol=1e-7)
 
 
 def test_moe_route_ties_pick_the_lower_expert():
@@ -259,6 +277,10 @@ def test_moe_route_errors_name_the_argument():
     weights = torch.empty(3, 2)
     with pytest.raises(ValueError, match="scoring: unknown value 'relu'"):
         _core.moe_route(ids, weights, logits, scoring="relu")
+    with pytest.raises(ValueError, match="selection_bias: expected 4 values"):
+        _core.moe_route(ids, weights, logits, selection_bias=[0.0, 1.0])
+    with pytest.raises(ValueError, match="renorm_eps"):
+        _core.moe_route(ids, weights, logits, renorm_eps=-1.0)
     with pytest.raises(ValueError, match="logits"):
         _core.moe_route(ids, weights, logits.double())
     with pytest.raises(ValueError, match="ids"):

@@ -605,18 +605,25 @@ def moe_route(
     logits: torch.Tensor,
     scoring: str = "softmax",
     renormalize: bool = True,
+    selection_bias: list[float] | None = None,
+    renorm_eps: float = 0.0,
+    scale: float = 1.0,
 ) -> None:
     """Routes tokens: ``logits`` (float32 [T, E]) become scores (``scoring``:
     "softmax", in f32 with the max subtracted, or "sigmoid"); each token's
-    ``k = ids.shape[1]`` highest (ties: the lower expert first) go to ``ids``
-    (int32 [T, k]) and their scores to ``weights`` (float32 [T, k]), in
-    descending order, divided by their sum when ``renormalize``. Releases the GIL."""
+    ``k = ids.shape[1]`` highest (ties: the lower expert first), chosen on
+    ``score + selection_bias[e]`` where a bias is given, go to ``ids``
+    (int32 [T, k]) and their (unbiased) scores to ``weights`` (float32
+    [T, k]), in descending order of the choice, divided by ``sum +
+    renorm_eps`` when ``renormalize``, then multiplied by ``scale``.
+    Releases the GIL."""
 
 class MoeBlock:
     """A whole mixture-of-experts block in one call: the router (``router``, a
     float ``PackedLinear`` [experts, H] with float32 logits), each token's
     ``top_k`` best experts by ``scoring`` ("softmax" or "sigmoid"),
-    renormalised when ``renormalize``, the ``experts`` (a ``MoeExperts``) and,
+    renormalised when ``renormalize`` (``selection_bias``, ``renorm_eps``
+    and ``scale`` as ``moe_route``'s), the ``experts`` (a ``MoeExperts``) and,
     given all three, a shared expert added as ``sigmoid(x shared_gate) *
     shared(x)`` (``shared_gate_up`` [2I, H], ``shared_down`` [H, I],
     ``shared_gate`` [1, H], the experts' activation). The fused
@@ -635,6 +642,9 @@ class MoeBlock:
         shared_gate_up: PackedLinear | QuantizedLinear | None = None,
         shared_down: PackedLinear | QuantizedLinear | None = None,
         shared_gate: PackedLinear | None = None,
+        selection_bias: list[float] | None = None,
+        renorm_eps: float = 0.0,
+        scale: float = 1.0,
     ) -> None: ...
     def forward(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """Writes the block of ``x`` [T, H] into ``out`` [T, H] (bf16 or f32,

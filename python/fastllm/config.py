@@ -32,6 +32,7 @@ _GPT2_NAMES = {
 TEXT_PART_ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": "gemma3_text",
     "Qwen3_5ForConditionalGeneration": "qwen3_5_text",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe_text",
 }
 
 # Fields a multimodal checkpoint's top level decides for its text part (with
@@ -39,6 +40,7 @@ TEXT_PART_ARCHITECTURES = {
 # top-level flag, whatever ``text_config`` says.
 _TOP_LEVEL_FIELDS: dict[str, dict[str, Any]] = {
     "Qwen3_5ForConditionalGeneration": {"tie_word_embeddings": False},
+    "Qwen3_5MoeForConditionalGeneration": {"tie_word_embeddings": False},
 }
 
 #: ``layer_types`` entries of a hybrid model's recurrent layers (no KV cache:
@@ -97,14 +99,23 @@ _FAMILY_DEFAULTS["qwen3_5_text"] = {
     "rms_norm_eps": 1e-6,
     "max_position_embeddings": 32768,
 }
+_FAMILY_DEFAULTS["qwen3_5_moe_text"] = _FAMILY_DEFAULTS["qwen3_5_text"]
 _FAMILY_DEFAULTS["lfm2"] = {
     "rope_theta": 1_000_000.0,
     "max_position_embeddings": 128_000,
     "tie_word_embeddings": True,
 }
+_FAMILY_DEFAULTS["lfm2_moe"] = {
+    **_FAMILY_DEFAULTS["lfm2"],
+    "num_dense_layers": 2,
+    "use_expert_bias": True,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.0,
+}
 # Older names of fields, by ``model_type`` (LFM2's first configs).
 _FAMILY_ALIASES: dict[str, dict[str, str]] = {
     "lfm2": {"tie_embedding": "tie_word_embeddings", "block_ff_dim": "intermediate_size"},
+    "lfm2_moe": {"tie_embedding": "tie_word_embeddings"},
 }
 
 
@@ -133,6 +144,13 @@ def _text_part(hf: dict[str, Any], path: str) -> dict[str, Any]:
     defaults = _FAMILY_DEFAULTS.get(str(hf.get("model_type")))
     if defaults:
         hf = {**{k: v for k, v in defaults.items() if k not in hf}, **hf}
+    if hf.get("intermediate_size") is None:
+        # Qwen3.5-MoE has no dense MLP and no intermediate_size: its shared
+        # expert's (or an expert's) width stands in for it.
+        for key in ("shared_expert_intermediate_size", "moe_intermediate_size"):
+            if hf.get(key):
+                hf = {**hf, "intermediate_size": hf[key]}
+                break
     return hf
 
 

@@ -1,5 +1,6 @@
 //! Mixture-of-experts layers on the CPU: the router ([`route`]: softmax or
-//! sigmoid scores, top-k, optional renormalisation) and the grouped expert
+//! sigmoid scores, top-k with an optional selection bias, optional
+//! renormalisation and scale, [`Rule`]) and the grouped expert
 //! FFN ([`Experts`]: every expert a gate/up and a down [`LinearWeight`],
 //! float or quantized).
 //!
@@ -18,7 +19,7 @@ mod experts;
 mod route;
 
 pub use experts::{ExpertAct, Experts};
-pub use route::{route, Scoring};
+pub use route::{route, Rule, Scoring};
 
 use std::sync::Arc;
 
@@ -35,9 +36,7 @@ use crate::linear::LinearWeight;
 pub struct SparseMlp {
     pub router: LinearWeight,
     pub experts: Arc<Experts>,
-    pub top_k: usize,
-    pub scoring: Scoring,
-    pub renormalize: bool,
+    pub rule: Rule,
     pub shared: Option<SharedExpert>,
 }
 
@@ -52,13 +51,11 @@ pub struct SharedExpert {
 }
 
 impl SparseMlp {
-    /// Checks the router's shape against the experts and `top_k`.
+    /// Checks the router's shape and the routing rule against the experts.
     pub fn new(
         router: LinearWeight,
         experts: Arc<Experts>,
-        top_k: usize,
-        scoring: Scoring,
-        renormalize: bool,
+        rule: Rule,
         shared: Option<SharedExpert>,
     ) -> CoreResult<SparseMlp> {
         let (e, h) = (experts.num_experts(), experts.hidden());
@@ -86,40 +83,24 @@ impl SparseMlp {
                 router.in_features()
             )));
         }
-        if top_k == 0 || top_k > e {
-            return Err(CoreError::invalid(format!(
-                "top_k: must be between 1 and the {e} experts, got {top_k}"
-            )));
-        }
+        rule.check(e)?;
         Ok(SparseMlp {
             router,
             experts,
-            top_k,
-            scoring,
-            renormalize,
+            rule,
             shared,
         })
     }
 
     /// `out [tokens, hidden]` = the block on `x [tokens, hidden]`.
     pub fn forward<T: Element>(&self, out: &mut [T], x: &[T], tokens: usize) -> CoreResult<()> {
-        let (e, k) = (self.experts.num_experts(), self.top_k);
+        let (e, k) = (self.experts.num_experts(), self.rule.top_k);
         let mut logits = vec![0f32; tokens * e];
         self.router
             .forward(f32::dst(&mut logits), T::src(x), tokens)?;
         let mut ids = vec![0i32; tokens * k];
         let mut weights = vec![0f32; tokens * k];
-        let (scoring, renorm) = (self.scoring, self.renormalize);
-        route(
-            &logits,
-            tokens,
-            e,
-            k,
-            scoring,
-            renorm,
-            &mut ids,
-            &mut weights,
-        )?;
+        route(&logits, tokens, e, &self.rule, &mut ids, &mut weights)?;
         self.experts.forward(out, x, &ids, &weights, tokens, k)?;
         match &self.shared {
             Some(sh) => self.add_shared(sh, out, x, tokens),

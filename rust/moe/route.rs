@@ -38,43 +38,97 @@ impl Scoring {
 /// worth waking the team for.
 const SERIAL_SCORES: usize = 1 << 16;
 
+/// How a token's scores become its experts and their weights: the `top_k`
+/// highest scores, chosen on `score + bias[e]` where a selection bias is
+/// given (the weights stay the unbiased scores), divided by
+/// `sum + renorm_eps` when `renormalize`, then multiplied by `scale`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rule {
+    pub top_k: usize,
+    pub scoring: Scoring,
+    pub renormalize: bool,
+    pub renorm_eps: f32,
+    pub scale: f32,
+    pub bias: Option<Vec<f32>>,
+}
+
+impl Rule {
+    /// The plain rule: top-k of the scores, renormalised or not, no bias.
+    pub fn new(top_k: usize, scoring: Scoring, renormalize: bool) -> Rule {
+        Rule {
+            top_k,
+            scoring,
+            renormalize,
+            renorm_eps: 0.0,
+            scale: 1.0,
+            bias: None,
+        }
+    }
+
+    /// Checks the rule against `experts` experts.
+    pub fn check(&self, experts: usize) -> CoreResult<()> {
+        if experts == 0 {
+            return Err(CoreError::invalid("logits: expected at least one expert"));
+        }
+        if experts > i32::MAX as usize {
+            return Err(CoreError::invalid(format!(
+                "logits: {experts} experts do not fit int32 ids"
+            )));
+        }
+        if self.top_k == 0 {
+            return Err(CoreError::invalid("top_k: must be at least 1"));
+        }
+        if self.top_k > experts {
+            return Err(CoreError::invalid(format!(
+                "top_k: {} exceeds the number of experts ({experts})",
+                self.top_k
+            )));
+        }
+        if let Some(bias) = &self.bias {
+            if bias.len() != experts {
+                return Err(CoreError::invalid(format!(
+                    "selection_bias: expected {experts} values (one per expert), got {}",
+                    bias.len()
+                )));
+            }
+        }
+        if !self.renorm_eps.is_finite() || self.renorm_eps < 0.0 {
+            return Err(CoreError::invalid(format!(
+                "renorm_eps: must be finite and >= 0, got {}",
+                self.renorm_eps
+            )));
+        }
+        if !self.scale.is_finite() {
+            return Err(CoreError::invalid(format!(
+                "scale: must be finite, got {}",
+                self.scale
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// Routes `tokens` tokens: `logits` [tokens, experts] (row-major) become
-/// scores (`scoring`), each token's `top_k` highest scores (ties: the lower
-/// expert index first) are written to `ids` and `weights` [tokens, top_k] in
-/// descending order, divided by their sum when `renormalize`.
-#[allow(clippy::too_many_arguments)]
+/// scores (`rule.scoring`), each token's `top_k` experts (ties: the lower
+/// expert index first) are written to `ids` and their weights to `weights`
+/// [tokens, top_k], in descending order of the score they were chosen by
+/// ([`Rule`]).
 pub fn route(
     logits: &[f32],
     tokens: usize,
     experts: usize,
-    top_k: usize,
-    scoring: Scoring,
-    renormalize: bool,
+    rule: &Rule,
     ids: &mut [i32],
     weights: &mut [f32],
 ) -> CoreResult<()> {
-    if experts == 0 {
-        return Err(CoreError::invalid("logits: expected at least one expert"));
-    }
-    if experts > i32::MAX as usize {
-        return Err(CoreError::invalid(format!(
-            "logits: {experts} experts do not fit int32 ids"
-        )));
-    }
-    if top_k == 0 {
-        return Err(CoreError::invalid("top_k: must be at least 1"));
-    }
-    if top_k > experts {
-        return Err(CoreError::invalid(format!(
-            "top_k: {top_k} exceeds the number of experts ({experts})"
-        )));
-    }
+    rule.check(experts)?;
+    let top_k = rule.top_k;
     expect_matrix("logits", logits.len(), tokens, experts)?;
     expect_matrix("ids", ids.len(), tokens, top_k)?;
     expect_matrix("weights", weights.len(), tokens, top_k)?;
     let threads = crate::cpu::threads::num_threads();
     if threads <= 1 || tokens < 2 || tokens * experts < SERIAL_SCORES {
-        route_rows(logits, experts, top_k, scoring, renormalize, ids, weights);
+        route_rows(logits, experts, rule, ids, weights);
         return Ok(());
     }
     let chunks = (4 * threads).min(tokens);
@@ -91,31 +145,38 @@ pub fn route(
             )
         };
         let logits = &logits[t0 * experts..t1 * experts];
-        route_rows(logits, experts, top_k, scoring, renormalize, ids, weights);
+        route_rows(logits, experts, rule, ids, weights);
     })
 }
 
 /// Routes the rows of `logits` (whole tokens) into `ids` / `weights`.
-fn route_rows(
-    logits: &[f32],
-    experts: usize,
-    top_k: usize,
-    scoring: Scoring,
-    renormalize: bool,
-    ids: &mut [i32],
-    weights: &mut [f32],
-) {
+fn route_rows(logits: &[f32], experts: usize, rule: &Rule, ids: &mut [i32], weights: &mut [f32]) {
     let mut p = vec![0f32; experts];
-    let rows = logits.chunks_exact(experts).zip(
-        ids.chunks_exact_mut(top_k)
-            .zip(weights.chunks_exact_mut(top_k)),
-    );
+    let mut biased = vec![0f32; if rule.bias.is_some() { experts } else { 0 }];
+    let k = rule.top_k;
+    let rows = logits
+        .chunks_exact(experts)
+        .zip(ids.chunks_exact_mut(k).zip(weights.chunks_exact_mut(k)));
     for (row, (ids, weights)) in rows {
-        scores(row, scoring, &mut p);
-        top_k_of(&p, ids, weights);
-        if renormalize {
-            let sum: f32 = weights.iter().sum();
+        scores(row, rule.scoring, &mut p);
+        match &rule.bias {
+            Some(bias) => {
+                for ((b, &s), &e) in biased.iter_mut().zip(&p).zip(bias) {
+                    *b = s + e;
+                }
+                top_k_of(&biased, ids, weights);
+                for (w, &e) in weights.iter_mut().zip(ids.iter()) {
+                    *w = p[e as usize];
+                }
+            }
+            None => top_k_of(&p, ids, weights),
+        }
+        if rule.renormalize {
+            let sum = weights.iter().sum::<f32>() + rule.renorm_eps;
             weights.iter_mut().for_each(|w| *w /= sum);
+        }
+        if rule.scale != 1.0 {
+            weights.iter_mut().for_each(|w| *w *= rule.scale);
         }
     }
 }
@@ -167,15 +228,11 @@ mod tests {
     use super::*;
     use crate::cpu::elem::tests::Rng;
 
-    /// f64 scores, a stable sort by descending score, renormalised in f64.
-    fn reference(
-        row: &[f32],
-        k: usize,
-        scoring: Scoring,
-        renormalize: bool,
-    ) -> (Vec<i32>, Vec<f64>) {
+    /// f64 scores, a stable sort by descending (biased) score, renormalised
+    /// and scaled in f64.
+    fn reference(row: &[f32], rule: &Rule) -> (Vec<i32>, Vec<f64>) {
         let x: Vec<f64> = row.iter().map(|&v| v as f64).collect();
-        let p: Vec<f64> = match scoring {
+        let p: Vec<f64> = match rule.scoring {
             Scoring::Softmax => {
                 let max = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = x.iter().map(|v| (v - max).exp()).collect();
@@ -184,14 +241,19 @@ mod tests {
             }
             Scoring::Sigmoid => x.iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect(),
         };
+        let key: Vec<f64> = match &rule.bias {
+            Some(b) => p.iter().zip(b).map(|(&s, &b)| s + b as f64).collect(),
+            None => p.clone(),
+        };
         let mut order: Vec<usize> = (0..p.len()).collect();
-        order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
-        order.truncate(k);
+        order.sort_by(|&a, &b| key[b].total_cmp(&key[a]));
+        order.truncate(rule.top_k);
         let mut w: Vec<f64> = order.iter().map(|&e| p[e]).collect();
-        if renormalize {
-            let s: f64 = w.iter().sum();
+        if rule.renormalize {
+            let s: f64 = w.iter().sum::<f64>() + rule.renorm_eps as f64;
             w.iter_mut().for_each(|v| *v /= s);
         }
+        w.iter_mut().for_each(|v| *v *= rule.scale as f64);
         (order.iter().map(|&e| e as i32).collect(), w)
     }
 
@@ -213,30 +275,34 @@ mod tests {
                     row
                 })
                 .collect();
+            // A selection bias that reorders the choice (multiples of 0.3
+            // keep biased scores apart), and LFM2-MoE's epsilon and scale.
+            let bias: Vec<f32> = (0..experts).map(|_| 0.3 * rng.below(4) as f32).collect();
             for scoring in Scoring::ALL {
                 for renormalize in [false, true] {
-                    let mut ids = vec![-1i32; tokens * k];
-                    let mut w = vec![0f32; tokens * k];
-                    route(
-                        &logits,
-                        tokens,
-                        experts,
-                        k,
-                        scoring,
-                        renormalize,
-                        &mut ids,
-                        &mut w,
-                    )
-                    .unwrap();
-                    for t in 0..tokens {
-                        let row = &logits[t * experts..(t + 1) * experts];
-                        let (want_ids, want_w) = reference(row, k, scoring, renormalize);
-                        assert_eq!(&ids[t * k..(t + 1) * k], &want_ids[..], "{scoring:?} t={t}");
-                        for (j, (&got, &want)) in w[t * k..][..k].iter().zip(&want_w).enumerate() {
-                            assert!(
-                                (got as f64 - want).abs() <= 1e-5 * want.abs() + 1e-12,
-                                "{scoring:?} renorm={renormalize} t={t} [{j}]: {got} vs {want}"
-                            );
+                    for (biased, eps, scale) in [(false, 0.0, 1.0), (true, 1e-6, 2.5)] {
+                        let rule = Rule {
+                            renorm_eps: eps,
+                            scale,
+                            bias: biased.then(|| bias.clone()),
+                            ..Rule::new(k, scoring, renormalize)
+                        };
+                        let mut ids = vec![-1i32; tokens * k];
+                        let mut w = vec![0f32; tokens * k];
+                        route(&logits, tokens, experts, &rule, &mut ids, &mut w).unwrap();
+                        for t in 0..tokens {
+                            let row = &logits[t * experts..(t + 1) * experts];
+                            let (want_ids, want_w) = reference(row, &rule);
+                            let got = &ids[t * k..(t + 1) * k];
+                            assert_eq!(got, &want_ids[..], "{rule:?} t={t}");
+                            for (j, (&got, &want)) in
+                                w[t * k..][..k].iter().zip(&want_w).enumerate()
+                            {
+                                assert!(
+                                    (got as f64 - want).abs() <= 1e-5 * want.abs() + 1e-12,
+                                    "{rule:?} t={t} [{j}]: {got} vs {want}"
+                                );
+                            }
                         }
                     }
                 }
@@ -245,13 +311,31 @@ mod tests {
     }
 
     #[test]
+    fn moe_route_bias_chooses_but_does_not_weigh() {
+        // Sigmoid scores ordered 4 > 1 > 0 > 3 > 2; the bias lifts expert 2
+        // into the choice, whose weight stays its own score.
+        let logits = [0.0f32, 1.0, -2.0, -1.0, 2.0];
+        let rule = Rule {
+            bias: Some(vec![0.0, 0.0, 1.0, 0.0, 0.0]),
+            ..Rule::new(2, Scoring::Sigmoid, false)
+        };
+        let (mut ids, mut w) = ([0i32; 2], [0f32; 2]);
+        route(&logits, 1, 5, &rule, &mut ids, &mut w).unwrap();
+        assert_eq!(ids, [2, 4]);
+        let sig = |v: f32| 1.0 / (1.0 + (-v).exp());
+        assert_eq!(w, [sig(-2.0), sig(2.0)]);
+    }
+
+    #[test]
     fn moe_route_breaks_ties_by_lower_index() {
         let logits = [1.0f32, 2.0, 2.0, 0.5, 2.0];
         let mut ids = [0i32; 3];
         let mut w = [0f32; 3];
-        route(&logits, 1, 5, 3, Scoring::Sigmoid, false, &mut ids, &mut w).unwrap();
+        let rule = Rule::new(3, Scoring::Sigmoid, false);
+        route(&logits, 1, 5, &rule, &mut ids, &mut w).unwrap();
         assert_eq!(ids, [1, 2, 4]);
-        route(&logits, 1, 5, 3, Scoring::Softmax, true, &mut ids, &mut w).unwrap();
+        let rule = Rule::new(3, Scoring::Softmax, true);
+        route(&logits, 1, 5, &rule, &mut ids, &mut w).unwrap();
         assert_eq!(ids, [1, 2, 4]);
         assert!(w.iter().all(|&v| (v - 1.0 / 3.0).abs() < 1e-7), "{w:?}");
     }
@@ -272,22 +356,42 @@ mod tests {
         ];
         for (l, tokens, experts, k, n_ids, n_w, start) in cases {
             let (mut ids, mut w) = (vec![0i32; n_ids], vec![0f32; n_w]);
-            let r = route(
-                l,
-                tokens,
-                experts,
-                k,
-                Scoring::Softmax,
-                true,
-                &mut ids,
-                &mut w,
-            );
+            let rule = Rule::new(k, Scoring::Softmax, true);
+            let r = route(l, tokens, experts, &rule, &mut ids, &mut w);
             match r {
                 Err(e) => assert!(!start.is_empty() && e.to_string().starts_with(start), "{e}"),
                 Ok(()) => assert!(start.is_empty(), "expected an error about {start}"),
             }
         }
-        assert!(route(&[], 0, 4, 2, Scoring::Softmax, true, &mut [], &mut []).is_ok());
+        let rule = Rule::new(2, Scoring::Softmax, true);
+        assert!(route(&[], 0, 4, &rule, &mut [], &mut []).is_ok());
+        let bad = [
+            (
+                Rule {
+                    bias: Some(vec![0.0; 3]),
+                    ..rule.clone()
+                },
+                "selection_bias",
+            ),
+            (
+                Rule {
+                    renorm_eps: -1.0,
+                    ..rule.clone()
+                },
+                "renorm_eps",
+            ),
+            (
+                Rule {
+                    scale: f32::NAN,
+                    ..rule.clone()
+                },
+                "scale",
+            ),
+        ];
+        for (rule, start) in bad {
+            let e = route(&[0.0; 4], 1, 4, &rule, &mut [0; 2], &mut [0.0; 2]).unwrap_err();
+            assert!(e.to_string().starts_with(start), "{e}");
+        }
         assert_eq!(Scoring::parse(" Sigmoid"), Some(Scoring::Sigmoid));
         assert_eq!(Scoring::parse("relu"), None);
     }

@@ -11,13 +11,28 @@ use pyo3::prelude::*;
 use super::linear::linear_weight;
 use super::tensor::{check_no_overlap, DType, TensorArg};
 use crate::linear::LinearWeight;
-use crate::moe::{route, ExpertAct, Experts, Scoring, SharedExpert, SparseMlp};
+use crate::moe::{route, ExpertAct, Experts, Rule, Scoring, SharedExpert, SparseMlp};
+
+/// A scoring by name; a ValueError naming the argument otherwise.
+fn parse_scoring(scoring: &str) -> PyResult<Scoring> {
+    Scoring::parse(scoring).ok_or_else(|| {
+        let names: Vec<&str> = Scoring::ALL.iter().map(|s| s.name()).collect();
+        PyValueError::new_err(format!(
+            "scoring: unknown value '{scoring}', expected one of {names:?}"
+        ))
+    })
+}
 
 /// Writes each token's `top_k = ids.shape[1]` best experts into `ids`
 /// (int32 [T, k]) and their weights into `weights` (float32 [T, k]), from
-/// `logits` (float32 [T, E]); `scoring` "softmax" or "sigmoid".
+/// `logits` (float32 [T, E]); `scoring` "softmax" or "sigmoid"; the choice
+/// made on `score + selection_bias[e]` where given (the weights stay the
+/// scores), the weights divided by `sum + renorm_eps` when `renormalize`,
+/// then multiplied by `scale` (`moe::Rule`).
 #[pyfunction]
-#[pyo3(signature = (ids, weights, logits, scoring="softmax", renormalize=true))]
+#[pyo3(signature = (ids, weights, logits, scoring="softmax", renormalize=true,
+                    selection_bias=None, renorm_eps=0.0, scale=1.0))]
+#[allow(clippy::too_many_arguments)]
 fn moe_route(
     py: Python<'_>,
     ids: &Bound<'_, PyAny>,
@@ -25,13 +40,11 @@ fn moe_route(
     logits: &Bound<'_, PyAny>,
     scoring: &str,
     renormalize: bool,
+    selection_bias: Option<Vec<f32>>,
+    renorm_eps: f32,
+    scale: f32,
 ) -> PyResult<()> {
-    let scoring = Scoring::parse(scoring).ok_or_else(|| {
-        let names: Vec<&str> = Scoring::ALL.iter().map(|s| s.name()).collect();
-        PyValueError::new_err(format!(
-            "scoring: unknown value '{scoring}', expected one of {names:?}"
-        ))
-    })?;
+    let scoring = parse_scoring(scoring)?;
     let logits = TensorArg::extract("logits", logits)?;
     logits.check(&[DType::F32], 2)?;
     let (tokens, experts) = (logits.shape[0], logits.shape[1]);
@@ -39,6 +52,12 @@ fn moe_route(
     ids.check(&[DType::I32], 2)?;
     ids.expect_dim(0, tokens, "tokens of logits")?;
     let top_k = ids.shape[1];
+    let rule = Rule {
+        renorm_eps,
+        scale,
+        bias: selection_bias,
+        ..Rule::new(top_k, scoring, renormalize)
+    };
     if top_k == 0 || top_k > experts {
         return Err(PyValueError::new_err(format!(
             "ids: its {top_k} columns (top_k) must be between 1 and the {experts} experts of logits"
@@ -60,7 +79,7 @@ fn moe_route(
             weights.slice_mut::<f32>(),
         )
     };
-    py.detach(move || route(l, tokens, experts, top_k, scoring, renormalize, i, w))?;
+    py.detach(move || route(l, tokens, experts, &rule, i, w))?;
     Ok(())
 }
 
@@ -238,10 +257,12 @@ impl PyMoeBlock {
     /// `experts`: a `MoeExperts`; each token's `top_k` best experts by
     /// `scoring` ("softmax" or "sigmoid"), renormalised when `renormalize`;
     /// the shared expert (all three or none): `shared_gate_up` [2I, H],
-    /// `shared_down` [H, I], `shared_gate` [1, H] (float).
+    /// `shared_down` [H, I], `shared_gate` [1, H] (float); `selection_bias`,
+    /// `renorm_eps` and `scale` as `moe_route`'s.
     #[new]
     #[pyo3(signature = (router, experts, top_k, scoring="softmax", renormalize=true,
-                        shared_gate_up=None, shared_down=None, shared_gate=None))]
+                        shared_gate_up=None, shared_down=None, shared_gate=None,
+                        selection_bias=None, renorm_eps=0.0, scale=1.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         router: &Bound<'_, PyAny>,
@@ -252,11 +273,18 @@ impl PyMoeBlock {
         shared_gate_up: Option<&Bound<'_, PyAny>>,
         shared_down: Option<&Bound<'_, PyAny>>,
         shared_gate: Option<&Bound<'_, PyAny>>,
+        selection_bias: Option<Vec<f32>>,
+        renorm_eps: f32,
+        scale: f32,
     ) -> PyResult<Self> {
         let router = linear_weight(router, "router")?;
         let experts = experts_of(experts)?;
-        let scoring = Scoring::parse(scoring)
-            .ok_or_else(|| PyValueError::new_err(format!("scoring: unknown value '{scoring}'")))?;
+        let rule = Rule {
+            renorm_eps,
+            scale,
+            bias: selection_bias,
+            ..Rule::new(top_k, parse_scoring(scoring)?, renormalize)
+        };
         let parts = (
             optional_weight(shared_gate_up, "shared_gate_up")?,
             optional_weight(shared_down, "shared_down")?,
@@ -275,7 +303,7 @@ impl PyMoeBlock {
                 ))
             }
         };
-        let block = SparseMlp::new(router, experts, top_k, scoring, renormalize, shared)?;
+        let block = SparseMlp::new(router, experts, rule, shared)?;
         Ok(PyMoeBlock {
             block: Arc::new(block),
         })
@@ -319,7 +347,7 @@ impl PyMoeBlock {
 
     #[getter]
     fn top_k(&self) -> usize {
-        self.block.top_k
+        self.block.rule.top_k
     }
 
     #[getter]
@@ -328,14 +356,19 @@ impl PyMoeBlock {
     }
 
     fn __repr__(&self) -> String {
-        let b = &self.block;
+        let (b, r) = (&self.block, &self.block.rule);
+        let py_bool = |v: bool| if v { "True" } else { "False" };
         format!(
-            "MoeBlock(num_experts={}, top_k={}, scoring={}, renormalize={}, shared_expert={})",
+            "MoeBlock(num_experts={}, top_k={}, scoring={}, renormalize={}, shared_expert={}, \
+             selection_bias={}, renorm_eps={}, scale={})",
             b.experts.num_experts(),
-            b.top_k,
-            b.scoring.name(),
-            if b.renormalize { "True" } else { "False" },
-            if b.shared.is_some() { "True" } else { "False" }
+            r.top_k,
+            r.scoring.name(),
+            py_bool(r.renormalize),
+            py_bool(b.shared.is_some()),
+            py_bool(r.bias.is_some()),
+            r.renorm_eps,
+            r.scale
         )
     }
 }

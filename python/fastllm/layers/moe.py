@@ -91,20 +91,37 @@ class Router(Module):
 
 
 def route_torch(
-    logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool
+    logits: torch.Tensor,
+    top_k: int,
+    scoring: str,
+    renormalize: bool,
+    selection_bias: torch.Tensor | None = None,
+    renorm_eps: float = 0.0,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expert ids int32 [T, k], weights float32 [T, k]) of float32 logits,
-    by descending weight: softmax (or sigmoid) scores, the top ``top_k``,
-    renormalised to sum 1 where asked."""
+    """(expert ids int32 [T, k], weights float32 [T, k]) of float32 logits:
+    softmax (or sigmoid) scores, the top ``top_k`` (chosen on ``score +
+    selection_bias`` where given; the weights stay the scores), divided by
+    ``sum + renorm_eps`` where asked, times ``scale`` (``_core.moe_route``)."""
     scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
-    weights, ids = torch.topk(scores, top_k, dim=-1)
+    if selection_bias is None:
+        weights, ids = torch.topk(scores, top_k, dim=-1)
+    else:
+        ids = torch.topk(scores + selection_bias, top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + renorm_eps)
+    if scale != 1.0:
+        weights = weights * scale
     return ids.to(torch.int32), weights
 
 
 class SparseMoeBlock(Module):
-    """Router, experts and (Qwen2-MoE) a shared expert behind a sigmoid gate."""
+    """Router, experts and (Qwen2-MoE, Qwen3.5-MoE) a shared expert behind a
+    sigmoid gate. ``selection_bias`` (LFM2-MoE's ``expert_bias``, a float32
+    buffer of one value per expert) shifts which experts are chosen but not
+    their weights; ``renorm_eps`` joins the renormalising sum and ``scale``
+    multiplies the weights (``route_torch``)."""
 
     def __init__(
         self,
@@ -121,6 +138,9 @@ class SparseMoeBlock(Module):
         alpha: float = 1.702,
         limit: float = 7.0,
         shared_intermediate: int = 0,
+        selection_bias: bool = False,
+        renorm_eps: float = 0.0,
+        scale: float = 1.0,
     ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
@@ -135,6 +155,10 @@ class SparseMoeBlock(Module):
             )
         self.num_experts, self.top_k = num_experts, top_k
         self.renormalize, self.scoring = renormalize, scoring
+        self.renorm_eps, self.scale = float(renorm_eps), float(scale)
+        self.selection_bias = (
+            nn.Parameter(torch.zeros(num_experts), requires_grad=False) if selection_bias else None
+        )
         self.gate = Router(hidden, num_experts, router_bias)
         self.experts = nn.ModuleList(
             ExpertMLP(hidden, intermediate, act, expert_bias, alpha, limit)
@@ -185,8 +209,17 @@ class SparseMoeBlock(Module):
             }
             if any(v is None for v in shared.values()):
                 return None
+        bias = self.selection_bias
         return _core.MoeBlock(
-            self.gate.packed, experts, self.top_k, self.scoring, self.renormalize, **shared
+            self.gate.packed,
+            experts,
+            self.top_k,
+            self.scoring,
+            self.renormalize,
+            **shared,
+            selection_bias=None if bias is None else bias.float().tolist(),
+            renorm_eps=self.renorm_eps,
+            scale=self.scale,
         )
 
     def _experts_torch(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -205,7 +238,16 @@ class SparseMoeBlock(Module):
             out = torch.empty_like(x)
             kernel.forward(out, x)
             return out
-        ids, w = route_torch(self.gate(x), self.top_k, self.scoring, self.renormalize)
+        bias = None if self.selection_bias is None else self.selection_bias.float()
+        ids, w = route_torch(
+            self.gate(x),
+            self.top_k,
+            self.scoring,
+            self.renormalize,
+            bias,
+            self.renorm_eps,
+            self.scale,
+        )
         out = self._experts_torch(x, ids, w)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x)).to(x.dtype)

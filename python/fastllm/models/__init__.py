@@ -36,7 +36,10 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "GptOssForCausalLM": ("fastllm.models.moe", "GptOssForCausalLM"),
     "Qwen3_5ForCausalLM": ("fastllm.models.hybrid", "Qwen3_5ForCausalLM"),
     "Qwen3_5ForConditionalGeneration": ("fastllm.models.hybrid", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("fastllm.models.hybrid", "Qwen3_5MoeForCausalLM"),
+    "Qwen3_5MoeForConditionalGeneration": ("fastllm.models.hybrid", "Qwen3_5MoeForCausalLM"),
     "Lfm2ForCausalLM": ("fastllm.models.hybrid", "Lfm2ForCausalLM"),
+    "Lfm2MoeForCausalLM": ("fastllm.models.hybrid", "Lfm2MoeForCausalLM"),
     "PhiForCausalLM": ("fastllm.models.phi", "PhiForCausalLM"),
     "GPT2LMHeadModel": ("fastllm.models.gpt2", "GPT2LMHeadModel"),
 }

@@ -37,9 +37,11 @@ from fastllm.forward_context import get_context
 from fastllm.layers import Module
 from fastllm.layers.attention import PagedAttention
 from fastllm.layers.linear import Linear
+from fastllm.layers.moe import SparseMoeBlock
 from fastllm.layers.norm import RMSNorm, ZeroCenteredRMSNorm
 from fastllm.layers.ops import TORCH_OPS
 from fastllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from fastllm.models.moe import expert_weight_specs, moe_flags, sparse_block
 from fastllm.models.weights import WeightSpec
 
 
@@ -199,7 +201,11 @@ class Qwen3_5DecoderLayer(Module):
             self.self_attn: GatedAttention | None = None
         else:
             self.linear_attn, self.self_attn = None, GatedAttention(config, layer, eps)
-        self.mlp = LlamaMLP.of(config, False)
+        self.mlp: Module = (
+            sparse_block(config, flags)
+            if flags.get("sparse_layers", ())[layer : layer + 1] == (True,)
+            else LlamaMLP.of(config, False)
+        )
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps)
 
@@ -271,11 +277,31 @@ class Qwen3_5ForCausalLM(HybridForCausalLM):
                     tuple(f"{p}.linear_attn.in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")),
                     (la.conv_dim, la.value_dim, la.num_v_heads, la.num_v_heads),
                 )
+            if isinstance(layer.mlp, SparseMoeBlock):
+                specs.update(expert_weight_specs(layer.mlp, f"{p}.mlp", f"{p}.mlp"))
+                continue
             m = c.intermediate_size
             specs[f"{p}.mlp.gate_up_proj.weight"] = WeightSpec(
                 (f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"), (m, m)
             )
         return specs
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE (Qwen3.5-35B-A3B, Qwen3.6-35B-A3B; text): Qwen3.5's layers
+    with every MLP a sparse block of softmax top-k experts (always
+    renormalised) and a shared expert behind a sigmoid gate."""
+
+    @staticmethod
+    def _flags(config: ModelConfig) -> dict[str, Any]:
+        return {
+            **Qwen3_5ForCausalLM._flags(config),
+            **moe_flags(config, "moe_intermediate_size", every_layer=True),
+            "renormalize": True,
+            "shared_intermediate": _config_int(
+                config.hf, "shared_expert_intermediate_size", config.intermediate_size
+            ),
+        }
 
 
 class ShortConv(Module):
@@ -343,9 +369,11 @@ class Lfm2DecoderLayer(Module):
         else:
             self.conv = None
             self.self_attn = LlamaAttention(config, layer, False, False, True, eps)
-        self.feed_forward = LlamaMLP(
-            config.hidden_size, lfm2_intermediate_size(config), "silu", False
-        )
+        if flags.get("sparse_layers", ())[layer : layer + 1] == (True,):
+            self.feed_forward: Module = sparse_block(config, flags, "silu")
+        else:
+            width = flags.get("dense_intermediate") or lfm2_intermediate_size(config)
+            self.feed_forward = LlamaMLP(config.hidden_size, width, "silu", False)
         self.operator_norm = RMSNorm(config.hidden_size, eps)
         self.ffn_norm = RMSNorm(config.hidden_size, eps)
 
@@ -382,7 +410,6 @@ class Lfm2ForCausalLM(HybridForCausalLM):
         """Fused q/k/v and gate/up, and LFM2's own names of the other tensors."""
         c = self.config
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        m = lfm2_intermediate_size(c)
         specs: dict[str, WeightSpec] = {
             "model.norm.weight": WeightSpec(("model.embedding_norm.weight",))
         }
@@ -397,8 +424,40 @@ class Lfm2ForCausalLM(HybridForCausalLM):
                 specs[f"{a}.q_norm.weight"] = WeightSpec((f"{a}.q_layernorm.weight",))
                 specs[f"{a}.k_norm.weight"] = WeightSpec((f"{a}.k_layernorm.weight",))
             f = f"{p}.feed_forward"
+            block = layer.feed_forward
+            if isinstance(block, SparseMoeBlock):
+                specs.update(expert_weight_specs(block, f, f, ("w1", "w3", "w2")))
+                if block.selection_bias is not None:
+                    specs[f"{f}.selection_bias"] = WeightSpec((f"{f}.expert_bias",))
+                continue
+            w = block.down_proj.in_features
             specs[f"{f}.gate_up_proj.weight"] = WeightSpec(
-                (f"{f}.w1.weight", f"{f}.w3.weight"), (m, m)
+                (f"{f}.w1.weight", f"{f}.w3.weight"), (w, w)
             )
             specs[f"{f}.down_proj.weight"] = WeightSpec((f"{f}.w2.weight",))
         return specs
+
+
+class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
+    """LFM2-MoE (LFM2-8B-A1B): LFM2's layers, the first ``num_dense_layers``
+    with a dense SwiGLU MLP of ``intermediate_size``, the others a sparse
+    block: sigmoid scores, the top-k chosen with the ``expert_bias`` added
+    (``use_expert_bias``), their weights renormalised (``norm_topk_prob``,
+    with transformers' 1e-6 in the sum) and scaled by ``routed_scaling_factor``."""
+
+    @staticmethod
+    def _flags(config: ModelConfig) -> dict[str, Any]:
+        hf = config.hf
+        scale = hf.get("routed_scaling_factor", 1.0)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise ValueError(f"config.json: routed_scaling_factor must be a number, got {scale!r}")
+        return {
+            **Lfm2ForCausalLM._flags(config),
+            **moe_flags(config, "moe_intermediate_size", every_layer=True),
+            "dense_intermediate": config.intermediate_size,
+            "scoring": "sigmoid",
+            "renormalize": bool(hf.get("norm_topk_prob", True)),
+            "renorm_eps": 1e-6,
+            "scale": float(scale),
+            "selection_bias": bool(hf.get("use_expert_bias", True)),
+        }

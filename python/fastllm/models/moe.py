@@ -58,7 +58,8 @@ def moe_flags(config: ModelConfig, intermediate: str, every_layer: bool = False)
     """The MoE fields of a config whose expert size is ``intermediate``:
     experts (``num_experts``, or ``num_local_experts`` as transformers 5 and
     Mixtral write it), top-k, expert size, and which layers are sparse
-    (``every_layer``, or Qwen's ``mlp_only_layers`` / ``decoder_sparse_step``)."""
+    (``every_layer``, or Qwen's ``mlp_only_layers`` / ``decoder_sparse_step``;
+    LFM2-MoE's first ``num_dense_layers`` are dense in any case)."""
     hf = config.hf
     experts = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
     num_experts = _positive_int(hf, experts)
@@ -66,13 +67,19 @@ def moe_flags(config: ModelConfig, intermediate: str, every_layer: bool = False)
     dense = hf.get("mlp_only_layers") or []
     if not isinstance(dense, list) or any(not isinstance(i, int) for i in dense):
         raise ValueError(f"config.json: mlp_only_layers must be a list of layers, got {dense!r}")
+    first_dense = hf.get("num_dense_layers", 0)
+    if not isinstance(first_dense, int) or isinstance(first_dense, bool) or first_dense < 0:
+        raise ValueError(
+            f"config.json: num_dense_layers must be a non-negative integer, got {first_dense!r}"
+        )
     n = config.num_hidden_layers
     return {
         "num_experts": num_experts,
         "top_k": _positive_int(hf, "num_experts_per_tok"),
         "moe_intermediate": _positive_int(hf, intermediate, config.intermediate_size),
         "sparse_layers": tuple(
-            every_layer or (i not in dense and (i + 1) % step == 0) for i in range(n)
+            i >= first_dense and (every_layer or (i not in dense and (i + 1) % step == 0))
+            for i in range(n)
         ),
     }
 
@@ -98,6 +105,66 @@ def mlp_weights_per_token(config: ModelConfig) -> int | None:
     return sum(sparse if s else dense for s in flags["sparse_layers"])
 
 
+def expert_weight_specs(
+    block: SparseMoeBlock,
+    ours: str,
+    theirs: str,
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+) -> dict[str, WeightSpec]:
+    """Where a sparse block's router and experts come from: the block is
+    ``ours`` in the model, ``theirs`` in the checkpoint, whose experts are
+    stored one by one under their gate, up and down ``names``
+    (``experts.{j}.gate_proj``), or stacked under ``ours`` as transformers 5
+    holds them (``experts.gate_up_proj`` [experts, 2 x inter, hidden],
+    ``experts.down_proj`` [experts, hidden, inter]); and a shared expert's
+    gate and up, fused."""
+    gate, up, down = names
+    specs = {
+        f"{ours}.gate.weight": WeightSpec(
+            (f"{theirs}.gate.weight",), alternatives=(WeightSpec((f"{ours}.gate.weight",)),)
+        )
+    }
+    m = block.experts[0].down_proj.in_features
+    for j in range(len(block.experts)):
+        e = f"{theirs}.experts.{j}"
+        specs[f"{ours}.experts.{j}.gate_up_proj.weight"] = WeightSpec(
+            (f"{e}.{gate}.weight", f"{e}.{up}.weight"),
+            (m, m),
+            alternatives=(WeightSpec((f"{ours}.experts.gate_up_proj",), select=j),),
+        )
+        specs[f"{ours}.experts.{j}.down_proj.weight"] = WeightSpec(
+            (f"{e}.{down}.weight",),
+            alternatives=(WeightSpec((f"{ours}.experts.down_proj",), select=j),),
+        )
+    if block.shared_expert is not None:
+        s = f"{theirs}.shared_expert"
+        m = block.shared_expert.down_proj.in_features
+        specs[f"{ours}.shared_expert.gate_up_proj.weight"] = WeightSpec(
+            (f"{s}.gate_proj.weight", f"{s}.up_proj.weight"), (m, m)
+        )
+    return specs
+
+
+def sparse_block(
+    config: ModelConfig, flags: dict[str, Any], act: str | None = None
+) -> SparseMoeBlock:
+    """The ``SparseMoeBlock`` of a family's ``flags`` (``moe_flags`` plus
+    ``renormalize`` and the optional routing fields)."""
+    return SparseMoeBlock(
+        config.hidden_size,
+        flags["moe_intermediate"],
+        flags["num_experts"],
+        flags["top_k"],
+        flags["renormalize"],
+        act or config.hf.get("hidden_act", "silu"),
+        shared_intermediate=flags.get("shared_intermediate", 0),
+        scoring=flags.get("scoring", "softmax"),
+        selection_bias=flags.get("selection_bias", False),
+        renorm_eps=flags.get("renorm_eps", 0.0),
+        scale=flags.get("scale", 1.0),
+    )
+
+
 class MoeDecoderLayer(LlamaDecoderLayer):
     """A Llama-family pre-norm block whose MLP is a ``SparseMoeBlock`` where
     the family's flags say the layer is sparse."""
@@ -109,15 +176,7 @@ class MoeDecoderLayer(LlamaDecoderLayer):
             eps = float(config.hf.get("rms_norm_eps", 1e-6))
             self.self_attn = attention(config, layer, flags["qkv_bias"], eps)
         if flags["sparse_layers"][layer]:
-            self.mlp = SparseMoeBlock(
-                config.hidden_size,
-                flags["moe_intermediate"],
-                flags["num_experts"],
-                flags["top_k"],
-                flags["renormalize"],
-                config.hf.get("hidden_act", "silu"),
-                shared_intermediate=flags.get("shared_intermediate", 0),
-            )
+            self.mlp = sparse_block(config, flags)
 
 
 class MoeForCausalLM(LlamaForCausalLM):
@@ -137,33 +196,15 @@ class MoeForCausalLM(LlamaForCausalLM):
         """The Llama family's fused q/k/v and gate/up, and every expert's
         gate/up and down, one by one or from stacked tensors."""
         specs = super().weight_specs()
-        gate, up, down = self.EXPERT_NAMES
         for i, layer in enumerate(self.model.layers):
-            if not isinstance(layer.mlp, SparseMoeBlock):
-                continue
-            # One by one under the family's name, or stacked under ``mlp``
-            # (as transformers 5 holds them).
-            ours, theirs = f"model.layers.{i}.mlp", f"model.layers.{i}.{self.MOE_PREFIX}"
-            specs[f"{ours}.gate.weight"] = WeightSpec(
-                (f"{theirs}.gate.weight",), alternatives=(WeightSpec((f"{ours}.gate.weight",)),)
-            )
-            m = layer.mlp.experts[0].down_proj.in_features
-            for j in range(len(layer.mlp.experts)):
-                e = f"{theirs}.experts.{j}"
-                specs[f"{ours}.experts.{j}.gate_up_proj.weight"] = WeightSpec(
-                    (f"{e}.{gate}.weight", f"{e}.{up}.weight"),
-                    (m, m),
-                    alternatives=(WeightSpec((f"{ours}.experts.gate_up_proj",), select=j),),
-                )
-                specs[f"{ours}.experts.{j}.down_proj.weight"] = WeightSpec(
-                    (f"{e}.{down}.weight",),
-                    alternatives=(WeightSpec((f"{ours}.experts.down_proj",), select=j),),
-                )
-            if layer.mlp.shared_expert is not None:
-                s = f"{theirs}.shared_expert"
-                m = layer.mlp.shared_expert.down_proj.in_features
-                specs[f"{ours}.shared_expert.gate_up_proj.weight"] = WeightSpec(
-                    (f"{s}.gate_proj.weight", f"{s}.up_proj.weight"), (m, m)
+            if isinstance(layer.mlp, SparseMoeBlock):
+                specs.update(
+                    expert_weight_specs(
+                        layer.mlp,
+                        f"model.layers.{i}.mlp",
+                        f"model.layers.{i}.{self.MOE_PREFIX}",
+                        self.EXPERT_NAMES,
+                    )
                 )
         return specs
 
