@@ -16,6 +16,14 @@ tensor-name map, writer and quantizers) in the converter's layout:
 * LFM2: the convolution squeezed to [channels, taps], the final norm as
   ``token_embd_norm``, ``attention.head_count_kv`` per layer (0 for a
   convolution layer), the MLP width as adjusted, ``shortconv.l_cache``;
+* their MoE versions (``qwen35moe``, ``lfm2moe``): each layer's experts
+  stacked in ``ffn_{gate,up,down}_exps``, routers (``ffn_gate_inp``) and
+  Qwen3.5-MoE's shared-expert gate in F32, LFM2-MoE's expert bias as
+  ``exp_probs_b.bias``, the expert keys (``expert_count``,
+  ``expert_used_count``, ``expert_feed_forward_length``,
+  ``expert_shared_feed_forward_length``, ``leading_dense_block_count``,
+  ``expert_gating_func``; ``expert_weights_norm`` / ``expert_weights_scale``
+  where the config differs from llama.cpp's graph);
 * 1-D tensors, norms and convolutions in F32, a matrix whose rows are not
   whole blocks in F16 (the converter's fallback).
 
@@ -62,16 +70,30 @@ from test_models import (  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
-ARCH = {"qwen3_5": gguf.MODEL_ARCH.QWEN35, "lfm2": gguf.MODEL_ARCH.LFM2}
+ARCH = {
+    "qwen3_5": gguf.MODEL_ARCH.QWEN35,
+    "lfm2": gguf.MODEL_ARCH.LFM2,
+    "qwen3_5_moe": gguf.MODEL_ARCH.QWEN35MOE,
+    "lfm2_moe": gguf.MODEL_ARCH.LFM2MOE,
+}
 # median over positions of max |fastllm - reference with the file's weights| /
 # max|reference| (the int8 activations; observed 1-2% for LFM2, 4.5% for the
 # tiny Qwen3.5 models, which amplify rounding: _assert_quantized_close)
 QUANT_BOUND = 0.06
+# the same for the MoE versions: 8-bit activations also move the routers'
+# near ties (observed median 6.7% for the tiny Qwen3.5-MoE)
+QUANT_BOUND_MOE = 0.10
 LENGTHS = [14, 9, 21, 5]
 
 
 def _kind(name: str) -> str:
+    """The family of a config name: "qwen3_5" or "lfm2" (their MoE versions too)."""
     return "qwen3_5" if name.startswith("qwen3_5") else "lfm2"
+
+
+def _arch(name: str):
+    """The file's architecture of a config name (the MoE versions their own)."""
+    return ARCH[_kind(name) + ("_moe" if "_moe" in name else "")]
 
 
 def _variant(name: str, **changes) -> object:
@@ -106,9 +128,11 @@ def _moved(a: np.ndarray, axis: int, offset: int, heads: tuple[int, int, int], t
     return np.moveaxis(np.concatenate([a[:offset], part]), 0, axis)
 
 
-# One parameter of the transformers model as the file holds it: (GGUF name,
-# the array in the file's layout, the inverse that rebuilds the parameter).
-Layout = tuple[str, np.ndarray, Callable[[np.ndarray], np.ndarray]]
+# One parameter of the transformers model as the file holds it: (GGUF names,
+# the arrays in the file's layout, the inverse that rebuilds the parameter
+# from them). Stacked experts' gate/up is two tensors, as the converter
+# writes them (``ffn_gate_exps``, ``ffn_up_exps``).
+Layout = tuple[list[str], list[np.ndarray], Callable[[list[np.ndarray]], np.ndarray]]
 
 
 def _value_head_axis(cfg, hf_name: str) -> tuple[int, int, int] | None:
@@ -132,10 +156,24 @@ def _value_head_axis(cfg, hf_name: str) -> tuple[int, int, int] | None:
 def _layout(model, name: str, hf_name: str, t: np.ndarray) -> Layout:
     """Parameter ``hf_name`` as the converter writes it (module docstring)."""
     cfg, kind = model.config, _kind(name)
-    names = gguf.TensorNameMap(ARCH[kind], cfg.num_hidden_layers)
+    if ".experts." in hf_name:  # [E, 2m, hidden] gate rows then up rows; [E, hidden, m]
+        blk = f"blk.{hf_name.split('.')[2]}"
+        if hf_name.endswith("down_proj"):
+            return [f"{blk}.ffn_down_exps.weight"], [t], lambda a: a[0]
+        m = t.shape[1] // 2
+        return (
+            [f"{blk}.ffn_gate_exps.weight", f"{blk}.ffn_up_exps.weight"],
+            [t[:, :m], t[:, m:]],
+            lambda a: np.concatenate(a, axis=1),
+        )
+    if hf_name.endswith(".expert_bias"):  # LFM2-MoE's (the converter's ``.bias`` suffix)
+        return [f"blk.{hf_name.split('.')[2]}.exp_probs_b.bias"], [t], lambda a: a[0]
+    names = gguf.TensorNameMap(_arch(name), cfg.num_hidden_layers)
     gname = names.get_name(
         hf_name.replace(".dt_bias", ".dt_proj.bias"), try_suffixes=(".weight", ".bias")
     )
+    if gname is None and hf_name == "lm_head.weight":
+        gname = "output.weight"  # gguf-py's LFM2MOE map lacks it; llama.cpp reads it
     assert gname is not None, hf_name
     steps: list[tuple[Callable, Callable]] = []  # (to the file, back)
     if kind == "qwen3_5":
@@ -160,12 +198,13 @@ def _layout(model, name: str, hf_name: str, t: np.ndarray) -> Layout:
     for forward, _ in steps:
         arr = forward(arr)
 
-    def inverse(a: np.ndarray) -> np.ndarray:
+    def inverse(arrays: list[np.ndarray]) -> np.ndarray:
+        (a,) = arrays
         for _, back in reversed(steps):
             a = back(a)
         return a
 
-    return gname, np.ascontiguousarray(arr, dtype=np.float32), inverse
+    return [gname], [np.ascontiguousarray(arr, dtype=np.float32)], inverse
 
 
 def _type(gname: str, arr: np.ndarray, types: str | Callable) -> str:
@@ -175,6 +214,7 @@ def _type(gname: str, arr: np.ndarray, types: str | Callable) -> str:
     if (
         arr.ndim <= 1
         or gname.endswith("_norm.weight")
+        or ".ffn_gate_inp" in gname  # routers and the shared expert's gate
         or not gname.endswith(".weight")
         or ".ssm_conv1d." in gname
         or ".shortconv.conv." in gname
@@ -185,29 +225,53 @@ def _type(gname: str, arr: np.ndarray, types: str | Callable) -> str:
     return kind if arr.shape[-1] % block == 0 else "F16"
 
 
-def _file_tensors(model, name: str, types) -> list[tuple[str, np.ndarray, str, str, Callable]]:
-    """(GGUF name, array, type, parameter, inverse) of every tensor."""
+def _file_tensors(
+    model, name: str, types
+) -> list[tuple[str, list[tuple[str, np.ndarray, str]], Callable]]:
+    """(parameter, its (GGUF name, array, type) tensors, inverse) of every
+    parameter (and LFM2-MoE's expert-bias buffers)."""
     out = []
     for hf_name, t in model.state_dict().items():
         if model.config.tie_word_embeddings and hf_name == "lm_head.weight":
             continue
-        gname, arr, inverse = _layout(model, name, hf_name, t.detach().float().numpy())
-        out.append((gname, arr, _type(gname, arr, types), hf_name, inverse))
+        gnames, arrays, inverse = _layout(model, name, hf_name, t.detach().float().numpy())
+        parts = [
+            (g, np.ascontiguousarray(a, dtype=np.float32), _type(g, a, types))
+            for g, a in zip(gnames, arrays, strict=True)
+        ]
+        out.append((hf_name, parts, inverse))
     return out
 
 
 def _metadata(w, model, name: str, variant: str) -> None:
     """The keys llama.cpp's converter writes for the family."""
     cfg, kind = model.config, _kind(name)
-    arch = gguf.MODEL_ARCH_NAMES[ARCH[kind]]
+    arch = gguf.MODEL_ARCH_NAMES[_arch(name)]
     n = cfg.num_hidden_layers
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    moe = "_moe" in name
+    if moe:
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if kind == "lfm2" and moe:  # LFM2MoeModel.set_gguf_parameters; llama.cpp's graph
+        # renormalises and does not scale: keys for the configs that differ
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_leading_dense_block_count(cfg.num_dense_layers)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        if not cfg.norm_topk_prob:
+            w.add_expert_weights_norm(False)
+        if cfg.routed_scaling_factor != 1.0:
+            w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    elif moe:
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if kind == "lfm2":
         w.add_block_count(n)
-        w.add_feed_forward_length(model.model.layers[0].feed_forward.w1.weight.shape[0])
+        if not moe:
+            w.add_feed_forward_length(model.model.layers[0].feed_forward.w1.weight.shape[0])
         kv = [cfg.num_key_value_heads if t != "conv" else 0 for t in cfg.layer_types]
         w.add_head_count_kv(kv)
         w.add_layer_norm_rms_eps(cfg.norm_eps)
@@ -216,7 +280,8 @@ def _metadata(w, model, name: str, variant: str) -> None:
         return
     mtp = 1 if variant == "mtp" else 0
     w.add_block_count(n + mtp)
-    w.add_feed_forward_length(cfg.intermediate_size)
+    if not moe:  # Qwen3.5-MoE's config has no intermediate_size
+        w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_key_length(cfg.head_dim)
@@ -252,9 +317,9 @@ def write_hybrid_gguf(
     model's (as the converter writes Qwen3.5 checkpoints that have one),
     "interval" leaves ``attention.recurrent_layers`` out; ``edit`` may change,
     or drop (None), any (name, array, type) before it is written."""
-    w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[ARCH[_kind(name)]])
+    w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[_arch(name)])
     _metadata(w, model, name, variant)
-    tensors = [(g, a, k) for g, a, k, _, _ in _file_tensors(model, name, types)]
+    tensors = [part for _, parts, _ in _file_tensors(model, name, types) for part in parts]
     if variant == "mtp":  # the converter's nextn block: fastllm does not read it
         n, h = model.config.num_hidden_layers, model.config.hidden_size
         rng = np.random.default_rng(0)
@@ -286,14 +351,17 @@ def _with_file_weights(model, name: str, types):
     ``types`` holds: each tensor quantized and dequantized by the ``gguf``
     package in the file's layout, then put back in the model's."""
     ref = copy.deepcopy(model)
-    params = dict(ref.named_parameters())
+    params = {**dict(ref.named_parameters()), **dict(ref.named_buffers())}
     with torch.no_grad():
-        for _, arr, kind, hf_name, inverse in _file_tensors(model, name, types):
-            if kind != "F32":
-                qtype = getattr(gguf.GGMLQuantizationType, kind)
-                blocks = gguf.quants.quantize(arr, qtype)
-                arr = gguf.quants.dequantize(blocks, qtype).reshape(arr.shape)
-            params[hf_name].copy_(torch.from_numpy(np.ascontiguousarray(inverse(arr))))
+        for hf_name, parts, inverse in _file_tensors(model, name, types):
+            arrays = []
+            for _, arr, kind in parts:
+                if kind != "F32":
+                    qtype = getattr(gguf.GGMLQuantizationType, kind)
+                    blocks = gguf.quants.quantize(arr, qtype)
+                    arr = gguf.quants.dequantize(blocks, qtype).reshape(arr.shape)
+                arrays.append(arr)
+            params[hf_name].copy_(torch.from_numpy(np.ascontiguousarray(inverse(arrays))))
     return ref
 
 
@@ -333,9 +401,19 @@ def test_config_from_the_file(saved, tmp_path):
             hf = hf_config(g)
         assert hf["layer_types"] == cfg.layer_types, name
         assert hf["tie_word_embeddings"] == cfg.tie_word_embeddings, name
+        if "_moe" in name:
+            keys = ["num_experts", "num_experts_per_tok", "moe_intermediate_size"]
+            if name.startswith("lfm2"):
+                keys += ["num_dense_layers", "use_expert_bias", "norm_topk_prob"]
+                keys += ["routed_scaling_factor", "intermediate_size"]
+            else:
+                keys += ["shared_expert_intermediate_size"]
+            for key in keys:  # the scale is a float32 key
+                assert hf[key] == pytest.approx(getattr(cfg, key), rel=1e-7), (name, key)
         if name.startswith("lfm2"):
-            width = ref_model.model.layers[0].feed_forward.w1.weight.shape[0]
-            assert hf["intermediate_size"] == width and not hf["block_auto_adjust_ff_dim"]
+            if "_moe" not in name:
+                width = ref_model.model.layers[0].feed_forward.w1.weight.shape[0]
+                assert hf["intermediate_size"] == width and not hf["block_auto_adjust_ff_dim"]
             assert hf["conv_L_cache"] == cfg.conv_L_cache and hf["conv_bias"] == cfg.conv_bias
             assert hf["num_key_value_heads"] == cfg.num_key_value_heads
             continue
@@ -363,7 +441,8 @@ def _assert_quantized_close(ours, refs, what: str) -> None:
     errs = torch.cat(
         [(a - b).abs().max(-1).values / b.abs().max() for a, b in zip(ours, refs, strict=True)]
     )
-    assert errs.median() <= QUANT_BOUND and errs.max() <= 0.5, f"{what}: errors {errs.tolist()}"
+    bound = QUANT_BOUND_MOE if "_moe" in what else QUANT_BOUND
+    assert errs.median() <= bound and errs.max() <= 0.5, f"{what}: errors {errs.tolist()}"
 
 
 def _converted(cfg) -> dict[str, int]:
@@ -466,10 +545,26 @@ def test_k_quant_out_proj_columns_back_in_order(kind, saved, tmp_path):
 
 def test_llm_greedy_tokens_from_a_hybrid_file(saved, tmp_path):
     """``LLM(file)``: transformers' greedy tokens and logprobs (``check_greedy_generation``)."""
-    for name in ("qwen3_5", "lfm2"):
+    for name in ("qwen3_5", "lfm2", "qwen3_5_moe", "lfm2_moe"):
         _, ref_model = saved[name]
         path = write_hybrid_gguf(ref_model, str(tmp_path / f"{name}.gguf"), name)
         check_greedy_generation(path, ref_model, name)
+
+
+def test_hybrid_moe_keys_checked(saved, tmp_path):
+    """An LFM2-MoE file whose gating is not sigmoid, or whose routers do not
+    start at ``leading_dense_block_count``: an error naming the key."""
+    _, model = saved["lfm2_moe"]
+    path = write_hybrid_gguf(model, str(tmp_path / "m.gguf"), "lfm2_moe")
+    with GGUFFile(path) as g:
+        assert hf_config(g)["num_dense_layers"] == 1
+        g.metadata["lfm2moe.expert_gating_func"] = 1
+        with pytest.raises(GGUFError, match=r"expert_gating_func.*sigmoid"):
+            hf_config(g)
+        g.metadata["lfm2moe.expert_gating_func"] = 2
+        g.metadata["lfm2moe.leading_dense_block_count"] = 2
+        with pytest.raises(GGUFError, match=r"routers .* in layers \[1, 2, 3\]"):
+            hf_config(g)
 
 
 # ---- broken files ---------------------------------------------------------

@@ -32,7 +32,9 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "olmoe": ("OlmoeForCausalLM", "olmoe"),
     "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
     "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
     "lfm2": ("Lfm2ForCausalLM", "lfm2"),
+    "lfm2moe": ("Lfm2MoeForCausalLM", "lfm2_moe"),
 }
 # A ``llama`` file with ``llama.expert_count`` is Mixtral (llama.cpp runs both
 # as ``llama``).
@@ -56,6 +58,10 @@ _LLAMA_LIKE = (
 # writes no ``expert_weights_norm`` for them (Mixtral and gpt-oss always
 # renormalise, whatever the key says).
 _MOE_ARCHS = ("llama", "qwen3moe", "qwen2moe", "olmoe", "gpt-oss")
+# The hybrid families' mixture-of-experts versions (``_hybrid_moe``).
+_HYBRID_MOE_ARCHS = ("qwen35moe", "lfm2moe")
+# llama.cpp's ``expert_gating_func`` values.
+_GATING_SOFTMAX, _GATING_SIGMOID = 1, 2
 _NORM_TOPK_DEFAULT = {"qwen3moe": True, "qwen2moe": False, "olmoe": False}
 # gpt-oss's clamped SwiGLU: llama.cpp's constants (``swiglu_oai``).
 _SWIGLU_LIMIT, _SWIGLU_ALPHA = 7.0, 1.702
@@ -128,7 +134,7 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     vocab = tensors["token_embd.weight"].shape[0]
     hidden = _int(gguf, p + "embedding_length")
     heads = _int(gguf, p + "attention.head_count")
-    if arch == "lfm2":  # one count per layer: 0 for the convolution layers
+    if arch in ("lfm2", "lfm2moe"):  # one count per layer: 0 for the convolution layers
         kv_heads, lfm2_types = _lfm2_layers(gguf, p, heads)
     else:
         kv_heads = _int(gguf, p + "attention.head_count_kv", heads)
@@ -140,7 +146,7 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
         "num_hidden_layers": _int(gguf, p + "block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
-        "intermediate_size": _int(gguf, p + "feed_forward_length"),
+        "intermediate_size": _int(gguf, p + "feed_forward_length", _dense_width(gguf, arch, p)),
         "max_position_embeddings": _int(gguf, p + "context_length"),
         "tie_word_embeddings": "output.weight" not in tensors,
     }
@@ -153,10 +159,10 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
                 f"{gguf.path}: {p}attention.value_length ({value_dim}) differs from "
                 f"{p}attention.key_length ({hf['head_dim']}), which fastllm does not support"
             )
-    if experts and arch not in _MOE_ARCHS:
+    if experts and arch not in _MOE_ARCHS + _HYBRID_MOE_ARCHS:
         raise GGUFError(
             f"{gguf.path}: {p}expert_count is {experts}: mixture-of-experts {arch} files are "
-            f"not supported; supported: {', '.join(_MOE_ARCHS)}"
+            f"not supported; supported: {', '.join(_MOE_ARCHS + _HYBRID_MOE_ARCHS)}"
         )
     head_size = hf.get("head_dim", hidden // heads)
 
@@ -168,10 +174,14 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
         _gemma(gguf, arch, p, hf, head_size)
     elif arch == "phi3":
         _phi3(gguf, p, hf, head_size)
-    elif arch == "qwen35":
+    elif arch in ("qwen35", "qwen35moe"):
         _qwen35(gguf, p, hf, head_size)
-    elif arch == "lfm2":
+        if arch in _HYBRID_MOE_ARCHS:
+            _hybrid_moe(gguf, arch, p, hf)
+    elif arch in ("lfm2", "lfm2moe"):
         _lfm2(gguf, p, hf, head_size, lfm2_types)
+        if arch in _HYBRID_MOE_ARCHS:
+            _hybrid_moe(gguf, arch, p, hf)
     elif arch == "phi2":
         hf["layer_norm_eps"] = _float(gguf, p + "attention.layernorm_epsilon", 1e-5)
         hf["rope_theta"] = _float(gguf, p + "rope.freq_base", 10000.0)
@@ -298,6 +308,71 @@ def _moe(gguf: GGUFFile, arch: str, p: str, hf: dict[str, Any]) -> None:
         hf["clip_qkv"] = _float(gguf, p + "attention.clamp_kqv")
     if arch == "gpt-oss":
         _gpt_oss(gguf, p, hf)
+
+
+def _dense_width(gguf: GGUFFile, arch: str, p: str) -> int | None:
+    """The MLP width where a file may leave ``feed_forward_length`` out:
+    Qwen3.5-MoE has no dense MLP (its config has no ``intermediate_size``),
+    so its shared expert's width stands in, as the folder's config does."""
+    if arch != "qwen35moe":
+        return None
+    for key in ("expert_shared_feed_forward_length", "expert_feed_forward_length"):
+        if gguf.get(p + key) is not None:
+            return _int(gguf, p + key)
+    down = gguf.tensors.get("blk.0.ffn_down_shexp.weight")
+    return down.shape[-1] if down is not None else None
+
+
+def _hybrid_moe(gguf: GGUFFile, arch: str, p: str, hf: dict[str, Any]) -> None:
+    """Qwen3.5-MoE and LFM2-MoE: the experts' number, top-k and width (the
+    key, or the stacked tensors' shape); Qwen3.5-MoE's shared expert (softmax
+    top-k, always renormalised); LFM2-MoE's leading dense layers
+    (``leading_dense_block_count``), sigmoid gating (``expert_gating_func``),
+    selection bias (``exp_probs_b``), renormalisation (``expert_weights_norm``,
+    llama.cpp's graph renormalises) and scale (``expert_weights_scale``)."""
+    tensors = gguf.tensors
+    n = hf["num_hidden_layers"]
+    hf["num_experts"] = _int(gguf, p + "expert_count")
+    hf["num_experts_per_tok"] = _int(gguf, p + "expert_used_count")
+    sparse = [i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
+    first = f"blk.{sparse[0] if sparse else 0}"
+    down = tensors.get(f"{first}.ffn_down_exps.weight")
+    inter = down.shape[-1] if down is not None and len(down.shape) == 3 else None
+    hf["moe_intermediate_size"] = _int(gguf, p + "expert_feed_forward_length", inter)
+    gating = gguf.get(p + "expert_gating_func")
+    want = _GATING_SIGMOID if arch == "lfm2moe" else _GATING_SOFTMAX
+    if gating is not None and gating != want:
+        raise GGUFError(
+            f"{gguf.path}: metadata key {p + 'expert_gating_func'!r} is {gating!r}; "
+            f"{arch} routes by {'sigmoid' if want == _GATING_SIGMOID else 'softmax'} ({want})"
+        )
+    if arch == "qwen35moe":
+        shared = tensors.get(f"{first}.ffn_down_shexp.weight")
+        size = shared.shape[-1] if shared is not None else None
+        hf["shared_expert_intermediate_size"] = _int(
+            gguf, p + "expert_shared_feed_forward_length", size
+        )
+        return
+    dense = gguf.get(p + "leading_dense_block_count") or 0
+    if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
+        raise GGUFError(
+            f"{gguf.path}: metadata key {p + 'leading_dense_block_count'!r} must be a count, "
+            f"got {dense!r}"
+        )
+    if sparse and sparse != list(range(dense, n)):
+        raise GGUFError(
+            f"{gguf.path}: routers (ffn_gate_inp) in layers {sparse}, expected layers "
+            f"{dense} to {n - 1} after {p}leading_dense_block_count ({dense})"
+        )
+    hf["num_dense_layers"] = dense
+    hf["use_expert_bias"] = f"{first}.exp_probs_b.bias" in tensors
+    norm = gguf.get(p + "expert_weights_norm", True)
+    if not isinstance(norm, bool):
+        raise GGUFError(
+            f"{gguf.path}: metadata key {p + 'expert_weights_norm'!r} must be a bool, got {norm!r}"
+        )
+    hf["norm_topk_prob"] = norm
+    hf["routed_scaling_factor"] = _float(gguf, p + "expert_weights_scale", 1.0)
 
 
 def _gpt_oss(gguf: GGUFFile, p: str, hf: dict[str, Any]) -> None:

@@ -119,6 +119,7 @@ _PARAM_NAMES = {
     "self_attn.sinks": "attn_sinks.weight",
     "linear_attn.A_log": "ssm_a",  # stored as -exp(A_log)
     "linear_attn.dt_bias": "ssm_dt.bias",
+    "feed_forward.expert_bias": "exp_probs_b.bias",  # LFM2-MoE's selection bias
 }
 # Gemma's four norms per block and OLMo 2's two post-norms.
 _GEMMA_LAYER = {
@@ -155,6 +156,11 @@ _QWEN35_LAYER = {
     "linear_attn.norm": "ssm_norm",
     "linear_attn.out_proj": "ssm_out",
 }
+# Qwen3.5-MoE: Qwen3.5's layers, the sparse blocks' routers and shared expert.
+_QWEN35MOE_LAYER = {
+    **_QWEN35_LAYER,
+    **{k: v for k, v in _MOE_LAYER.items() if k.startswith("mlp.")},
+}
 # LFM2, by its checkpoints' names (``Lfm2ForCausalLM.weight_specs``).
 _LFM2_LAYER = {
     "self_attn.q_proj": "attn_q",
@@ -172,6 +178,9 @@ _LFM2_LAYER = {
     "conv.conv": "shortconv.conv",
     "conv.out_proj": "shortconv.out_proj",
 }
+# LFM2-MoE: LFM2's layers and the sparse blocks' routers (the selection
+# bias: ``_PARAM_NAMES``).
+_LFM2MOE_LAYER = {**_LFM2_LAYER, "feed_forward.gate": "ffn_gate_inp"}
 _LFM2_GLOBAL = {
     "model.embed_tokens": "token_embd",
     "model.embedding_norm": "token_embd_norm",  # the final norm
@@ -193,7 +202,9 @@ _NAMES: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
     "olmoe": (_LLAMA_GLOBAL, _MOE_LAYER, "model.layers"),
     "gpt-oss": (_LLAMA_GLOBAL, _GPT_OSS_LAYER, "model.layers"),
     "qwen35": (_LLAMA_GLOBAL, _QWEN35_LAYER, "model.layers"),
+    "qwen35moe": (_LLAMA_GLOBAL, _QWEN35MOE_LAYER, "model.layers"),
     "lfm2": (_LFM2_GLOBAL, _LFM2_LAYER, "model.layers"),
+    "lfm2moe": (_LFM2_GLOBAL, _LFM2MOE_LAYER, "model.layers"),
     "phi2": (
         {
             "model.embed_tokens": "token_embd",
@@ -250,7 +261,9 @@ def gguf_name(arch: str, name: str) -> str | None:
 
 
 # One expert's parameter in fastllm.
-_EXPERT = re.compile(r"(.+)\.(\d+)\.mlp\.experts\.(\d+)\.(gate_up_proj|down_proj)\.(weight|bias)")
+_EXPERT = re.compile(
+    r"(.+)\.(\d+)\.(?:mlp|feed_forward)\.experts\.(\d+)\.(gate_up_proj|down_proj)\.(weight|bias)"
+)
 
 
 def _expert_sources(
@@ -407,12 +420,12 @@ def _plan(model: nn.Module, gguf: GGUFFile, arch: str, config: ModelConfig) -> l
             if arch in _PERMUTED_ARCHS and kind in heads:
                 n = source.shape[0]  # a matrix's rows, or a bias's values
                 source = replace(source, row_order=_unpermute_rows(n, heads[kind]))
-            elif arch == "qwen35":
+            elif arch in ("qwen35", "qwen35moe"):
                 rows, cols = _qwen35_v_order(label, modules)
                 source = replace(source, row_order=rows, col_order=cols)
             sources.append(source)
         transform = None
-        if arch == "qwen35" and pname.endswith(".linear_attn.A_log"):
+        if arch in ("qwen35", "qwen35moe") and pname.endswith(".linear_attn.A_log"):
             transform = _a_log_from_ssm_a(gguf.path, sources[0].name)
         elif arch in _ONE_PLUS_NORM_ARCHS and isinstance(
             modules.get(pname.rpartition(".")[0]), ZeroCenteredRMSNorm
@@ -459,7 +472,7 @@ def _qwen35_v_order(label: str, modules: dict[str, nn.Module]) -> tuple[Any, Any
 # ``RMSNorm``; a ``ZeroCenteredRMSNorm``, which holds ``w``, gets the file's value
 # minus 1 (in float32, exact for any scale of at least 0.5: the ``1 + w`` it
 # computes is then the file's value again).
-_ONE_PLUS_NORM_ARCHS = ("gemma2", "gemma3", "qwen35")
+_ONE_PLUS_NORM_ARCHS = ("gemma2", "gemma3", "qwen35", "qwen35moe")
 
 
 def _minus_one(t: torch.Tensor) -> torch.Tensor:
