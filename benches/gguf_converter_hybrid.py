@@ -1,5 +1,6 @@
 """fastllm on hybrid recurrent GGUF files written by llama.cpp's own converter
-(``convert_hf_to_gguf.py``): Qwen3.5 (``qwen35``) and LFM2 (``lfm2``).
+(``convert_hf_to_gguf.py``): Qwen3.5 (``qwen35``), LFM2 (``lfm2``) and their
+mixture-of-experts versions (``qwen35moe``, ``lfm2moe``).
 
     PYTHONPATH=python python benches/gguf_converter_hybrid.py [OUT_DIR] [--llama-dir DIR]
         [--pylib DIR] [--families qwen3_5,lfm2,...]
@@ -62,9 +63,20 @@ WRITABLE = {
         "conv_bias True -> False (the converter fails: it squeezes every 'conv.conv' tensor "
         "along dim 1, the 1-D conv.conv.bias too: IndexError)",
     ),
+    "lfm2_moe": (
+        {"routed_scaling_factor": 1.0},
+        "routed_scaling_factor 1.7 -> 1.0 (the converter writes no expert_weights_scale, "
+        "and llama.cpp's lfm2moe graph does not scale)",
+    ),
+    "lfm2_moe_plain": (
+        {"tie_word_embeddings": True, "norm_topk_prob": True, "conv_bias": False},
+        "conv_bias True -> False (as lfm2_bias); tie_word_embeddings False -> True (gguf-py's LFM2MOE tensor map has no 'output': "
+        "'Can not map tensor lm_head.weight'); norm_topk_prob False -> True (the converter "
+        "writes no expert_weights_norm, and llama.cpp's graph renormalises)",
+    ),
 }
 # Converter arguments per family (Qwen3.5: no multi-token-prediction layers).
-EXTRA_ARGS = {"Qwen3_5TextConfig": ["--no-mtp"]}
+EXTRA_ARGS = {"Qwen3_5TextConfig": ["--no-mtp"], "Qwen3_5MoeTextConfig": ["--no-mtp"]}
 
 
 def make_folder(name: str, folder: str, tokenizer) -> torch.nn.Module:
