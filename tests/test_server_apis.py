@@ -553,3 +553,91 @@ def test_reasoning_item_and_thinking_block(thinking_base):
     text = [b.text for b in budget.content if b.type == "text"]
     assert thinking == [chat_budget.reasoning_content]
     assert "".join(text) == (chat_budget.content or "")
+
+
+# ---- a server without a tokenizer, and vLLM's return_token_ids ----------------------
+
+
+@pytest.fixture(scope="module")
+def bare(model_dir):
+    """The same model served with ``skip_tokenizer_init``: token ids in and out."""
+    with app_server(model_dir, MAX_LEN, None, api_key=KEY, skip_tokenizer_init=True) as (
+        _,
+        (host, port),
+    ):
+        yield openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key=KEY, max_retries=0)
+
+
+def _post_json(client: openai.OpenAI, path: str, body: dict) -> tuple[int, dict]:
+    """POST ``body`` to the client's server (``path`` from the root)."""
+    url = str(client.base_url).removesuffix("/v1/") + path
+    req = urllib.request.Request(
+        url,
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+    )
+    try:
+        with urllib.request.urlopen(req) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_server_without_tokenizer_answers_token_ids(bare, model_dir):
+    """``--skip-tokenizer-init``: token-id prompts give the offline engine's
+    greedy tokens as ``token_ids`` (whole, and streamed chunk by chunk), with
+    ``prompt_token_ids``; what needs text is a 400 naming the field."""
+    ref = LLM(
+        model_dir, dtype="float32", device="cpu", max_model_len=MAX_LEN, skip_tokenizer_init=True
+    )
+    prompts = [[5, 9, 13, 200], [7, 8]]
+    outs = ref.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+        use_tqdm=False,
+    )
+    want = [list(o.outputs[0].token_ids) for o in outs]
+    kw = dict(model="x", prompt=prompts, max_tokens=6, temperature=0)
+    kw = {**kw, "model": bare.models.list().data[0].id, "extra_body": {"ignore_eos": True}}
+    whole = bare.completions.create(**kw)
+    assert [c.token_ids for c in whole.choices] == want
+    assert [c.prompt_token_ids for c in whole.choices] == prompts
+    assert all(c.text == "" for c in whole.choices)
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    firsts: dict[int, list[int]] = {}
+    for chunk in bare.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.token_ids
+            if getattr(c, "prompt_token_ids", None) is not None:
+                firsts.setdefault(c.index, c.prompt_token_ids)
+    assert [streamed[0], streamed[1]] == want and [firsts[0], firsts[1]] == prompts
+    for path, body, param in (
+        ("/v1/completions", {"prompt": "some text", "max_tokens": 2}, "prompt"),
+        ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "echo": True}, "echo"),
+        ("/v1/chat/completions", {"messages": CONVERSATION, "max_tokens": 2}, "messages"),
+        ("/tokenize", {"prompt": "text"}, "prompt"),
+        ("/detokenize", {"tokens": [1, 2]}, "tokens"),
+    ):
+        status, reply = _post_json(bare, path, body)
+        assert status == 400 and reply["error"]["param"] == param, (path, reply)
+        assert "needs a tokenizer" in reply["error"]["message"]
+
+
+def test_return_token_ids(oai, llm):
+    """vLLM's ``return_token_ids`` on a server with a tokenizer: the prompt's
+    ids as the tokenizer encodes it, and the completion's ids, equal to the
+    offline engine's."""
+    prompt = "def fibonacci(n):"
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    reply = oai.completions.create(
+        model=NAME,
+        prompt=prompt,
+        max_tokens=5,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    (c,) = reply.choices
+    assert c.prompt_token_ids == list(out.prompt_token_ids)
+    assert c.token_ids == list(out.outputs[0].token_ids) and c.text == out.outputs[0].text
+    plain = oai.completions.create(model=NAME, prompt=prompt, max_tokens=5, temperature=0)
+    assert getattr(plain.choices[0], "token_ids", None) is None

@@ -90,6 +90,12 @@ def add_engine_args(
         help="how to read the weights",
     )
     g.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="load no tokenizer: prompts are token ids and outputs token ids (their text "
+        "is empty); the server's text routes answer 400",
+    )
+    g.add_argument(
         "--runner",
         default="auto",
         choices=["auto", "generate", "pooling"],
@@ -258,6 +264,7 @@ def engine_config(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         load_format=args.load_format,
+        skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),
         runner=getattr(args, "runner", "auto"),
         task=getattr(args, "task", "generate"),
         **engine_settings(args),

@@ -65,6 +65,7 @@ def prepare_chat(
     """A chat request rendered, tokenized and checked; an APIError (400
     naming the field) for anything wrong."""
     name = ctx.model_name(req.model)
+    ctx.tokenizer("messages", "rendering chat messages")
     template = ctx.chat_template(req.chat_template)
     tools = parse_tools(req.tools) if req.tools else []
     choice = resolve_tool_choice(req.tool_choice, tools)

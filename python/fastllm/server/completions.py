@@ -33,7 +33,7 @@ def register(app: FastAPI, ctx: RouteContext) -> None:
     async def completions(raw: Request) -> Response:
         req = await read_model(raw, CompletionRequest, ctx.state.max_body_bytes)
         name = ctx.model_name(req.model)
-        items = [parse_prompt(p, ctx.tok.encode, "prompt") for p in req.prompts()]
+        items = [parse_prompt(p, ctx.encoder("prompt"), "prompt") for p in req.prompts()]
         params = req.to_sampling_params(req.max_tokens)
         for i, (_, ids) in enumerate(items):
             where = "prompt" if len(items) == 1 else f"prompt[{i}]"
@@ -46,12 +46,15 @@ def register(app: FastAPI, ctx: RouteContext) -> None:
             for i, (text, ids) in enumerate(items)
         ]
         echoes = [
-            (text if text is not None else ctx.tok.decode(ids)) if req.echo else ""
+            (text if text is not None else ctx.tokenizer("echo", "echo").decode(ids))
+            if req.echo
+            else ""
             for text, ids in items
         ]
+        ids_out = req.return_token_ids if req.return_token_ids is not None else ctx.tok is None
         if req.stream:
             body = stream_completion(
-                gens, cid, created, name, params, req.include_usage, echoes, items
+                gens, cid, created, name, params, req.include_usage, echoes, items, ids_out
             )
             return StreamingResponse(body, media_type="text/event-stream")
 
@@ -76,15 +79,17 @@ def register(app: FastAPI, ctx: RouteContext) -> None:
                 lp = None
                 if params.logprobs is not None and c.logprobs is not None:
                     lp = completion_logprobs(c.token_ids, c.logprobs, len(echoes[i]))
-                choices.append(
-                    {
-                        "index": i * params.n + c.index,
-                        "text": echoes[i] + c.text,
-                        "logprobs": lp,
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                )
+                choice = {
+                    "index": i * params.n + c.index,
+                    "text": echoes[i] + c.text,
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                if ids_out:
+                    choice["prompt_token_ids"] = items[i][1]
+                    choice["token_ids"] = list(c.token_ids)
+                choices.append(choice)
         prompt_tokens = sum(len(ids) for _, ids in items)
         head = _head(cid, created, name)
         return JSONResponse(
@@ -106,6 +111,7 @@ async def stream_completion(
     include_usage: bool,
     echoes: list[str],
     items: list[tuple[str | None, list[int]]],
+    ids_out: bool = False,
 ) -> AsyncIterator[str]:
     # Outputs are deltas (RequestOutputKind.DELTA): new text, tokens and logprobs.
     offsets: dict[tuple[int, int], int] = {}  # text offset of the next logprob token
@@ -119,7 +125,8 @@ async def stream_completion(
                 want_lp = params.logprobs is not None and c.logprobs is not None
                 started = key in offsets
                 completion_tokens += len(c.token_ids)
-                if not text and not finish and not (c.token_ids and want_lp) and started:
+                new_ids = bool(c.token_ids) and (want_lp or ids_out)
+                if not text and not finish and not new_ids and started:
                     continue
                 prefix = ""
                 if not started:
@@ -136,6 +143,10 @@ async def stream_completion(
                     "finish_reason": finish,
                     "stop_reason": c.stop_reason if finish else None,
                 }
+                if ids_out:
+                    if not started:
+                        choice["prompt_token_ids"] = items[i][1]
+                    choice["token_ids"] = list(c.token_ids)
                 yield sse({**head, "choices": [choice]})
         if include_usage:
             prompt_tokens = sum(len(ids) for _, ids in items)

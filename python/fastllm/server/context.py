@@ -4,6 +4,7 @@ template)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +83,31 @@ class RouteContext:
             )
         return requested
 
+    def tokenizer(self, param: str, what: str) -> Any:
+        """The served model's tokenizer; a 400 naming ``param`` (``what``
+        needs it) when the server runs without one."""
+        if self.tok is None:
+            raise APIError(
+                f"{what} needs a tokenizer, and this server has none (--skip-tokenizer-init, "
+                "or --load-format dummy on a folder without tokenizer.json): send prompts "
+                "as token ids to /v1/completions",
+                400,
+                param=param,
+            )
+        return self.tok
+
+    def encoder(self, param: str) -> Callable[[str], list[int]]:
+        """``encode`` for a request's text prompts (``tokenizer``'s 400 when
+        there is no tokenizer)."""
+        return lambda text: self.tokenizer(param, "a text prompt").encode(text)
+
+    def vocab_size(self) -> int:
+        """The model's vocabulary (token ids below it are valid prompts)."""
+        model_config = getattr(self.llm, "model_config", None)
+        if model_config is not None:
+            return model_config.vocab_size
+        return self.tokenizer("prompt", "this route").vocab_size
+
     def check_request(
         self, ids: list[int], params: SamplingParams, where: str, fields: dict[str, str]
     ) -> None:
@@ -108,7 +134,8 @@ class RouteContext:
     def chat_template(self, requested: str | None) -> str:
         """The template a chat request renders with: its own, else the server's
         (--chat-template), else the model's; a 400 when there is none."""
-        template = requested or self.state.chat_template or self.tok.chat_template
+        model_template = self.tok.chat_template if self.tok is not None else None
+        template = requested or self.state.chat_template or model_template
         if template is None:
             raise APIError(
                 "this model has no chat template, so /v1/chat/completions cannot render "

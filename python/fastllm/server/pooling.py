@@ -260,7 +260,7 @@ def register(app: FastAPI, ctx: RouteContext) -> None:
         req = await read_model(raw, EmbeddingRequest, ctx.state.max_body_bytes)
         name = ctx.model_name(req.model)
         _needs(pool, "embed", "/v1/embeddings", name)
-        prompts = prompts_of(req.input, "input", ctx.tok.vocab_size)
+        prompts = prompts_of(req.input, "input", ctx.vocab_size())
         params = _params(
             dimensions=req.dimensions,
             normalize=req.normalize,
@@ -287,7 +287,7 @@ def register(app: FastAPI, ctx: RouteContext) -> None:
         req = await read_model(raw, ClassificationRequest, ctx.state.max_body_bytes)
         name = ctx.model_name(req.model)
         _needs(pool, "classify", "/classify", name)
-        prompts = prompts_of(req.input, "input", ctx.tok.vocab_size)
+        prompts = prompts_of(req.input, "input", ctx.vocab_size())
         params = _params(truncate_prompt_tokens=req.truncate_prompt_tokens)
         outs = await _await(raw, pool.classify(prompts, params), {})
         if outs is None:

@@ -259,6 +259,11 @@ class CompletionRequest(_Common):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's: each choice also gives ``prompt_token_ids`` and ``token_ids``
+    # (streamed: the prompt's in a choice's first chunk, then each chunk's
+    # new tokens). None: only when the server has no tokenizer, where the
+    # ids are the reply.
+    return_token_ids: bool | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts, each a string or a list of token ids."""

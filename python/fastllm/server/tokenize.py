@@ -46,10 +46,11 @@ def register(app: FastAPI, ctx: RouteContext) -> None:
         ctx.model_name(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of prompt and messages", 400, param="prompt")
+        tok = ctx.tokenizer("prompt" if req.messages is None else "messages", "/tokenize")
         if req.messages is not None:
-            ids = req.prompt_of_messages(ctx.tok, ctx.chat_template(None))[1]
+            ids = req.prompt_of_messages(tok, ctx.chat_template(None))[1]
         else:
-            ids = ctx.tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+            ids = tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
         return JSONResponse(
             {"count": len(ids), "max_model_len": ctx.state.max_model_len, "tokens": ids}
         )
@@ -58,8 +59,7 @@ def register(app: FastAPI, ctx: RouteContext) -> None:
     async def detokenize(raw: Request) -> JSONResponse:
         req = await read_model(raw, DetokenizeRequest, ctx.state.max_body_bytes)
         ctx.model_name(req.model)
-        model_config = getattr(ctx.llm, "model_config", None)
-        vocab = model_config.vocab_size if model_config is not None else ctx.tok.vocab_size
+        vocab = ctx.vocab_size()
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(
@@ -67,4 +67,4 @@ def register(app: FastAPI, ctx: RouteContext) -> None:
                 400,
                 param="tokens",
             )
-        return JSONResponse({"prompt": ctx.tok.decode(req.tokens)})
+        return JSONResponse({"prompt": ctx.tokenizer("tokens", "/detokenize").decode(req.tokens)})
