@@ -208,3 +208,84 @@ def test_bench_latency_runs_quantized(make_model, tmp_path):
     assert main(["bench", "latency", folder, *args, "-q", "int4", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["results"][0]["decode_tokens_per_s"] > 0
+
+
+def _tables(model) -> dict[str, tuple]:
+    """Every linear layer's quantized rows (dequantized by the kernel's own
+    lookup) and bias, by module name."""
+    import torch
+
+    out = {}
+    for name, m in model.named_modules():
+        packed = getattr(m, "packed", None)
+        if type(m).__name__ == "Linear" and isinstance(packed, _core.QuantizedLinear):
+            rows = torch.empty(packed.out_features, packed.in_features)
+            packed.embed(rows, torch.arange(packed.out_features))
+            out[name] = (packed.format, rows, None if m.bias is None else m.bias.detach().clone())
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "qwen2_moe", "lfm2_moe"])
+def test_folders_quantize_layer_by_layer_as_they_load(family, make_model, tmp_path, monkeypatch):
+    """``LLM(folder, quantization=...)`` quantizes each linear layer as the
+    loader reads it (``StreamingQuantizer``): the loader's state never holds
+    a float weight of a quantized layer (only the head's, left to
+    ``quantize_model``), and the model is the one quantized after a whole
+    float load: the same blocks, biases and logits."""
+    import torch
+
+    import test_hybrid_models
+    import test_moe_models
+    from fastllm.config import EngineConfig, ModelConfig
+    from fastllm.layers.linear import Linear
+    from fastllm.layers.quantization import quantize_model
+    from fastllm.loading import load
+    from fastllm.models import loader
+    from paged_helpers import PagedRunner
+
+    if family == "qwen2_moe":
+        folder = str(tmp_path / family)
+        test_moe_models.build(test_moe_models.CONFIGS[family], folder)
+    elif family == "lfm2_moe":
+        from test_models import _build
+
+        folder = str(tmp_path / family)
+        _build("", folder, 0, test_hybrid_models.CONFIGS[family])
+    else:
+        folder = make_model(family)
+    held: list[int] = []  # float linear weights in the loader's state, at each read
+    from fastllm.layers import quantization as q
+
+    real_offer = q.StreamingQuantizer.offer
+
+    def offer(self, pname, tensor, state):
+        real_offer(self, pname, tensor, state)
+        weights = [
+            k for k in state if k.rpartition(".")[0] in self.linears and k.endswith("weight")
+        ]
+        held.append(len(weights) + len(self.pending))
+
+    monkeypatch.setattr(q.StreamingQuantizer, "offer", offer)
+    fmt = "q8_0"
+    engine = EngineConfig(
+        model=folder, dtype="float32", quantization="int8", skip_tokenizer_init=True
+    )
+    streamed = load(engine, "cpu").model
+    assert held and max(held) <= 1  # at most one weight waits for its bias
+    config = ModelConfig.from_pretrained(folder)
+    whole = loader.load_model(config, folder, torch.float32, "cpu")
+    quantize_model(whole, fmt, config.vocab_size)
+    got, want = _tables(streamed), _tables(whole)
+    assert got.keys() == want.keys() and len(got) > 2
+    for name, (f, rows, bias) in want.items():
+        assert got[name][0] == f
+        assert torch.equal(got[name][1], rows), name
+        assert (bias is None and got[name][2] is None) or torch.equal(got[name][2], bias), name
+    assert all(m.weight is None for m in streamed.modules() if isinstance(m, Linear))
+    seqs = [[3, 17, 40, 5, 9], [8, 2]]
+    for a, b in zip(
+        PagedRunner(streamed, torch.float32).step(list(enumerate(seqs))),
+        PagedRunner(whole, torch.float32).step(list(enumerate(seqs))),
+        strict=True,
+    ):
+        assert torch.equal(a, b)

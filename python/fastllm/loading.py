@@ -188,8 +188,12 @@ class WeightSource(Protocol):
     def tokenizer(self) -> Tokenizer | None:
         """The tokenizer the source carries (None: the folder's ``tokenizer.json``)."""
 
-    def load_weights(self, mc: ModelConfig, dtype: torch.dtype, device: str) -> Any:
-        """The model with its weights, its op table bound."""
+    def load_weights(
+        self, mc: ModelConfig, dtype: torch.dtype, device: str, quantization: str | None = None
+    ) -> Any:
+        """The model with its weights, its op table bound; ``quantization``:
+        the source may quantize linear layers as it reads them (a folder
+        does), ``prepare_for_kernels`` finishes the rest."""
 
     def close(self) -> None:
         """Releases the source's files."""
@@ -209,10 +213,12 @@ class FolderSource:
     def tokenizer(self) -> Tokenizer | None:
         return None
 
-    def load_weights(self, mc: ModelConfig, dtype: torch.dtype, device: str) -> Any:
+    def load_weights(
+        self, mc: ModelConfig, dtype: torch.dtype, device: str, quantization: str | None = None
+    ) -> Any:
         from fastllm.models.loader import load_model
 
-        return load_model(mc, self.path, dtype, device, self.load_format)
+        return load_model(mc, self.path, dtype, device, self.load_format, quantization)
 
     def close(self) -> None:
         pass
@@ -246,7 +252,9 @@ class GGUFSource:
 
         return tokenizer_from_metadata(self.file.metadata, self.path)
 
-    def load_weights(self, mc: ModelConfig, dtype: torch.dtype, device: str) -> Any:
+    def load_weights(
+        self, mc: ModelConfig, dtype: torch.dtype, device: str, quantization: str | None = None
+    ) -> Any:
         from fastllm.gguf import load_gguf_model
 
         model, report = load_gguf_model(mc, self.file, dtype, device)
@@ -288,7 +296,7 @@ def load(config: EngineConfig, device: str) -> LoadedModel:
             check_architecture(mc, source.path)
             tokenizer = _tokenizer(config, source)
             dtype = resolve_dtype(config.dtype, device, mc.torch_dtype)
-            model = source.load_weights(mc, dtype, device)
+            model = source.load_weights(mc, dtype, device, quantization)
             packed = prepare_for_kernels(model, quantization, device, dtype, mc.vocab_size)
         finally:
             source.close()

@@ -192,6 +192,8 @@ def pack_linears(model: nn.Module, make=None) -> int:
             else:
                 module.pack(make(module.weight, module.bias))
                 total += module.packed.nbytes
+        elif isinstance(module, Linear) and module.packed is not None and not default:
+            total += module.packed.nbytes  # quantized by the loader as it read it
     model.packed_head = head
     if default:
         logger.info("packed %.1f MB of linear weights for the %s kernel", total / 1e6, head.path)

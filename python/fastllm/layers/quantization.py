@@ -85,18 +85,26 @@ def _kernel_input(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def quantize_model(model: nn.Module, fmt: str, vocab_size: int) -> int:
-    """Quantizes every ``Linear`` of ``model``, its head and its token
-    embedding (the ``Embedding`` of ``vocab_size`` rows) to ``fmt``; frees the
-    float weights and returns the bytes of quantized weights."""
-    from fastllm.layers.linear import Embedding, pack_linears
-
-    head_weight, _ = model.head_weights()
+def quantizer(fmt: str):
+    """``make(weight, bias)``: the ``_core.QuantizedLinear`` of a float
+    weight (and bias) in ``fmt``."""
 
     def make(weight: torch.Tensor, bias: torch.Tensor | None):
         b = None if bias is None else _kernel_input(bias)
         return _core.QuantizedLinear(_kernel_input(weight), b, format=fmt)
 
+    return make
+
+
+def quantize_model(model: nn.Module, fmt: str, vocab_size: int) -> int:
+    """Quantizes every ``Linear`` of ``model``, its head and its token
+    embedding (the ``Embedding`` of ``vocab_size`` rows) to ``fmt``; frees the
+    float weights and returns the bytes of quantized weights (those the
+    loader already quantized as it read them included: ``StreamingQuantizer``)."""
+    from fastllm.layers.linear import Embedding, pack_linears
+
+    head_weight, _ = model.head_weights()
+    make = quantizer(fmt)
     total = pack_linears(model, make)
     head = model.packed_head
     for module in model.modules():
@@ -108,3 +116,55 @@ def quantize_model(model: nn.Module, fmt: str, vocab_size: int) -> int:
                 total += module.quantized.nbytes
     logger.info("quantized %.1f MB of weights to %s for the %s kernel", total / 1e6, fmt, head.path)
     return total
+
+
+class StreamingQuantizer:
+    """Quantizes a model's linear layers while the loader reads them, so a
+    folder loaded with ``quantization=`` never holds all its float weights at
+    once (a Qwen3-30B-A3B folder in bf16 is 61 GB; quantized to int4 it is
+    17): each ``Linear`` weight read from the checkpoint (with its bias,
+    which comes right after it) becomes a ``_core.QuantizedLinear`` at once
+    and its float copy is dropped. Nothing is assigned to the model until
+    the loader has read everything (``adopt``); the head (``lm_head``, or
+    whichever layer ``head_weights`` names: an encoder's last) and the
+    embeddings are left to ``quantize_model``, which packs what is left."""
+
+    def __init__(self, model: nn.Module, fmt: str) -> None:
+        from fastllm.layers.linear import Linear
+
+        self.make = quantizer(fmt)
+        head_weight, _ = model.head_weights()
+        self.linears = {
+            name: m
+            for name, m in model.named_modules()
+            if isinstance(m, Linear) and name != "lm_head" and m.weight is not head_weight
+        }
+        self.pending: dict[str, torch.Tensor] = {}  # a weight waiting for its bias
+        self.packed: dict[str, object] = {}
+
+    def offer(self, pname: str, tensor: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """Takes parameter ``pname`` as read: a linear layer's weight is
+        quantized (once its bias, if any, has come too); anything else goes
+        into ``state`` for the model."""
+        module, _, kind = pname.rpartition(".")
+        linear = self.linears.get(module)
+        if linear is None or kind not in ("weight", "bias"):
+            state[pname] = tensor
+        elif kind == "weight" and linear.bias is not None:
+            self.pending[module] = tensor
+        elif kind == "weight":
+            self.packed[module] = self.make(tensor, None)
+        else:
+            state[pname] = tensor  # the module keeps its bias, as pack() does
+            self.packed[module] = self.make(self.pending.pop(module), tensor)
+
+    def adopt(self, model: nn.Module) -> None:
+        """Hands each quantized matrix to its layer (the float weight was never assigned)."""
+        if self.pending:
+            raise RuntimeError(f"linear weights without their bias: {sorted(self.pending)}")
+        for name, packed in self.packed.items():
+            self.linears[name].pack(packed)
+
+    def consumed(self) -> set[str]:
+        """The parameters ``adopt`` stands for (left out of the model's state)."""
+        return {f"{name}.weight" for name in self.packed}

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from fastllm.config import ModelConfig
+from fastllm.engine.model_runner import torch_threads
 from fastllm.layers.norm import LayerNorm, RMSNorm
 from fastllm.layers.ops import bind_ops, select_ops
 from fastllm.models import get_model_class
@@ -37,8 +38,13 @@ def load_model(
     dtype: torch.dtype,
     device: str | torch.device,
     load_format: str = "auto",
+    quantization: str | None = None,
 ) -> nn.Module:
-    """The model for ``config`` with its weights from ``folder`` (or random ones: "dummy")."""
+    """The model for ``config`` with its weights from ``folder`` (or random
+    ones: "dummy"); with ``quantization`` (a kernel format, CPU only), its
+    linear layers quantized as they are read (``StreamingQuantizer``: the
+    float model is never whole in memory), the head and embeddings left to
+    ``quantize_model``."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(
             f"load_format must be one of {', '.join(repr(f) for f in LOAD_FORMATS)}; got {load_format!r}"
@@ -47,12 +53,28 @@ def load_model(
     with torch.device("meta"):
         model = cls(config)
     device = torch.device(device)
-    if load_format == "dummy":
-        state = _dummy_state(model, dtype, device)
-    else:
-        with Checkpoint(folder) as ckpt:
-            state = _checkpoint_state(model, ckpt, dtype, device)
-    model.load_state_dict(state, strict=True, assign=True)
+    streaming = None
+    if quantization is not None:
+        from fastllm.layers.quantization import StreamingQuantizer
+
+        if device.type != "cpu":
+            raise ValueError(f"quantization={quantization!r} runs on the CPU, not {device}")
+        streaming = StreamingQuantizer(model, quantization)
+    # Streaming, torch's copies alternate with the quantizer's Rust team:
+    # torch's OpenMP workers spin after each copy on the cores the team
+    # needs (each quantization took twice as long), so torch runs on one thread.
+    with torch_threads(1 if streaming is not None else None):
+        if load_format == "dummy":
+            state = _dummy_state(model, dtype, device, streaming)
+        else:
+            with Checkpoint(folder) as ckpt:
+                state = _checkpoint_state(model, ckpt, dtype, device, streaming)
+    consumed = streaming.consumed() if streaming is not None else set()
+    missing, unexpected = model.load_state_dict(state, strict=not consumed, assign=True)
+    if set(missing) != consumed or unexpected:  # a bug, never a checkpoint's fault
+        raise RuntimeError(f"load: parameters missing {missing}, unexpected {unexpected}")
+    if streaming is not None:
+        streaming.adopt(model)
     bind_ops(model, select_ops(device, dtype))
     return model.eval()
 
@@ -240,9 +262,14 @@ def _source_tensor(ckpt: Checkpoint, name: str, spec: WeightSpec) -> torch.Tenso
 
 
 def _checkpoint_state(
-    model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device
+    model: nn.Module,
+    ckpt: Checkpoint,
+    dtype: torch.dtype,
+    device: torch.device,
+    streaming: Any = None,
 ) -> dict[str, torch.Tensor]:
-    """Every parameter read, fused and converted; nothing is assigned here."""
+    """Every parameter read, fused and converted (each offered to
+    ``streaming``, which may quantize it, when given); nothing is assigned here."""
     state: dict[str, torch.Tensor] = {}
     for pname, shape, spec, names in _plan(model, ckpt):
         if len(names) == 1:
@@ -251,20 +278,23 @@ def _checkpoint_state(
             # A tensor read from a safetensors file views the file's memory
             # map, and any one such tensor kept keeps the whole file mapped
             # (and counted in the process RSS): own a copy instead.
-            state[pname] = moved.clone() if moved.data_ptr() == t.data_ptr() else moved
-            continue
-        out = torch.empty(shape, dtype=dtype, device=device)
-        offset = 0
-        for name in names:
-            t = _source_tensor(ckpt, name, spec)
-            out[offset : offset + t.shape[0]].copy_(t)
-            offset += t.shape[0]
-        state[pname] = out
+            out = moved.clone() if moved.data_ptr() == t.data_ptr() else moved
+        else:
+            out = torch.empty(shape, dtype=dtype, device=device)
+            offset = 0
+            for name in names:
+                t = _source_tensor(ckpt, name, spec)
+                out[offset : offset + t.shape[0]].copy_(t)
+                offset += t.shape[0]
+        if streaming is None:
+            state[pname] = out
+        else:
+            streaming.offer(pname, out, state)
     return state
 
 
 def _dummy_state(
-    model: nn.Module, dtype: torch.dtype, device: torch.device
+    model: nn.Module, dtype: torch.dtype, device: torch.device, streaming: Any = None
 ) -> dict[str, torch.Tensor]:
     """Deterministic random weights: normal(0, 0.02), norms at 1, biases at 0."""
     norm_params = set()
@@ -282,5 +312,8 @@ def _dummy_state(
             t = torch.empty(param.shape, dtype=torch.float32, device="cpu")
             t.normal_(0.0, DUMMY_STD, generator=gen)
             t = t.to(device=device, dtype=dtype)
-        state[pname] = t
+        if streaming is None:
+            state[pname] = t
+        else:
+            streaming.offer(pname, t, state)
     return state
