@@ -641,3 +641,24 @@ def test_return_token_ids(oai, llm):
     assert c.token_ids == list(out.outputs[0].token_ids) and c.text == out.outputs[0].text
     plain = oai.completions.create(model=NAME, prompt=prompt, max_tokens=5, temperature=0)
     assert getattr(plain.choices[0], "token_ids", None) is None
+
+
+def test_chat_return_token_ids(oai, llm):
+    """``return_token_ids`` on chat: the rendered prompt's ids and the reply's,
+    equal to the offline engine's; streamed, the chunks' ``token_ids`` join
+    to the whole reply's and the first chunk carries the prompt's."""
+    ids, want = _offline(llm, CONVERSATION, 6)
+    kw = dict(model=NAME, messages=CONVERSATION, max_tokens=6, temperature=0)
+    kw["extra_body"] = {"return_token_ids": True}
+    whole = oai.chat.completions.create(**kw)
+    assert whole.prompt_token_ids == ids
+    assert whole.choices[0].token_ids == list(want.token_ids)
+    assert whole.choices[0].message.content == want.text
+    joined: list[int] = []
+    prompts = []
+    for chunk in oai.chat.completions.create(**kw, stream=True):
+        if getattr(chunk, "prompt_token_ids", None) is not None:
+            prompts.append(chunk.prompt_token_ids)
+        for c in chunk.choices:
+            joined += getattr(c, "token_ids", None) or []
+    assert prompts == [ids] and joined == list(want.token_ids)

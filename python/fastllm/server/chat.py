@@ -171,7 +171,7 @@ def register(app: FastAPI, ctx: RouteContext) -> None:
             setup.prompt_text, setup.prompt_ids, setup.params, setup.request_id
         )
         if req.stream:
-            body = stream_chat(gen, setup, created, req.include_usage, top_k)
+            body = stream_chat(gen, setup, created, req.include_usage, top_k, req.return_token_ids)
             return StreamingResponse(body, media_type="text/event-stream")
         try:
             out = await unless_disconnected(raw, last_output(gen))
@@ -181,16 +181,19 @@ def register(app: FastAPI, ctx: RouteContext) -> None:
             return Response(status_code=499)
         choices = [_choice(c, setup, top_k) for c in out.outputs]
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-        return JSONResponse(
-            {
-                "id": setup.request_id,
-                "object": "chat.completion",
-                "created": created,
-                "model": setup.name,
-                "choices": choices,
-                "usage": usage(len(setup.prompt_ids), completion_tokens),
-            }
-        )
+        body = {
+            "id": setup.request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": setup.name,
+            "choices": choices,
+            "usage": usage(len(setup.prompt_ids), completion_tokens),
+        }
+        if req.return_token_ids:
+            body["prompt_token_ids"] = list(setup.prompt_ids)
+            for choice, c in zip(choices, out.outputs, strict=True):
+                choice["token_ids"] = list(c.token_ids)
+        return JSONResponse(body)
 
 
 async def last_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput | None:
@@ -232,9 +235,12 @@ async def stream_chat(
     created: int,
     include_usage: bool,
     top_k: int,
+    ids_out: bool = False,
 ) -> AsyncIterator[str]:
     """The SSE chunks of a streamed chat reply: each choice's text goes
-    through a ReplyStream (reasoning_content, content and tool_calls deltas)."""
+    through a ReplyStream (reasoning_content, content and tool_calls deltas);
+    with ``ids_out`` the first chunk gives ``prompt_token_ids`` and each
+    output's new tokens ride on its first chunk as ``token_ids``."""
     params = setup.params
     streams = [ReplyStream(setup) for _ in range(params.n)]
 
@@ -254,14 +260,17 @@ async def stream_chat(
     try:
         for i in range(params.n):
             first = {"index": i, "delta": {"role": "assistant", "content": ""}}
-            yield chunk([{**first, "logprobs": None, "finish_reason": None}])
+            extra = {"prompt_token_ids": list(setup.prompt_ids)} if ids_out and i == 0 else {}
+            yield chunk([{**first, "logprobs": None, "finish_reason": None}], **extra)
         async for out in gen:
             for c in out.outputs:
                 text, finish = c.text, c.finish_reason
                 want_lp = params.logprobs is not None and c.logprobs is not None
                 completion_tokens += len(c.token_ids)
-                if not text and not finish and not (c.token_ids and want_lp):
+                new_ids = bool(c.token_ids) and (want_lp or ids_out)
+                if not text and not finish and not new_ids:
                     continue
+                ids = {"token_ids": list(c.token_ids)} if ids_out else {}
                 lp = chat_logprobs(c.token_ids, c.logprobs, top_k) if want_lp else None
                 rs = streams[c.index]
                 deltas = rs.add(text)
@@ -274,16 +283,25 @@ async def stream_chat(
                         finish = "tool_calls"
                 for d in deltas:
                     yield chunk(
-                        [{"index": c.index, "delta": d, "logprobs": lp, "finish_reason": None}]
+                        [
+                            {
+                                "index": c.index,
+                                "delta": d,
+                                "logprobs": lp,
+                                "finish_reason": None,
+                                **ids,
+                            }
+                        ]
                     )
-                    lp = None
-                if not finish and not lp:
+                    lp, ids = None, {"token_ids": []} if ids else {}
+                if not finish and not lp and not (ids and ids["token_ids"]):
                     continue
                 choice = {
                     "index": c.index,
                     "delta": {} if finish else {"content": ""},
                     "logprobs": lp,
                     "finish_reason": finish,
+                    **ids,
                 }
                 if finish:
                     choice["stop_reason"] = c.stop_reason

@@ -344,6 +344,10 @@ class ChatCompletionRequest(_Common):
     reasoning_effort: str | None = None
     # vLLM's: whether a reply with --reasoning-parser carries reasoning_content
     include_reasoning: bool = True
+    # vLLM's: the response also gives ``prompt_token_ids`` and each choice
+    # its ``token_ids`` (streamed: the prompt's in the first chunk, then each
+    # chunk's new tokens)
+    return_token_ids: bool = False
 
     def template_options(self) -> dict[str, Any]:
         """render_chat's keywords of this request."""
