@@ -41,6 +41,20 @@
    auto-adjusted to 8192 (block_multiple_of 256), tied head, 128000 positions.
    1.05B parameters: MLPs 0.81B, convolution blocks 0.17B, attention 0.06B (the
    real 65536-token embedding would make it 1.17B).
+9. Hybrid mixture-of-experts models (with --models naming them), random bf16
+   weights, the tokenizer's vocabulary, untied head:
+   qwen3.5-moe-random (--models=qwen3.5-moe), Qwen3_5MoeForCausalLM shaped like
+   Qwen3.5-35B-A3B scaled as qwen3-moe-random is: 24 layers of 1024, every 4th
+   gated attention (8 heads and 2 KV heads of 256, partial rotary 0.25), the
+   other 18 Gated DeltaNet (8 key and 16 value heads of 128, conv kernel 4),
+   every MLP 64 experts with 8 active (softmax, renormalised) of FFN 384 plus a
+   gated shared expert of 384. 2.05B parameters, 0.41B active per token.
+   lfm2-moe-random (--models=lfm2-moe), Lfm2MoeForCausalLM shaped like
+   LFM2-8B-A1B scaled down: 16 layers of 1024, attention at layers 2, 5, 8,
+   10, 12, 14 (16 heads and 4 KV heads of 64), short convolutions (3 taps)
+   elsewhere, the first 2 layers with a dense FFN of 3072, the other 14 with
+   32 experts, 4 active (sigmoid scores with an expert bias, renormalised) of
+   FFN 768. 1.17B parameters, 0.19B active per token.
 8. llama3.2-1b-random (with --models=llama3.2-1b): LlamaForCausalLM with Llama
    3.2 1B's shape: 16 layers of 2048, 32 heads and 8 KV heads of 64, FFN 8192,
    rope theta 500000 with Llama 3's frequency scaling (factor 32, low / high
@@ -48,7 +62,7 @@
    1e-5, tied head, 131072 positions; random bf16 weights, the tokenizer's
    vocabulary. 0.99B parameters: MLPs 0.81B, attention 0.17B (the real
    128256-token embedding would make it 1.24B).
-Usage: python benches/make_bench_model.py [OUT_DIR] [--models=qwen2,tiny,gemma3-1b,phi4-mini,bert-base,qwen3-embed,qwen3-moe,qwen3.5-2b,lfm2-1.2b,llama3.2-1b]
+Usage: python benches/make_bench_model.py [OUT_DIR] [--models=qwen2,tiny,gemma3-1b,phi4-mini,bert-base,qwen3-embed,qwen3-moe,qwen3.5-2b,lfm2-1.2b,llama3.2-1b,qwen3.5-moe,lfm2-moe]
 (default qwen2,tiny; needs torch, transformers, tokenizers; `pip install "fastllm[bench]"`
 has them)
 """
@@ -86,6 +100,8 @@ PHI4_DIR = os.path.join(ROOT, "phi4-mini-random")
 BERT_DIR = os.path.join(ROOT, "bert-base-random")
 QWEN3_EMBED_DIR = os.path.join(ROOT, "qwen3-embed-random")
 QWEN3_MOE_DIR = os.path.join(ROOT, "qwen3-moe-random")
+QWEN3_5_MOE_DIR = os.path.join(ROOT, "qwen3.5-moe-random")
+LFM2_MOE_DIR = os.path.join(ROOT, "lfm2-moe-random")
 QWEN3_5_DIR = os.path.join(ROOT, "qwen3.5-2b-random")
 LFM2_DIR = os.path.join(ROOT, "lfm2-1.2b-random")
 LLAMA3_2_DIR = os.path.join(ROOT, "llama3.2-1b-random")
@@ -231,6 +247,69 @@ def qwen3_moe(V, eos):
         max_position_embeddings=32768,
         rope_theta=1000000.0,
         rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
+
+
+def qwen3_5_moe(V, eos):
+    from transformers import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(
+        vocab_size=V,
+        hidden_size=1024,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        full_attention_interval=4,
+        linear_num_key_heads=8,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=64,
+        num_experts_per_tok=8,
+        moe_intermediate_size=384,
+        shared_expert_intermediate_size=384,
+        max_position_embeddings=32768,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
+
+
+def lfm2_moe(V, eos):
+    from transformers import Lfm2MoeConfig
+
+    attention = [2, 5, 8, 10, 12, 14]
+    return Lfm2MoeConfig(
+        vocab_size=V,
+        hidden_size=1024,
+        intermediate_size=3072,
+        moe_intermediate_size=768,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        layer_types=["full_attention" if i in attention else "conv" for i in range(16)],
+        conv_L_cache=3,
+        num_dense_layers=2,
+        num_experts=32,
+        num_experts_per_tok=4,
+        use_expert_bias=True,
+        norm_topk_prob=True,
+        max_position_embeddings=128000,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        norm_eps=1e-5,
         tie_word_embeddings=False,
         bos_token_id=eos,
         eos_token_id=eos,
@@ -426,6 +505,8 @@ def main():
         ("qwen3.5-2b", QWEN3_5_DIR, qwen3_5_2b),
         ("lfm2-1.2b", LFM2_DIR, lfm2_1_2b),
         ("llama3.2-1b", LLAMA3_2_DIR, llama3_2_1b),
+        ("qwen3.5-moe", QWEN3_5_MOE_DIR, qwen3_5_moe),
+        ("lfm2-moe", LFM2_MOE_DIR, lfm2_moe),
     ):
         if name in MODELS:
             save_large(make(V, eos), folder, tok, eos)

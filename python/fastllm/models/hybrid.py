@@ -20,7 +20,15 @@
   with per-head q/k norms; SwiGLU MLPs whose width follows
   ``block_auto_adjust_ff_dim``; the final norm is ``embedding_norm``.
 
-Both run layer by layer (the fused CPU decoder stack declines them:
+* **Qwen3.5-MoE** (``Qwen3_5MoeForCausalLM``, and the text part of
+  ``Qwen3_5MoeForConditionalGeneration`` checkpoints) and **LFM2-MoE**
+  (``Lfm2MoeForCausalLM``): the same layers with sparse MLPs
+  (``layers/moe.py``): Qwen3.5-MoE's every MLP softmax top-k experts and a
+  gated shared expert; LFM2-MoE's after the first ``num_dense_layers``
+  sigmoid-scored experts chosen with an ``expert_bias``, renormalised and
+  scaled by ``routed_scaling_factor``.
+
+All run layer by layer (the fused CPU decoder stack declines them:
 ``llama_stack.why_not``) with the model's op table for every kernel.
 """
 
@@ -41,7 +49,7 @@ from fastllm.layers.moe import SparseMoeBlock
 from fastllm.layers.norm import RMSNorm, ZeroCenteredRMSNorm
 from fastllm.layers.ops import TORCH_OPS
 from fastllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
-from fastllm.models.moe import expert_weight_specs, moe_flags, sparse_block
+from fastllm.models.moe import expert_weight_specs, is_sparse, moe_flags, sparse_block
 from fastllm.models.weights import WeightSpec
 
 
@@ -202,9 +210,7 @@ class Qwen3_5DecoderLayer(Module):
         else:
             self.linear_attn, self.self_attn = None, GatedAttention(config, layer, eps)
         self.mlp: Module = (
-            sparse_block(config, flags)
-            if flags.get("sparse_layers", ())[layer : layer + 1] == (True,)
-            else LlamaMLP.of(config, False)
+            sparse_block(config, flags) if is_sparse(flags, layer) else LlamaMLP.of(config, False)
         )
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps)
@@ -369,7 +375,7 @@ class Lfm2DecoderLayer(Module):
         else:
             self.conv = None
             self.self_attn = LlamaAttention(config, layer, False, False, True, eps)
-        if flags.get("sparse_layers", ())[layer : layer + 1] == (True,):
+        if is_sparse(flags, layer):
             self.feed_forward: Module = sparse_block(config, flags, "silu")
         else:
             width = flags.get("dense_intermediate") or lfm2_intermediate_size(config)

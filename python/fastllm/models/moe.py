@@ -145,6 +145,13 @@ def expert_weight_specs(
     return specs
 
 
+def is_sparse(flags: dict[str, Any], layer: int) -> bool:
+    """Whether layer ``layer``'s MLP is a sparse block (``moe_flags``'
+    ``sparse_layers``; a dense family's flags have none)."""
+    layers = flags.get("sparse_layers")
+    return bool(layers) and bool(layers[layer])
+
+
 def sparse_block(
     config: ModelConfig, flags: dict[str, Any], act: str | None = None
 ) -> SparseMoeBlock:
