@@ -42,19 +42,21 @@
    1.05B parameters: MLPs 0.81B, convolution blocks 0.17B, attention 0.06B (the
    real 65536-token embedding would make it 1.17B).
 9. Hybrid mixture-of-experts models (with --models naming them), random bf16
-   weights, the tokenizer's vocabulary, untied head:
+   weights, the tokenizer's vocabulary:
    qwen3.5-moe-random (--models=qwen3.5-moe), Qwen3_5MoeForCausalLM shaped like
    Qwen3.5-35B-A3B scaled as qwen3-moe-random is: 24 layers of 1024, every 4th
    gated attention (8 heads and 2 KV heads of 256, partial rotary 0.25), the
    other 18 Gated DeltaNet (8 key and 16 value heads of 128, conv kernel 4),
    every MLP 64 experts with 8 active (softmax, renormalised) of FFN 384 plus a
-   gated shared expert of 384. 2.05B parameters, 0.41B active per token.
+   gated shared expert of 384, untied head. 2.05B parameters, 0.41B active
+   per token.
    lfm2-moe-random (--models=lfm2-moe), Lfm2MoeForCausalLM shaped like
    LFM2-8B-A1B scaled down: 16 layers of 1024, attention at layers 2, 5, 8,
    10, 12, 14 (16 heads and 4 KV heads of 64), short convolutions (3 taps)
    elsewhere, the first 2 layers with a dense FFN of 3072, the other 14 with
    32 experts, 4 active (sigmoid scores with an expert bias, renormalised) of
-   FFN 768. 1.17B parameters, 0.19B active per token.
+   FFN 768, tied head (llama.cpp's converter cannot write an untied LFM2-MoE
+   head). 1.14B parameters, 0.18B active per token.
 8. llama3.2-1b-random (with --models=llama3.2-1b): LlamaForCausalLM with Llama
    3.2 1B's shape: 16 layers of 2048, 32 heads and 8 KV heads of 64, FFN 8192,
    rope theta 500000 with Llama 3's frequency scaling (factor 32, low / high
@@ -310,7 +312,7 @@ def lfm2_moe(V, eos):
         max_position_embeddings=128000,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         norm_eps=1e-5,
-        tie_word_embeddings=False,
+        tie_word_embeddings=True,
         bos_token_id=eos,
         eos_token_id=eos,
         pad_token_id=eos,
