@@ -100,20 +100,33 @@ _body = st.text(alphabet="ab <>|/\nmesagchnl", max_size=14).filter(
 
 
 def _harmony(messages: list[tuple[str, str, str]]) -> str:
-    """Messages (channel, body, end marker) as a reply in harmony's format."""
+    """Messages (channel, body, end marker) as a reply in harmony's format;
+    the channel ``call`` is a commentary message to a function (its recipient
+    before the channel, or after it with a ``<|constrain|>``)."""
     out = []
     for i, (channel, body, end) in enumerate(messages):
         head = "" if i == 0 else "<|start|>assistant"
-        recipient = " to=functions.f <|constrain|>json" if channel == "commentary" else ""
-        out.append(f"{head}<|channel|>{channel}{recipient}<|message|>{body}{end}")
+        if channel == "call" and i % 2:
+            head, channel = f"{head} to=functions.f_{i}", "commentary json"
+        elif channel == "call":
+            channel = f"commentary to=functions.f_{i} <|constrain|>json"
+        out.append(f"{head}<|channel|>{channel}<|message|>{body}{end}")
     return "".join(out)
+
+
+def _answer_part(i: int, channel: str, body: str) -> str:
+    """What message ``i`` adds to the answer: its body, a function call's as
+    the Hermes call the tool parser reads."""
+    if channel != "call":
+        return body
+    return f'<tool_call>\n{{"name": "f_{i}", "arguments": {body}}}\n</tool_call>'
 
 
 @settings(max_examples=300, deadline=None)
 @given(
     messages=st.lists(
         st.tuples(
-            st.sampled_from(["analysis", "final", "commentary"]),
+            st.sampled_from(["analysis", "final", "commentary", "call"]),
             _body,
             st.sampled_from(HARMONY_END),
         ),
@@ -124,7 +137,8 @@ def _harmony(messages: list[tuple[str, str, str]]) -> str:
 )
 def test_harmony_split_and_stream(messages, cuts):
     """The analysis channel is the reasoning, the other channels the answer,
-    the markup removed; streamed deltas (cut anywhere) join to the whole."""
+    the markup removed, a function call as a Hermes call; streamed deltas
+    (cut anywhere) join to the whole."""
     for i, (channel, body, end) in enumerate(messages[:-1]):
         messages[i] = (channel, body, end or "<|end|>")  # only the last may be cut off
     parser = reasoning_parser("openai_gptoss")
@@ -132,8 +146,50 @@ def test_harmony_split_and_stream(messages, cuts):
     whole = parser.split(text)
     assert _streamed(parser, text, None, cuts) == whole
     reasoning = "".join(b for c, b, _ in messages if c == "analysis")
-    answer = "".join(b for c, b, _ in messages if c != "analysis")
+    answer = "".join(
+        _answer_part(i, c, b) for i, (c, b, _) in enumerate(messages) if c != "analysis"
+    )
     assert whole == (reasoning or None, answer or None)
+
+
+def test_harmony_function_calls_become_tool_calls():
+    """gpt-oss's calls (``to=functions.NAME``, JSON arguments, ``<|call|>``)
+    reach the ``openai`` tool format as calls, streamed or whole: the
+    reasoning first, then a preamble in the commentary channel as content,
+    then each call with its name and arguments."""
+    from fastllm.server.tools import Tool, ToolStream, parse_as, parse_reply
+
+    parser = reasoning_parser("openai_gptoss")
+    tools = [Tool("get_weather", {"type": "object"}), Tool("add", {"type": "object"})]
+    reply = (
+        "<|channel|>analysis<|message|>Need the weather.<|end|>"
+        "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>"
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+        '<|message|>{"city": "Paris", "unit": "C"}<|call|>'
+        '<|start|>assistant to=functions.add<|channel|>commentary json<|message|>{"a": 1}<|call|>'
+    )
+    reasoning, content = parser.split(reply)
+    assert reasoning == "Need the weather."
+    text, calls = parse_reply(content, parse_as("openai"), tools)
+    assert text == "Checking."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "C"}),
+        ("add", {"a": 1}),
+    ]
+    for cut in (1, 3, 7):
+        split, stream = parser.stream(), ToolStream(parse_as("openai"), tools, False)
+        deltas = []
+        for k in range(0, len(reply), cut):
+            deltas += stream.add(split.add(reply[k : k + cut])[1])
+        deltas += stream.add(split.finish()[1])
+        last, called = stream.finish()
+        deltas += last
+        assert called
+        names = [d["tool_calls"][0]["function"].get("name") for d in deltas if "tool_calls" in d]
+        assert [n for n in names if n] == ["get_weather", "add"]
+    # arguments cut off by max_tokens stay text, never a call
+    cut_off = parser.split('<|channel|>commentary to=functions.add<|message|>{"a": ')[1]
+    assert parse_reply(cut_off, "hermes", tools)[1] == []
 
 
 def test_harmony_edges():

@@ -426,6 +426,12 @@ TEMPLATES = [
         " + message['content'] | trim + '<|eot_id|>' %}",
     ),
     ("json", "{{ tools | tojson }} Call a tool with its name and parameters as JSON."),
+    (  # gpt-oss (harmony): a call is a commentary message to the function
+        "openai",
+        "{%- for m in messages %}<|start|>{{ m.role }}<|channel|>commentary"
+        "{% if m.tool_calls %} to=functions.{{ m.tool_calls[0].function.name }}{% endif %}"
+        "<|message|>{{ m.content }}<|end|>{% endfor %}",
+    ),
 ]
 
 
@@ -444,6 +450,16 @@ def test_tool_call_parser_names():
     assert {f for f in FORMATS if needs_special_tokens(f)} == {"llama3_json", "mistral", "granite"}
     with pytest.raises(ValueError, match="--tool-call-parser"):
         call_format("<tool_call>", "hermes2")
+
+
+def test_openai_parser_needs_the_harmony_reasoning_parser():
+    """``--tool-call-parser openai`` without ``--reasoning-parser openai_gptoss``
+    (which turns harmony calls into what the parser reads) is refused."""
+    from fastllm.config import EngineConfig
+    from fastllm.server.app import create_app
+
+    with pytest.raises(ValueError, match="needs --reasoning-parser openai_gptoss"):
+        create_app(EngineConfig(model="unused"), tool_call_parser="openai")
 
 
 def test_serve_takes_tool_call_parser(monkeypatch, capsys):

@@ -15,8 +15,13 @@ Both parsers read ``<think>…</think>`` blocks:
 of messages ``<|channel|>NAME<|message|>BODY<|end|>`` (each after the
 first opened by ``<|start|>assistant``); the ``analysis`` channel is the
 reasoning and the ``final`` and ``commentary`` channels the answer, with the
-markup removed. Its markers are special tokens, so an engine with this parser
-decodes replies with ``skip_special_tokens=False`` (``keeps_special_tokens``).
+markup removed. A message addressed to a function (``to=functions.NAME`` in
+its header, the body the call's JSON arguments, ended by ``<|call|>``) is a
+tool call: it goes into the answer as a Hermes-style call,
+``<tool_call>{"name": "NAME", "arguments": BODY}</tool_call>``, which the
+server's ``openai`` tool-call format reads (``server/tools.py``). Its
+markers are special tokens, so an engine with this parser decodes replies
+with ``skip_special_tokens=False`` (``keeps_special_tokens``).
 
 Thinking that never closes (``max_tokens`` ran out) is all reasoning. The
 reasoning is the text between the tags without the whitespace that borders
@@ -27,6 +32,8 @@ the whole text, so streamed deltas always join to the whole reply's fields.
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 
 
@@ -195,6 +202,11 @@ _MESSAGE, _CHANNEL, _START = "<|message|>", "<|channel|>", "<|start|>"
 # What ends a message's body: the message's end, the reply's end, a tool
 # call's end, or the next message's header.
 _BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>", _START)
+# A header's recipient when the message calls a function (``to=functions.NAME``,
+# before or after the channel).
+_RECIPIENT = re.compile(r"\bto=functions\.([^\s<]+)")
+# A function call as the answer carries it (the Hermes markup of ``server/tools.py``).
+CALL_OPEN, CALL_CLOSE = "<tool_call>\n", "}\n</tool_call>"
 
 
 class HarmonyStream(_Splitter):
@@ -211,6 +223,7 @@ class HarmonyStream(_Splitter):
         self._buf = ""
         self._channel: str | None = None
         self._seen_message = False
+        self._call = False  # the current body is a function call's arguments
 
     @property
     def thinking_done(self) -> bool:
@@ -234,23 +247,38 @@ class HarmonyStream(_Splitter):
                     if final:
                         self._buf = ""  # a header cut off: nothing to show
                     break
-                self._channel = _channel_of(self._buf[:i])
+                header = self._buf[:i]
+                self._channel = _channel_of(header)
                 self._buf = self._buf[i + len(_MESSAGE) :]
                 self._seen_message = True
                 self.phase = "body"
+                recipient = _RECIPIENT.search(header)
+                self._call = recipient is not None
+                if recipient is not None:
+                    name = json.dumps(recipient.group(1))
+                    content.append(f'{CALL_OPEN}{{"name": {name}, "arguments": ')
             ends = [(j, m) for m in _BODY_ENDS if (j := self._buf.find(m)) >= 0]
-            out = reasoning if self._channel == "analysis" else content
+            out = content if self._call or self._channel != "analysis" else reasoning
             if ends:
                 j, marker = min(ends)
                 out.append(self._buf[:j])
                 self._buf = self._buf[j + (0 if marker == _START else len(marker)) :]
+                self._close_call(content)
                 self.phase = "header"
                 continue
             hold = 0 if final else max(_partial_suffix(self._buf, m) for m in _BODY_ENDS)
             out.append(self._buf[: len(self._buf) - hold])
             self._buf = self._buf[len(self._buf) - hold :]
+            if final:
+                self._close_call(content)  # arguments cut off: the parser keeps them as text
             break
         return "".join(reasoning), "".join(content)
+
+    def _close_call(self, content: list[str]) -> None:
+        """Ends the function call the body was, if it was one."""
+        if self._call:
+            content.append(CALL_CLOSE)
+            self._call = False
 
     def _may_be_header(self, final: bool) -> bool:
         """Whether the reply (nothing sent yet) starts, or may start, with a header."""

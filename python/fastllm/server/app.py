@@ -79,6 +79,11 @@ def create_app(
     from fastllm.server.tools import check_tool_call_parser
 
     tool_call_parser = check_tool_call_parser(tool_call_parser)
+    if tool_call_parser == "openai" and engine_args.reasoning_parser != "openai_gptoss":
+        raise ValueError(
+            "--tool-call-parser openai (gpt-oss's harmony calls) needs --reasoning-parser "
+            f"openai_gptoss, which reads the harmony messages; got {engine_args.reasoning_parser!r}"
+        )
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
     if isinstance(served_model_name, str):

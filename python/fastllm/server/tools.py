@@ -14,6 +14,9 @@ The call formats carry vLLM's ``--tool-call-parser`` names (``FORMATS``):
   ``<parameter=P>`` text block a parameter + ``</function>`` + ``</tool_call>``;
 - ``granite`` (Granite 3.x): ``<|tool_call|>[{"name": ..., "arguments": {...}}, ...]``;
 - ``phi4_mini_json`` (Phi-4-mini): ``functools[{"name": ..., "arguments": {...}}, ...]``;
+- ``openai`` (gpt-oss): harmony messages addressed ``to=functions.NAME``,
+  which the ``openai_gptoss`` reasoning parser turns into Hermes calls
+  (``reasoning.HarmonyStream``), read as ``hermes`` from there (``parse_as``);
 - ``json``: the call's JSON object alone, for templates that write none of these.
 
 ``call_format`` reads which one from the chat template (or takes the server's
@@ -139,6 +142,18 @@ def resolve_tool_choice(choice: Any, tools: list[Tool]) -> str | Tool:
     raise APIError(f"tool_choice names {name!r}, which is not in tools", 400, param="tool_choice")
 
 
+# Formats read with another's parser: gpt-oss's harmony calls reach the
+# tool parser as Hermes calls (the reasoning parser rewrites them).
+_PARSE_AS = {"openai": "hermes"}
+# What a gpt-oss (harmony) chat template writes for a function call.
+_HARMONY_TEMPLATE = re.compile(r"<\|channel\|>.*to=functions\.", re.DOTALL)
+
+
+def parse_as(fmt: str) -> str:
+    """The format whose parser reads replies of ``fmt`` (itself but for ``openai``)."""
+    return _PARSE_AS.get(fmt, fmt)
+
+
 def check_tool_call_parser(name: str | None) -> str:
     """``name`` (``--tool-call-parser``; None: ``auto``) if it is one of
     TOOL_CALL_PARSERS, else a ValueError naming the flag and the choices."""
@@ -161,6 +176,8 @@ def call_format(chat_template: str | None, parser: str | None = None) -> str:
     if chosen != "auto":
         return chosen
     t = chat_template or ""
+    if _HARMONY_TEMPLATE.search(t):
+        return "openai"
     if MISTRAL_CALLS in t:
         return "mistral"
     if PHI4_CALLS in t or "functools marker" in t:
@@ -208,6 +225,7 @@ def forced_call_constraint(tools: list[Tool], fmt: str) -> StructuredOutputsPara
     same text). A forced ``llama3_json`` call has no ``<|python_tag|>`` (the
     Llama 3 templates ask for the JSON alone); a forced ``mistral`` call may
     take either form, so each model version writes its own."""
+    fmt = parse_as(fmt)
     if fmt in ("json", "llama3_json"):
         schema = _call_schema(tools, "parameters" if fmt == "llama3_json" else "arguments")
         return StructuredOutputsParams(json=schema, whitespace_pattern=_CALL_WHITESPACE)
@@ -328,6 +346,7 @@ def _unknown_or_malformed(call: ParsedCall | None, names: set[str]) -> str:
 def parse_reply(text: str, fmt: str, tools: list[Tool]) -> tuple[str | None, list[ParsedCall]]:
     """A finished reply as (content or None, tool calls); a malformed call or
     one to an unknown tool stays content, with a warning in the log."""
+    fmt = parse_as(fmt)
     names = {t.name for t in tools}
     if fmt in _REGIONS:
         pieces, found = _parse_regions(text, fmt, tools, final=True)
@@ -690,6 +709,9 @@ class ToolStream:
     sent_content: int = 0
     ids: list[str] = field(default_factory=list)
     sent_args: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.fmt = parse_as(self.fmt)
 
     def _call_region(self) -> int | None:
         """Where the first call starts in the text (None: no call has begun)."""
