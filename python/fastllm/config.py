@@ -99,7 +99,13 @@ _FAMILY_DEFAULTS["qwen3_5_text"] = {
     "rms_norm_eps": 1e-6,
     "max_position_embeddings": 32768,
 }
-_FAMILY_DEFAULTS["qwen3_5_moe_text"] = _FAMILY_DEFAULTS["qwen3_5_text"]
+_FAMILY_DEFAULTS["qwen3_5_moe_text"] = {
+    **_FAMILY_DEFAULTS["qwen3_5_text"],
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+}
 _FAMILY_DEFAULTS["lfm2"] = {
     "rope_theta": 1_000_000.0,
     "max_position_embeddings": 128_000,
@@ -107,6 +113,10 @@ _FAMILY_DEFAULTS["lfm2"] = {
 }
 _FAMILY_DEFAULTS["lfm2_moe"] = {
     **_FAMILY_DEFAULTS["lfm2"],
+    "intermediate_size": 7168,
+    "moe_intermediate_size": 1792,
+    "num_experts": 32,
+    "num_experts_per_tok": 4,
     "num_dense_layers": 2,
     "use_expert_bias": True,
     "norm_topk_prob": True,
