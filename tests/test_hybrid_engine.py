@@ -15,7 +15,7 @@ from test_models import _build, _one_thread, _sequences  # noqa: E402, F401
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "lfm2"])
+@pytest.fixture(scope="module", params=["qwen3_5", "lfm2", "qwen3_5_moe", "lfm2_moe"])
 def folder(request, tmp_path_factory: pytest.TempPathFactory) -> str:
     path = str(tmp_path_factory.mktemp(request.param))
     _build("", path, 0, CONFIGS[request.param])
