@@ -17,7 +17,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use fastllm::cpu::{Element, IntPath, Src};
 use fastllm::gemm::PackedWeight;
 use fastllm::linear::{self, LinearWeight};
-use fastllm::moe::{route, ExpertAct, Experts, Scoring};
+use fastllm::moe::{route, ExpertAct, Experts, Rule, Scoring};
 use fastllm::quant::{QuantFormat, QuantWeight};
 use half::bf16;
 
@@ -116,15 +116,14 @@ fn bench_route(c: &mut Criterion) {
             .collect();
         let mut ids = vec![0i32; tokens * TOP_K];
         let mut weights = vec![0f32; tokens * TOP_K];
+        let rule = Rule::new(TOP_K, Scoring::Softmax, true);
         group.bench_with_input(BenchmarkId::new("softmax", tokens), &tokens, |b, &t| {
             b.iter(|| {
                 route(
                     black_box(&logits),
                     t,
                     EXPERTS,
-                    TOP_K,
-                    Scoring::Softmax,
-                    true,
+                    &rule,
                     &mut ids,
                     &mut weights,
                 )

@@ -37,13 +37,6 @@ class PagedRunner:
             # NaN-filled so that reading a slot never written is caught by the comparison.
             layer.k_cache = torch.full(shape, float("nan"), dtype=dtype, device=self.device)
             layer.v_cache = torch.full(shape, float("nan"), dtype=dtype, device=self.device)
-        # As the engine's model runner: a packed CPU Llama-family model runs its
-        # decoder layers as one Rust stack (``fuse=False`` keeps them one by one).
-        self.fused = False
-        if fuse and hasattr(model, "fuse_decoder_layers"):
-            self.fused = model.fuse_decoder_layers()
-        elif hasattr(model, "decoder_stack"):
-            model.decoder_stack = None
         self.free = list(range(1, num_blocks))  # block 0 only pads block tables
         random.Random(seed).shuffle(self.free)
         self.blocks: dict[int, list[int]] = {}
@@ -58,6 +51,14 @@ class PagedRunner:
                 for shape, dt in layer.state_shapes(dtype)
             ]
             self.states.extend(layer.states)
+        # As the engine's model runner, once the caches and states exist: a
+        # packed CPU model of a fused family runs its decoder layers as one Rust
+        # stack (``fuse=False`` keeps them one by one).
+        self.fused = False
+        if fuse and hasattr(model, "fuse_decoder_layers"):
+            self.fused = model.fuse_decoder_layers()
+        elif hasattr(model, "decoder_stack"):
+            model.decoder_stack = None
 
     def step(self, chunks: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
         """Runs one step; ``chunks`` are (sequence id, new tokens); returns logits per chunk."""

@@ -38,7 +38,21 @@ pytestmark = pytest.mark.skipif(
 # with a dense layer between sparse ones, Qwen2-MoE with a shared expert,
 # Mixtral with a window, Granite MoE with Granite's multipliers.
 MOE_NAMES = ["qwen3_moe", "qwen2_moe", "mixtral", "granitemoe"]
-NAMES = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "phi3", "granite", *MOE_NAMES]
+# LFM2's short-convolution layers beside its attention layers
+# (``tests/test_hybrid_models.py``'s configs: one attention layer or two,
+# convolution biases, an MoE version with a dense layer first).
+LFM2_NAMES = ["lfm2", "lfm2_bias", "lfm2_moe", "lfm2_moe_plain"]
+NAMES = [
+    "llama",
+    "llama3-rope",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "granite",
+    *MOE_NAMES,
+    *LFM2_NAMES,
+]
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +69,10 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             config = copy.deepcopy(MOE_CONFIGS[name])
             config.vocab_size = VOCAB
             build_moe(config, folder, seed=5)
+        elif name in LFM2_NAMES:
+            from test_hybrid_models import CONFIGS as HYBRID_CONFIGS
+
+            _build("", folder, 5, HYBRID_CONFIGS[name])
         else:
             _build(name, folder, seed=5)
         out[name] = folder
@@ -200,7 +218,7 @@ def test_bad_stacks_and_steps_are_clear_errors(folders) -> None:
         ({"q_norm": torch.ones(c.head_dim)}, r"q_norm, k_norm: give both or neither"),
         (
             {"key_cache": good[0]["key_cache"]},
-            r"layers\[1\]: its KV cache shares memory with layer 0",
+            r"layers\[1\]: its KV cache or state shares memory with layer 0",
         ),
         ({"value_cache": torch.zeros(3, 2, 4, 64)}, r"value_cache: shape .* must match key_cache"),
     ]
@@ -245,7 +263,7 @@ def test_every_fused_architecture_is_checked_here(folders) -> None:
 
     checked = {ModelConfig.from_pretrained(folders[n]).architecture for n in NAMES}
     assert checked >= FUSED_ARCHITECTURES
-    modules = ("fastllm.models.llama", "fastllm.models.moe")
+    modules = ("fastllm.models.llama", "fastllm.models.moe", "fastllm.models.hybrid")
     family = {a for a, (module, _) in ARCHITECTURES.items() if module in modules}
     assert family >= FUSED_ARCHITECTURES
 

@@ -20,7 +20,13 @@
 //! or, in a mixture-of-experts layer (Qwen3-MoE, Mixtral), `x = x + moe(h)`
 //! with the router, routing and grouped experts of `moe::SparseMlp`.
 //!
-//! where every `+` rounds to the element type, as torch's `x + y` does.
+//! A layer's mixer may instead be LFM2's short convolution ([`ShortConv`]):
+//!
+//! ```text
+//! b, c, v = h W_in ; y = causal_conv1d(b * v, state) ; x = x + (c * y) W_out
+//! ```
+//!
+//! where every `+` and `*` rounds to the element type, as torch's does.
 
 use crate::attention::{cache_and_attend, BatchLayout, CacheShape, KvCacheMut};
 use crate::cpu::Element;
@@ -28,6 +34,7 @@ use crate::error::{CoreError, CoreResult};
 use crate::layers::{qkv_rotary, rms_norm, silu_and_mul, QkvShape};
 use crate::linear::LinearWeight;
 use crate::moe::SparseMlp;
+use crate::recurrent::{causal_conv1d, ConvShape, Packed};
 
 /// The sizes every layer of a model shares.
 #[derive(Clone, Copy, Debug)]
@@ -54,20 +61,45 @@ impl DecoderShape {
     }
 }
 
-/// One decoder layer's weights and KV cache.
+/// One decoder layer's weights, and its KV cache or recurrent state.
 pub struct DecoderLayer<'a, T> {
     pub input_norm: &'a [T],
     pub post_norm: &'a [T],
+    pub mixer: Mixer<'a, T>,
+    pub mlp: Mlp<'a>,
+}
+
+/// What mixes a layer's tokens: paged attention, or LFM2's short convolution.
+pub enum Mixer<'a, T> {
+    Attention(Attention<'a, T>),
+    ShortConv(ShortConv<'a, T>),
+}
+
+/// An attention mixer's weights and KV cache.
+pub struct Attention<'a, T> {
     /// Qwen3's per-head RMSNorm of q and k (both or neither).
     pub qk_norm: Option<(&'a [T], &'a [T])>,
     pub qkv: &'a LinearWeight,
     pub o: &'a LinearWeight,
-    pub mlp: Mlp<'a>,
     /// Float rows of `T`, or 8-bit rows with their scales (`kv_cache_dtype="int8"`).
     pub key_cache: KvCacheMut<'a, T>,
     pub value_cache: KvCacheMut<'a, T>,
     /// Keys within this many positions, or 0 for all.
     pub sliding_window: i64,
+}
+
+/// LFM2's short-convolution mixer: `in_proj` [3H, H] (b, c and v rows),
+/// a depthwise causal convolution of `taps` (`weight` [H, taps], optional
+/// `bias` [H]) whose last `taps - 1` inputs per sequence live in `state`
+/// ([slots, H, taps - 1], the slot of each sequence given per step), and
+/// `out_proj` [H, H].
+pub struct ShortConv<'a, T> {
+    pub in_proj: &'a LinearWeight,
+    pub weight: &'a [T],
+    pub bias: Option<&'a [T]>,
+    pub out_proj: &'a LinearWeight,
+    pub state: &'a mut [T],
+    pub taps: usize,
 }
 
 /// A layer's MLP: Llama's gated SiLU MLP (gate/up fused), or a mixture of
@@ -91,6 +123,8 @@ pub struct StepInputs<'a, T> {
     pub slot_mapping: &'a [i64],
     pub batch: BatchLayout<'a>,
     pub cache: CacheShape,
+    /// `[num_seqs]`: each sequence's recurrent-state slot (convolution layers).
+    pub state_slots: &'a [i64],
 }
 
 /// Checks the weights of layer `index` against the model's shape (no
@@ -101,10 +135,44 @@ pub fn check_layer<T>(
     index: usize,
 ) -> CoreResult<()> {
     let s = shape;
-    let mut linears = vec![
-        ("qkv", layer.qkv, s.hidden, s.qkv_width()),
-        ("o", layer.o, s.heads * s.head_dim, s.hidden),
-    ];
+    let mut linears = Vec::with_capacity(4);
+    let mut q = None;
+    let mut k = None;
+    match &layer.mixer {
+        Mixer::Attention(a) => {
+            linears.push(("qkv", a.qkv, s.hidden, s.qkv_width()));
+            linears.push(("o", a.o, s.heads * s.head_dim, s.hidden));
+            (q, k) = a
+                .qk_norm
+                .map_or((None, None), |(q, k)| (Some(q.len()), Some(k.len())));
+        }
+        Mixer::ShortConv(c) => {
+            linears.push(("conv_in_proj", c.in_proj, s.hidden, 3 * s.hidden));
+            linears.push(("conv_out_proj", c.out_proj, s.hidden, s.hidden));
+            let taps = c.taps;
+            let sizes = [
+                ("conv_weight", c.weight.len(), s.hidden * taps),
+                ("conv_bias", c.bias.map_or(s.hidden, |b| b.len()), s.hidden),
+            ];
+            for (name, got, want) in sizes {
+                if got != want {
+                    return Err(CoreError::invalid(format!(
+                        "layers[{index}].{name}: expected {want} elements, got {got}"
+                    )));
+                }
+            }
+            let per_slot = s.hidden * taps.saturating_sub(1);
+            if taps < 2 || per_slot == 0 || !c.state.len().is_multiple_of(per_slot) {
+                return Err(CoreError::invalid(format!(
+                    "layers[{index}].conv_state: expected [slots, {}, {}] elements, got {} \
+                     (taps {taps})",
+                    s.hidden,
+                    taps.saturating_sub(1),
+                    c.state.len()
+                )));
+            }
+        }
+    }
     match layer.mlp {
         Mlp::Dense { gate_up, down } => {
             linears.push(("gate_up", gate_up, s.hidden, 2 * s.intermediate));
@@ -129,9 +197,6 @@ pub fn check_layer<T>(
             )));
         }
     }
-    let (q, k) = layer
-        .qk_norm
-        .map_or((None, None), |(q, k)| (Some(q.len()), Some(k.len())));
     let norms = [
         ("input_norm", Some(layer.input_norm.len()), s.hidden),
         ("post_norm", Some(layer.post_norm.len()), s.hidden),
@@ -160,14 +225,22 @@ struct Scratch<T> {
     proj: Vec<T>,
     gate_up: Vec<T>,
     act: Vec<T>,
+    /// The short convolution's b, c, v rows, its input and output.
+    bcv: Vec<T>,
+    conv_in: Vec<T>,
+    conv_out: Vec<T>,
 }
 
 impl<T: Element> Scratch<T> {
-    fn new(tokens: usize, s: &DecoderShape, qk_norm: bool, dense: bool) -> Self {
+    fn new(tokens: usize, s: &DecoderShape, qk_norm: bool, dense: bool, conv: bool) -> Self {
         let zeros = |n: usize| vec![T::from_f32(0.0); tokens * n];
         let inter = if dense { s.intermediate } else { 0 };
         let kv = s.kv_heads * s.head_dim;
+        let c = if conv { s.hidden } else { 0 };
         Scratch {
+            bcv: zeros(3 * c),
+            conv_in: zeros(c),
+            conv_out: zeros(c),
             normed: zeros(s.hidden),
             qkv: zeros(s.qkv_width()),
             qkv_normed: if qk_norm {
@@ -235,9 +308,14 @@ pub fn decoder_stack<T: Element>(
     if tokens == 0 {
         return Ok(());
     }
-    let qk_norm = layers.iter().any(|l| l.qk_norm.is_some());
+    let qk_norm = layers
+        .iter()
+        .any(|l| matches!(&l.mixer, Mixer::Attention(a) if a.qk_norm.is_some()));
     let dense = layers.iter().any(|l| matches!(l.mlp, Mlp::Dense { .. }));
-    let mut b = Scratch::<T>::new(tokens, &s, qk_norm, dense);
+    let conv = layers
+        .iter()
+        .any(|l| matches!(l.mixer, Mixer::ShortConv(_)));
+    let mut b = Scratch::<T>::new(tokens, &s, qk_norm, dense, conv);
     let d = s.head_dim;
     let qkv_shape = QkvShape {
         tokens,
@@ -254,10 +332,45 @@ pub fn decoder_stack<T: Element>(
             s.eps,
             s.hidden,
         )?;
-        layer
-            .qkv
-            .forward(T::dst(&mut b.qkv), T::src(&b.normed), tokens)?;
-        let qkv: &[T] = match layer.qk_norm {
+        match &mut layer.mixer {
+            Mixer::Attention(a) => attention(a, &mut b, &s, step, qkv_shape)?,
+            Mixer::ShortConv(c) => short_conv(c, &mut b, &s, step, tokens)?,
+        }
+        add_residual(x, &b.proj, s.residual_scale);
+        rms_norm(
+            T::dst(&mut b.normed),
+            T::src(x),
+            T::src(layer.post_norm),
+            s.eps,
+            s.hidden,
+        )?;
+        match layer.mlp {
+            Mlp::Dense { gate_up, down } => {
+                gate_up.forward(T::dst(&mut b.gate_up), T::src(&b.normed), tokens)?;
+                silu_and_mul(T::dst(&mut b.act), T::src(&b.gate_up), s.intermediate)?;
+                down.forward(T::dst(&mut b.proj), T::src(&b.act), tokens)?;
+            }
+            Mlp::Sparse(moe) => moe.forward(&mut b.proj, &b.normed, tokens)?,
+        }
+        add_residual(x, &b.proj, s.residual_scale);
+    }
+    Ok(())
+}
+
+/// An attention mixer on the step's normed rows (`b.normed`), its output
+/// projection in `b.proj`.
+fn attention<T: Element>(
+    a: &mut Attention<'_, T>,
+    b: &mut Scratch<T>,
+    s: &DecoderShape,
+    step: &StepInputs<'_, T>,
+    qkv_shape: QkvShape,
+) -> CoreResult<()> {
+    let (tokens, d) = (qkv_shape.tokens, s.head_dim);
+    a.qkv
+        .forward(T::dst(&mut b.qkv), T::src(&b.normed), tokens)?;
+    {
+        let qkv: &[T] = match a.qk_norm {
             None => &b.qkv,
             Some((qn, kn)) => {
                 let width = s.qkv_width();
@@ -290,37 +403,70 @@ pub fn decoder_stack<T: Element>(
             &b.q,
             &b.k,
             &b.v,
-            &mut layer.key_cache,
-            &mut layer.value_cache,
+            &mut a.key_cache,
+            &mut a.value_cache,
             step.slot_mapping,
             step.cache,
             s.heads,
             step.batch,
             s.scale,
-            layer.sliding_window,
+            a.sliding_window,
         )?;
-        layer
-            .o
-            .forward(T::dst(&mut b.proj), T::src(&b.attn), tokens)?;
-        add_residual(x, &b.proj, s.residual_scale);
-        rms_norm(
-            T::dst(&mut b.normed),
-            T::src(x),
-            T::src(layer.post_norm),
-            s.eps,
-            s.hidden,
-        )?;
-        match layer.mlp {
-            Mlp::Dense { gate_up, down } => {
-                gate_up.forward(T::dst(&mut b.gate_up), T::src(&b.normed), tokens)?;
-                silu_and_mul(T::dst(&mut b.act), T::src(&b.gate_up), s.intermediate)?;
-                down.forward(T::dst(&mut b.proj), T::src(&b.act), tokens)?;
-            }
-            Mlp::Sparse(moe) => moe.forward(&mut b.proj, &b.normed, tokens)?,
-        }
-        add_residual(x, &b.proj, s.residual_scale);
     }
-    Ok(())
+    a.o.forward(T::dst(&mut b.proj), T::src(&b.attn), tokens)
+}
+
+/// LFM2's short convolution on the step's normed rows (`b.normed`), its
+/// output projection in `b.proj`: the products rounded to `T` as torch's
+/// `b * v` and `c * y` are.
+fn short_conv<T: Element>(
+    c: &mut ShortConv<'_, T>,
+    b: &mut Scratch<T>,
+    s: &DecoderShape,
+    step: &StepInputs<'_, T>,
+    tokens: usize,
+) -> CoreResult<()> {
+    let h = s.hidden;
+    c.in_proj
+        .forward(T::dst(&mut b.bcv), T::src(&b.normed), tokens)?;
+    let mul = |p: T, q: T| T::from_f32(p.to_f32() * q.to_f32());
+    for (row, dst) in b.bcv.chunks_exact(3 * h).zip(b.conv_in.chunks_exact_mut(h)) {
+        let (bs, vs) = (&row[..h], &row[2 * h..]);
+        for ((o, &p), &q) in dst.iter_mut().zip(bs).zip(vs) {
+            *o = mul(p, q);
+        }
+    }
+    let slots = c.state.len() / (h * (c.taps - 1));
+    causal_conv1d(
+        T::dst(&mut b.conv_out),
+        T::src(&b.conv_in),
+        T::src(c.weight),
+        c.bias.map(T::src),
+        T::dst(c.state),
+        Packed {
+            query_start_loc: step.batch.query_start_loc,
+            state_slots: step.state_slots,
+        },
+        ConvShape {
+            tokens,
+            channels: h,
+            width: c.taps,
+            slots,
+        },
+        false,
+    )?;
+    for ((row, y), dst) in b
+        .bcv
+        .chunks_exact(3 * h)
+        .zip(b.conv_out.chunks_exact(h))
+        .zip(b.conv_in.chunks_exact_mut(h))
+    {
+        for ((o, &p), &q) in dst.iter_mut().zip(&row[h..2 * h]).zip(y) {
+            *o = mul(p, q);
+        }
+    }
+    c.out_proj
+        .forward(T::dst(&mut b.proj), T::src(&b.conv_in), tokens)
 }
 
 #[cfg(test)]
@@ -547,16 +693,18 @@ mod tests {
                     .map(|(l, (kc, vc))| DecoderLayer {
                         input_norm: &r.norms[l][0],
                         post_norm: &r.norms[l][1],
-                        qk_norm: qk_norm.then(|| (&r.norms[l][2][..], &r.norms[l][3][..])),
-                        qkv: &weights[l][0],
-                        o: &weights[l][1],
+                        mixer: Mixer::Attention(Attention {
+                            qk_norm: qk_norm.then(|| (&r.norms[l][2][..], &r.norms[l][3][..])),
+                            qkv: &weights[l][0],
+                            o: &weights[l][1],
+                            key_cache: KvCacheMut::Float(kc),
+                            value_cache: KvCacheMut::Float(vc),
+                            sliding_window: window as i64,
+                        }),
                         mlp: Mlp::Dense {
                             gate_up: &weights[l][2],
                             down: &weights[l][3],
                         },
-                        key_cache: KvCacheMut::Float(kc),
-                        value_cache: KvCacheMut::Float(vc),
-                        sliding_window: window as i64,
                     })
                     .collect();
                 let inputs = StepInputs {
@@ -565,6 +713,7 @@ mod tests {
                     slot_mapping: &slots,
                     batch,
                     cache,
+                    state_slots: &[],
                 };
                 decoder_stack(&mut x, &mut layers, &s, &inputs).unwrap();
                 let mut rows = x.chunks(s.hidden);
@@ -618,16 +767,18 @@ mod tests {
         let mut layers = vec![DecoderLayer {
             input_norm: &norm,
             post_norm: &norm,
-            qk_norm: None,
-            qkv: &qkv,
-            o: &gu, // wrong: [12, 8] where [8, 8] belongs
+            mixer: Mixer::Attention(Attention {
+                qk_norm: None,
+                qkv: &qkv,
+                o: &gu, // wrong: [12, 8] where [8, 8] belongs
+                key_cache: KvCacheMut::Float(&mut kc),
+                value_cache: KvCacheMut::Float(&mut vc),
+                sliding_window: 0,
+            }),
             mlp: Mlp::Dense {
                 gate_up: &gu,
                 down: &down,
             },
-            key_cache: KvCacheMut::Float(&mut kc),
-            value_cache: KvCacheMut::Float(&mut vc),
-            sliding_window: 0,
         }];
         let (cos, sin) = (vec![1.0f32; 2], vec![0.0f32; 2]);
         let step = StepInputs {
@@ -641,6 +792,7 @@ mod tests {
                 query_start_loc: &[0, 1],
             },
             cache,
+            state_slots: &[],
         };
         let mut x = vec![1.0f32; 8];
         let err = decoder_stack(&mut x, &mut layers, &s, &step).unwrap_err();
@@ -649,7 +801,9 @@ mod tests {
                 .contains("layers[0].o: expected a [8, 8] weight"),
             "{err}"
         );
-        layers[0].o = &o;
+        if let Mixer::Attention(a) = &mut layers[0].mixer {
+            a.o = &o;
+        }
         let mut short = vec![1.0f32; 7];
         assert!(decoder_stack(&mut short, &mut layers, &s, &step).is_err());
         decoder_stack(&mut x, &mut layers, &s, &step).unwrap();

@@ -18,7 +18,9 @@ use super::linear::linear_weight;
 use super::tensor::{DType, TensorArg};
 use crate::attention::{BatchLayout, CacheShape, Element, KvCacheMut};
 use crate::linear::LinearWeight;
-use crate::models::llama::{self as decoder, DecoderLayer, DecoderShape, Mlp, StepInputs};
+use crate::models::llama::{
+    self as decoder, Attention, DecoderLayer, DecoderShape, Mixer, Mlp, ShortConv, StepInputs,
+};
 use crate::moe::SparseMlp;
 
 /// A tensor the stack reads or writes: address and element count.
@@ -61,13 +63,42 @@ impl Span {
 struct Layer {
     input_norm: Span,
     post_norm: Span,
-    qk_norm: Option<(Span, Span)>,
-    qkv: LinearWeight,
-    o: LinearWeight,
+    mixer: LayerMixer,
     mlp: LayerMlp,
-    key_cache: Span,
-    value_cache: Span,
-    sliding_window: i64,
+}
+
+/// A layer's mixer (`decoder::Mixer` borrows it).
+enum LayerMixer {
+    Attention {
+        qk_norm: Option<(Span, Span)>,
+        qkv: LinearWeight,
+        o: LinearWeight,
+        key_cache: Span,
+        value_cache: Span,
+        sliding_window: i64,
+    },
+    ShortConv {
+        in_proj: LinearWeight,
+        weight: Span,
+        bias: Option<Span>,
+        out_proj: LinearWeight,
+        state: Span,
+        taps: usize,
+    },
+}
+
+impl Layer {
+    /// The tensors a step writes: the KV caches, or the convolution's state.
+    fn written(&self) -> Vec<Span> {
+        match &self.mixer {
+            LayerMixer::Attention {
+                key_cache,
+                value_cache,
+                ..
+            } => vec![*key_cache, *value_cache],
+            LayerMixer::ShortConv { state, .. } => vec![*state],
+        }
+    }
 }
 
 /// A layer's MLP weights (`decoder::Mlp` borrows them).
@@ -88,6 +119,8 @@ struct PyDecoderStack {
     dtype: DType,
     /// The caches' element type: `dtype`, or int8 (8-bit rows with scales).
     cache_dtype: DType,
+    /// Whether any layer is a short convolution (its steps need `state_slots`).
+    has_conv: bool,
     /// The tensors the layers point into, kept alive with the stack.
     _tensors: Vec<Py<PyAny>>,
     /// One step at a time: a step writes the caches.
@@ -116,7 +149,10 @@ impl PyDecoderStack {
     /// inside; or, for a mixture of experts, `moe`: a MoeBlock), `key_cache`,
     /// `value_cache` ([blocks, kv_heads, block_size, head_dim]) and
     /// `sliding_window` (0: none). Norms and caches share the model's dtype
-    /// (bf16 or f32).
+    /// (bf16 or f32). A short-convolution layer (LFM2) gives instead of the
+    /// attention keys `conv_in_proj` [3H, H], `conv_weight` ([H, taps], the
+    /// model's dtype), `conv_bias` ([H] or None), `conv_out_proj` [H, H] and
+    /// `conv_state` ([slots, H, taps - 1], the model's dtype).
     /// `residual_multiplier` scales each residual branch (Granite).
     #[new]
     #[pyo3(signature = (layers, hidden_size, num_heads, num_kv_heads, head_dim, rotary_dim,
@@ -158,30 +194,50 @@ impl PyDecoderStack {
         }
         let mut built = Vec::with_capacity(layers.len());
         let mut tensors = Vec::new();
-        let mut first: Option<(CacheShape, DType, DType)> = None;
-        for (i, d) in layers.iter().enumerate() {
-            let layer =
-                Self::layer(d, &shape, &mut first, &mut tensors).map_err(|e| in_layer(py, i, e))?;
-            built.push(layer);
-        }
-        let Some((cache, cache_dtype, dtype)) = first else {
+        // The model dtype: layer 0's input norm's (every other tensor is checked against it).
+        let Some(layer0) = layers.first() else {
             return Err(PyValueError::new_err("layers: expected at least one layer"));
         };
-        let caches: Vec<(usize, Span)> = built
+        let dtype = TensorArg::extract("input_norm", &item(layer0, "input_norm")?)
+            .map_err(|e| in_layer(py, 0, e))?
+            .dtype;
+        let mut first: Option<(CacheShape, DType)> = None;
+        for (i, d) in layers.iter().enumerate() {
+            let layer = Self::layer(d, &shape, dtype, &mut first, &mut tensors)
+                .map_err(|e| in_layer(py, i, e))?;
+            built.push(layer);
+        }
+        let Some((cache, cache_dtype)) = first else {
+            return Err(PyValueError::new_err(
+                "layers: expected at least one attention layer",
+            ));
+        };
+        // Every tensor a step writes (caches and states, each in bytes) apart.
+        let written: Vec<(usize, usize, usize)> = built
             .iter()
             .enumerate()
-            .flat_map(|(i, l): (usize, &Layer)| [(i, l.key_cache), (i, l.value_cache)])
+            .flat_map(|(i, l): (usize, &Layer)| {
+                let size = match l.mixer {
+                    LayerMixer::Attention { .. } => cache_dtype.size(),
+                    LayerMixer::ShortConv { .. } => dtype.size(),
+                };
+                l.written()
+                    .into_iter()
+                    .map(move |s| (i, s.ptr, s.ptr + s.len * size))
+            })
             .collect();
-        let size = cache_dtype.size();
-        for (a, &(i, s)) in caches.iter().enumerate() {
-            for &(j, t) in &caches[a + 1..] {
-                if s.ptr < t.ptr + t.len * size && t.ptr < s.ptr + s.len * size {
+        for (a, &(i, s0, s1)) in written.iter().enumerate() {
+            for &(j, t0, t1) in &written[a + 1..] {
+                if s0 < t1 && t0 < s1 {
                     return Err(PyValueError::new_err(format!(
-                        "layers[{j}]: its KV cache shares memory with layer {i}'s"
+                        "layers[{j}]: its KV cache or state shares memory with layer {i}'s"
                     )));
                 }
             }
         }
+        let has_conv = built
+            .iter()
+            .any(|l| matches!(l.mixer, LayerMixer::ShortConv { .. }));
         if cache.num_kv_heads != num_kv_heads || cache.head_size != head_dim {
             return Err(PyValueError::new_err(format!(
                 "key_cache: expected {num_kv_heads} kv heads of {head_dim}, got {} of {}",
@@ -194,6 +250,7 @@ impl PyDecoderStack {
             cache,
             dtype,
             cache_dtype,
+            has_conv,
             _tensors: tensors,
             running: Mutex::new(()),
         };
@@ -211,7 +268,11 @@ impl PyDecoderStack {
     /// `cos` / `sin` [tokens, rotary_dim / 2] (the model's dtype), the
     /// step's `slot_mapping` (int64 [tokens]), `block_tables` (int32
     /// [seqs, max_blocks]), `seq_lens` (int32 [seqs]) and `query_start_loc`
-    /// (int32 [seqs + 1]), as the paged-attention kernel takes them.
+    /// (int32 [seqs + 1]), as the paged-attention kernel takes them; with
+    /// short-convolution layers, `state_slots` (int64 [seqs]): each
+    /// sequence's slot of the convolution states.
+    #[pyo3(signature = (x, cos, sin, slot_mapping, block_tables, seq_lens, query_start_loc,
+                        state_slots=None))]
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
@@ -223,6 +284,7 @@ impl PyDecoderStack {
         block_tables: &Bound<'_, PyAny>,
         seq_lens: &Bound<'_, PyAny>,
         query_start_loc: &Bound<'_, PyAny>,
+        state_slots: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let dt = [self.dtype];
         let x = TensorArg::extract("x", x)?;
@@ -242,13 +304,29 @@ impl PyDecoderStack {
         slots.check(&[DType::I64], 1)?;
         slots.expect_dim(0, tokens, "tokens of x")?;
         let batch = BatchArgs::extract(block_tables, seq_lens, query_start_loc)?;
-        let size = self.cache_dtype.size();
+        let state_slots = match state_slots {
+            Some(s) if !s.is_none() => {
+                let t = TensorArg::extract("state_slots", s)?;
+                t.check(&[DType::I64], 1)?;
+                Some(t)
+            }
+            _ if self.has_conv => {
+                return Err(PyValueError::new_err(
+                    "state_slots: required by the short-convolution layers",
+                ))
+            }
+            _ => None,
+        };
         for layer in &self.layers {
-            for span in [layer.key_cache, layer.value_cache] {
+            let size = match layer.mixer {
+                LayerMixer::Attention { .. } => self.cache_dtype.size(),
+                LayerMixer::ShortConv { .. } => self.dtype.size(),
+            };
+            for span in layer.written() {
                 for t in [&x, &rot[0], &rot[1]] {
                     if span.overlaps(t, size) {
                         return Err(PyValueError::new_err(format!(
-                            "{}: must not share memory with a KV cache",
+                            "{}: must not share memory with a KV cache or state",
                             t.name
                         )));
                     }
@@ -262,9 +340,10 @@ impl PyDecoderStack {
         unsafe {
             let batch = batch.layout();
             let slots = slots.slice::<i64>();
+            let states: &[i64] = state_slots.as_ref().map_or(&[], |t| t.slice::<i64>());
             match self.dtype {
-                DType::BF16 => self.run::<bf16>(py, &x, &rot, slots, batch),
-                _ => self.run::<f32>(py, &x, &rot, slots, batch),
+                DType::BF16 => self.run::<bf16>(py, &x, &rot, slots, states, batch),
+                _ => self.run::<f32>(py, &x, &rot, slots, states, batch),
             }
         }
     }
@@ -285,42 +364,16 @@ impl PyDecoderStack {
 }
 
 impl PyDecoderStack {
-    /// Reads and checks one layer's dict; the first layer fixes the cache
-    /// shape, the cache dtype and the model dtype (its `input_norm`'s) the
-    /// others must have. A cache holds the model dtype or 8-bit rows (int8).
+    /// Reads and checks one layer's dict; the first attention layer fixes
+    /// the cache shape and the cache dtype the others must have. A cache
+    /// holds the model dtype `dtype` or 8-bit rows (int8).
     fn layer(
         d: &Bound<'_, PyDict>,
         shape: &DecoderShape,
-        first: &mut Option<(CacheShape, DType, DType)>,
+        dtype: DType,
+        first: &mut Option<(CacheShape, DType)>,
         tensors: &mut Vec<Py<PyAny>>,
     ) -> PyResult<Layer> {
-        let kc_obj = item(d, "key_cache")?;
-        let vc_obj = item(d, "value_cache")?;
-        let kc = TensorArg::extract("key_cache", &kc_obj)?;
-        let vc = TensorArg::extract("value_cache", &vc_obj)?;
-        let cache = cache_shape(&kc, &vc)?;
-        // The model dtype: layer 0's input norm's (later layers' norms are checked against it).
-        let dtype = match first {
-            Some((_, _, dt)) => *dt,
-            None => TensorArg::extract("input_norm", &item(d, "input_norm")?)?.dtype,
-        };
-        if kc.dtype != dtype && kc.dtype != DType::I8 {
-            return Err(PyValueError::new_err(format!(
-                "key_cache: dtype {:?} must be the model's ({dtype:?}) or int8",
-                kc.dtype
-            )));
-        }
-        match first {
-            None => *first = Some((cache, kc.dtype, dtype)),
-            Some((c, cdt, _)) => {
-                if *c != cache || *cdt != kc.dtype {
-                    return Err(PyValueError::new_err(format!(
-                        "key_cache: {cache:?} {:?} differs from layer 0's {c:?} {cdt:?}",
-                        kc.dtype
-                    )));
-                }
-            }
-        }
         let mut norm = |key: &'static str, dim: usize| -> PyResult<Option<Span>> {
             let obj = item(d, key)?;
             if obj.is_none() {
@@ -337,19 +390,27 @@ impl PyDecoderStack {
         };
         let input_norm = required(norm("input_norm", shape.hidden)?, "input_norm")?;
         let post_norm = required(norm("post_norm", shape.hidden)?, "post_norm")?;
-        let qk_norm = match (
-            norm("q_norm", shape.head_dim)?,
-            norm("k_norm", shape.head_dim)?,
-        ) {
-            (Some(q), Some(k)) => Some((q, k)),
-            (None, None) => None,
+        let mixer = match d.get_item("conv_in_proj")? {
+            Some(in_proj) if !in_proj.is_none() => {
+                let bias = norm("conv_bias", shape.hidden)?;
+                Self::short_conv(d, &in_proj, bias, shape, dtype, tensors)?
+            }
             _ => {
-                return Err(PyValueError::new_err(
-                    "q_norm, k_norm: give both or neither",
-                ))
+                let qk_norm = match (
+                    norm("q_norm", shape.head_dim)?,
+                    norm("k_norm", shape.head_dim)?,
+                ) {
+                    (Some(q), Some(k)) => Some((q, k)),
+                    (None, None) => None,
+                    _ => {
+                        return Err(PyValueError::new_err(
+                            "q_norm, k_norm: give both or neither",
+                        ))
+                    }
+                };
+                Self::attention(d, qk_norm, dtype, first, tensors)?
             }
         };
-        let sliding_window: i64 = item(d, "sliding_window")?.extract()?;
         let mlp = match d.get_item("moe")? {
             Some(moe) if !moe.is_none() => LayerMlp::Sparse(super::moe::block_of(&moe)?),
             _ => LayerMlp::Dense(
@@ -357,28 +418,105 @@ impl PyDecoderStack {
                 linear_weight(&item(d, "down")?, "down")?,
             ),
         };
-        let layer = Layer {
+        Ok(Layer {
             input_norm,
             post_norm,
+            mixer,
+            mlp,
+        })
+    }
+
+    /// An attention layer's projections, caches and window.
+    fn attention(
+        d: &Bound<'_, PyDict>,
+        qk_norm: Option<(Span, Span)>,
+        dtype: DType,
+        first: &mut Option<(CacheShape, DType)>,
+        tensors: &mut Vec<Py<PyAny>>,
+    ) -> PyResult<LayerMixer> {
+        let kc_obj = item(d, "key_cache")?;
+        let vc_obj = item(d, "value_cache")?;
+        let kc = TensorArg::extract("key_cache", &kc_obj)?;
+        let vc = TensorArg::extract("value_cache", &vc_obj)?;
+        let cache = cache_shape(&kc, &vc)?;
+        if kc.dtype != dtype && kc.dtype != DType::I8 {
+            return Err(PyValueError::new_err(format!(
+                "key_cache: dtype {:?} must be the model's ({dtype:?}) or int8",
+                kc.dtype
+            )));
+        }
+        match first {
+            None => *first = Some((cache, kc.dtype)),
+            Some((c, cdt)) => {
+                if *c != cache || *cdt != kc.dtype {
+                    return Err(PyValueError::new_err(format!(
+                        "key_cache: {cache:?} {:?} differs from the first attention layer's \
+                         {c:?} {cdt:?}",
+                        kc.dtype
+                    )));
+                }
+            }
+        }
+        let sliding_window: i64 = item(d, "sliding_window")?.extract()?;
+        let mixer = LayerMixer::Attention {
             qk_norm,
             qkv: linear_weight(&item(d, "qkv")?, "qkv")?,
             o: linear_weight(&item(d, "o")?, "o")?,
-            mlp,
             key_cache: Span::of(&kc),
             value_cache: Span::of(&vc),
             sliding_window: sliding_window.max(0),
         };
         tensors.push(kc_obj.unbind());
         tensors.push(vc_obj.unbind());
-        Ok(layer)
+        Ok(mixer)
+    }
+
+    /// A short-convolution layer's projections, taps and state.
+    fn short_conv(
+        d: &Bound<'_, PyDict>,
+        in_proj: &Bound<'_, PyAny>,
+        bias: Option<Span>,
+        shape: &DecoderShape,
+        dtype: DType,
+        tensors: &mut Vec<Py<PyAny>>,
+    ) -> PyResult<LayerMixer> {
+        let w_obj = item(d, "conv_weight")?;
+        let w = TensorArg::extract("conv_weight", &w_obj)?;
+        w.check(&[dtype], 2)?;
+        w.expect_dim(0, shape.hidden, "hidden_size")?;
+        let taps = w.shape[1];
+        if !(2..=crate::recurrent::MAX_CONV_WIDTH).contains(&taps) {
+            return Err(PyValueError::new_err(format!(
+                "conv_weight: expected 2 to {} taps, got {taps}",
+                crate::recurrent::MAX_CONV_WIDTH
+            )));
+        }
+        let s_obj = item(d, "conv_state")?;
+        let st = TensorArg::extract("conv_state", &s_obj)?;
+        st.check(&[dtype], 3)?;
+        st.expect_dim(1, shape.hidden, "hidden_size")?;
+        st.expect_dim(2, taps - 1, "taps - 1")?;
+        let mixer = LayerMixer::ShortConv {
+            in_proj: linear_weight(in_proj, "conv_in_proj")?,
+            weight: Span::of(&w),
+            bias,
+            out_proj: linear_weight(&item(d, "conv_out_proj")?, "conv_out_proj")?,
+            state: Span::of(&st),
+            taps,
+        };
+        tensors.push(w_obj.unbind());
+        tensors.push(s_obj.unbind());
+        Ok(mixer)
     }
 
     /// Shape check of layer `i` by the pure-Rust side.
     fn check<T: Element>(&self, i: usize) -> PyResult<()> {
         // SAFETY: only lengths are read; nothing runs on these slices.
         let mut layer = unsafe { self.view::<T>(&self.layers[i]) };
-        layer.key_cache = KvCacheMut::Float(&mut []);
-        layer.value_cache = KvCacheMut::Float(&mut []);
+        if let Mixer::Attention(a) = &mut layer.mixer {
+            a.key_cache = KvCacheMut::Float(&mut []);
+            a.value_cache = KvCacheMut::Float(&mut []);
+        }
         Ok(decoder::check_layer(&layer, &self.shape, i)?)
     }
 
@@ -387,19 +525,46 @@ impl PyDecoderStack {
     /// # Safety
     /// As `Span::slice_mut`: the caller runs one step at a time.
     unsafe fn view<'s, T: Element>(&'s self, l: &'s Layer) -> DecoderLayer<'s, T> {
+        let mixer = match &l.mixer {
+            LayerMixer::Attention {
+                qk_norm,
+                qkv,
+                o,
+                key_cache,
+                value_cache,
+                sliding_window,
+            } => Mixer::Attention(Attention {
+                qk_norm: qk_norm.map(|(q, k)| (q.slice(), k.slice())),
+                qkv,
+                o,
+                key_cache: self.cache_view(*key_cache),
+                value_cache: self.cache_view(*value_cache),
+                sliding_window: *sliding_window,
+            }),
+            LayerMixer::ShortConv {
+                in_proj,
+                weight,
+                bias,
+                out_proj,
+                state,
+                taps,
+            } => Mixer::ShortConv(ShortConv {
+                in_proj,
+                weight: weight.slice(),
+                bias: bias.map(|b| b.slice()),
+                out_proj,
+                state: state.slice_mut(),
+                taps: *taps,
+            }),
+        };
         DecoderLayer {
             input_norm: l.input_norm.slice(),
             post_norm: l.post_norm.slice(),
-            qk_norm: l.qk_norm.map(|(q, k)| (q.slice(), k.slice())),
-            qkv: &l.qkv,
-            o: &l.o,
+            mixer,
             mlp: match &l.mlp {
                 LayerMlp::Dense(gate_up, down) => Mlp::Dense { gate_up, down },
                 LayerMlp::Sparse(moe) => Mlp::Sparse(moe),
             },
-            key_cache: self.cache_view(l.key_cache),
-            value_cache: self.cache_view(l.value_cache),
-            sliding_window: l.sliding_window,
         }
     }
 
@@ -423,6 +588,7 @@ impl PyDecoderStack {
         x: &TensorArg,
         rot: &[TensorArg],
         slot_mapping: &[i64],
+        state_slots: &[i64],
         batch: BatchLayout<'_>,
     ) -> PyResult<()> {
         let mut layers: Vec<DecoderLayer<'_, T>> =
@@ -434,6 +600,7 @@ impl PyDecoderStack {
             slot_mapping,
             batch,
             cache: self.cache,
+            state_slots,
         };
         let shape = &self.shape;
         py.detach(move || decoder::decoder_stack(xs, &mut layers, shape, &step))?;

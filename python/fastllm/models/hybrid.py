@@ -28,8 +28,11 @@
   sigmoid-scored experts chosen with an ``expert_bias``, renormalised and
   scaled by ``routed_scaling_factor``.
 
-All run layer by layer (the fused CPU decoder stack declines them:
-``llama_stack.why_not``) with the model's op table for every kernel.
+On the CPU, once packed, LFM2 and LFM2-MoE run their layers in the fused
+decoder stack (``llama_stack.build_lfm2``: its mixers are attention or the
+short convolution); Qwen3.5 and Qwen3.5-MoE run layer by layer (the stack
+has no Gated DeltaNet: ``llama_stack.why_not``), with the model's op table
+for every kernel.
 """
 
 from __future__ import annotations
@@ -395,9 +398,15 @@ class Lfm2DecoderLayer(Module):
 
 
 class Lfm2ForCausalLM(HybridForCausalLM):
-    """LFM2: short-convolution and attention layers."""
+    """LFM2: short-convolution and attention layers. On the CPU, once packed,
+    every layer runs in one ``_core.DecoderStack`` call per step
+    (``llama_stack.build_lfm2``)."""
 
     LAYER_CLASS = Lfm2DecoderLayer
+
+    def fuse_decoder_layers(self) -> bool:
+        """The fused CPU decoder stack, which runs LFM2's convolution layers too."""
+        return LlamaForCausalLM.fuse_decoder_layers(self)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)

@@ -1,4 +1,4 @@
-"""The Llama family's decoder layers in one Rust call per step.
+"""The Llama family's (and LFM2's) decoder layers in one Rust call per step.
 
 On the CPU, once a model is packed and its KV caches exist, the model runner
 asks the model to fuse its layers (``LlamaForCausalLM.fuse_decoder_layers``).
@@ -57,8 +57,14 @@ FUSED_ARCHITECTURES = frozenset(
         # logits factors lie outside the decoder layers.
         "GraniteForCausalLM",
         "GraniteMoeForCausalLM",
+        # LFM2 (dense and MoE): attention layers (q/k norms) and short
+        # convolutions whose states the runner keeps (``build_lfm2``).
+        "Lfm2ForCausalLM",
+        "Lfm2MoeForCausalLM",
     }
 )
+# The hybrid families among them, built by ``build_lfm2``.
+_LFM2 = frozenset({"Lfm2ForCausalLM", "Lfm2MoeForCausalLM"})
 
 
 def why_not(model) -> str | None:
@@ -69,35 +75,86 @@ def why_not(model) -> str | None:
     arch = model.config.architecture
     if arch not in FUSED_ARCHITECTURES:
         return f"the fused stack does not implement {arch}"
+    if arch in _LFM2:
+        return _lfm2_why_not(model)
     layer_type, attn_type, mlp_types = model.FUSED_LAYER_TYPES
     for i, layer in enumerate(model.model.layers):
         kinds = ((layer, (layer_type,)), (layer.self_attn, (attn_type,)), (layer.mlp, mlp_types))
         if any(type(part) not in kind for part, kind in kinds):
             return f"layer {i} is not the Llama layer the fused stack implements"
         attn, mlp = layer.self_attn, layer.mlp
-        if attn.ops.backend != "rust":
-            return f"layer {i} runs the {attn.ops.backend} ops"
-        if any(_packed(lin) is None for lin in (attn.qkv_proj, attn.o_proj)):
-            return f"layer {i} has a linear layer that is not packed"
         reason = _mlp_why_not(mlp)
         if reason is not None:
             return f"layer {i}'s {reason}"
         if _residual_multiplier(layer) != _residual_multiplier(model.model.layers[0]):
             return f"layer {i}'s residual multiplier differs from layer 0's"
-        if attn.attn.k_cache is None or attn.attn.v_cache is None:
-            return f"layer {i} has no KV cache"
-        if attn.attn.kv_group != 0:
-            return f"layer {i} keeps its own block table (windowed and full layers mixed)"
-        if attn.attn.sinks is not None:
-            return f"layer {i}'s attention has sinks, which the fused stack does not implement"
         dtype = layer.input_layernorm.weight.dtype
-        cache_dtype = attn.attn.k_cache.dtype
-        if cache_dtype not in (dtype, torch.int8):
-            return f"layer {i}'s KV cache is {cache_dtype}, not the model's {dtype} or int8"
-        norms = [layer.post_attention_layernorm]
-        norms += [n for n in (attn.q_norm, attn.k_norm) if n is not None]
-        if any(n.weight.dtype != dtype for n in norms):
+        reason = _attention_why_not(attn, dtype)
+        if reason is not None:
+            return f"layer {i}'s {reason}"
+        if layer.post_attention_layernorm.weight.dtype != dtype:
             return f"layer {i}'s norm weights are not all in one dtype ({dtype})"
+    return None
+
+
+def _attention_why_not(attn, dtype: torch.dtype) -> str | None:
+    """Why an attention (a ``LlamaAttention``) cannot run in the stack, or None."""
+    if attn.ops.backend != "rust":
+        return f"attention runs the {attn.ops.backend} ops"
+    if any(_packed(lin) is None for lin in (attn.qkv_proj, attn.o_proj)):
+        return "attention has a linear layer that is not packed"
+    if attn.attn.k_cache is None or attn.attn.v_cache is None:
+        return "attention has no KV cache"
+    if attn.attn.kv_group != 0:
+        return "attention keeps its own block table (windowed and full layers mixed)"
+    if attn.attn.sinks is not None:
+        return "attention has sinks, which the fused stack does not implement"
+    cache_dtype = attn.attn.k_cache.dtype
+    if cache_dtype not in (dtype, torch.int8):
+        return f"KV cache is {cache_dtype}, not the model's {dtype} or int8"
+    norms = [n for n in (attn.q_norm, attn.k_norm) if n is not None]
+    if any(n.weight.dtype != dtype for n in norms):
+        return f"q/k norm weights are not in the model's dtype ({dtype})"
+    return None
+
+
+def _lfm2_why_not(model) -> str | None:
+    """``why_not`` for LFM2: its attention layers as the Llama ones, its
+    short convolutions packed, with their state, in the model's dtype."""
+    from fastllm.models.hybrid import Lfm2DecoderLayer, ShortConv
+    from fastllm.models.llama import LlamaAttention, LlamaMLP
+
+    layers = model.model.layers
+    if not any(layer.self_attn is not None for layer in layers):
+        return "the model has no attention layer"
+    dtype = layers[0].operator_norm.weight.dtype
+    for i, layer in enumerate(layers):
+        if type(layer) is not Lfm2DecoderLayer:
+            return f"layer {i} is not the LFM2 layer the fused stack implements"
+        if type(layer.feed_forward) not in (LlamaMLP, SparseMoeBlock):
+            return f"layer {i}'s MLP is not one the fused stack implements"
+        reason = _mlp_why_not(layer.feed_forward)
+        if reason is not None:
+            return f"layer {i}'s {reason}"
+        if any(n.weight.dtype != dtype for n in (layer.operator_norm, layer.ffn_norm)):
+            return f"layer {i}'s norm weights are not all in one dtype ({dtype})"
+        conv = layer.conv
+        if conv is None:
+            if type(layer.self_attn) is not LlamaAttention:
+                return f"layer {i}'s attention is not the one the fused stack implements"
+            reason = _attention_why_not(layer.self_attn, dtype)
+            if reason is not None:
+                return f"layer {i}'s {reason}"
+            continue
+        if type(conv) is not ShortConv or conv.ops.backend != "rust":
+            return f"layer {i}'s convolution runs the {conv.ops.backend} ops"
+        if any(_packed(lin) is None for lin in (conv.in_proj, conv.out_proj)):
+            return f"layer {i}'s convolution has a linear layer that is not packed"
+        if len(conv.states) != 1 or conv.states[0].dtype != dtype:
+            return f"layer {i}'s convolution has no state in the model's dtype ({dtype})"
+        tensors = [conv.conv.weight] + ([conv.conv.bias] if conv.conv.bias is not None else [])
+        if any(t.dtype != dtype for t in tensors):
+            return f"layer {i}'s convolution weights are not in the model's dtype ({dtype})"
     return None
 
 
@@ -126,6 +183,71 @@ def _mlp_entries(mlp) -> dict:
     return {"gate_up": _packed(mlp.gate_up_proj), "down": _packed(mlp.down_proj), "moe": None}
 
 
+def _attention_entries(attn) -> dict:
+    """A layer dict's attention entries."""
+    return {
+        "q_norm": None if attn.q_norm is None else attn.q_norm.weight.detach(),
+        "k_norm": None if attn.k_norm is None else attn.k_norm.weight.detach(),
+        "qkv": _packed(attn.qkv_proj),
+        "o": _packed(attn.o_proj),
+        "key_cache": attn.attn.k_cache,
+        "value_cache": attn.attn.v_cache,
+        "sliding_window": attn.attn.sliding_window or 0,
+    }
+
+
+def _stack(model, layers: list[dict], attn, norm, mlps: list) -> _core.DecoderStack:
+    """The ``_core.DecoderStack`` of ``layers`` (dicts), its shape from an
+    attention layer ``attn``, the first input norm ``norm`` and the MLPs."""
+    c = model.config
+    dense = [m for m in mlps if not isinstance(m, SparseMoeBlock)]
+    # The dense MLPs' size (a model of experts only: the config's, unused).
+    intermediate = dense[0].down_proj.in_features if dense else c.intermediate_size
+    return _core.DecoderStack(
+        layers,
+        hidden_size=c.hidden_size,
+        num_heads=attn.num_heads,
+        num_kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim,
+        rotary_dim=model.rotary.rotary_dim,
+        intermediate_size=intermediate,
+        eps=norm.eps,
+        scale=attn.attn.scale,
+        residual_multiplier=_residual_multiplier(model.model.layers[0]),
+    )
+
+
+def build_lfm2(model) -> _core.DecoderStack:
+    """LFM2's layers as one stack (``why_not`` said they can): attention
+    layers as the Llama ones, convolution layers with their projections,
+    taps, bias and the runner's state tensor."""
+    layers = []
+    for layer in model.model.layers:
+        entry = {
+            "input_norm": layer.operator_norm.weight.detach(),
+            "post_norm": layer.ffn_norm.weight.detach(),
+            **_mlp_entries(layer.feed_forward),
+        }
+        conv = layer.conv
+        if conv is None:
+            entry.update(_attention_entries(layer.self_attn))
+        else:
+            bias = conv.conv.bias
+            entry.update(
+                {
+                    "conv_in_proj": _packed(conv.in_proj),
+                    "conv_weight": conv.conv.weight.detach().view(conv.hidden, conv.taps),
+                    "conv_bias": None if bias is None else bias.detach(),
+                    "conv_out_proj": _packed(conv.out_proj),
+                    "conv_state": conv.states[0],
+                }
+            )
+        layers.append(entry)
+    attn = next(layer.self_attn for layer in model.model.layers if layer.self_attn is not None)
+    mlps = [layer.feed_forward for layer in model.model.layers]
+    return _stack(model, layers, attn, model.model.layers[0].operator_norm, mlps)
+
+
 def build(model) -> _core.DecoderStack | None:
     """One ``_core.DecoderStack`` over the decoder layers of ``model``, or
     None (with the reason logged) when they must run layer by layer."""
@@ -133,6 +255,8 @@ def build(model) -> _core.DecoderStack | None:
     if reason is not None:
         logger.debug("decoder layers run one by one: %s", reason)
         return None
+    if model.config.architecture in _LFM2:
+        return build_lfm2(model)
     layers = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -140,33 +264,13 @@ def build(model) -> _core.DecoderStack | None:
             {
                 "input_norm": layer.input_layernorm.weight.detach(),
                 "post_norm": layer.post_attention_layernorm.weight.detach(),
-                "q_norm": None if attn.q_norm is None else attn.q_norm.weight.detach(),
-                "k_norm": None if attn.k_norm is None else attn.k_norm.weight.detach(),
-                "qkv": _packed(attn.qkv_proj),
-                "o": _packed(attn.o_proj),
+                **_attention_entries(attn),
                 **_mlp_entries(mlp),
-                "key_cache": attn.attn.k_cache,
-                "value_cache": attn.attn.v_cache,
-                "sliding_window": attn.attn.sliding_window or 0,
             }
         )
     first = model.model.layers[0]
-    c = model.config
-    dense = [layer.mlp for layer in model.model.layers if not isinstance(layer.mlp, SparseMoeBlock)]
-    # The dense MLPs' size (a model of experts only: the config's, unused).
-    intermediate = dense[0].down_proj.in_features if dense else c.intermediate_size
-    return _core.DecoderStack(
-        layers,
-        hidden_size=c.hidden_size,
-        num_heads=first.self_attn.num_heads,
-        num_kv_heads=first.self_attn.num_kv_heads,
-        head_dim=first.self_attn.head_dim,
-        rotary_dim=model.rotary.rotary_dim,
-        intermediate_size=intermediate,
-        eps=first.input_layernorm.eps,
-        scale=first.self_attn.attn.scale,
-        residual_multiplier=_residual_multiplier(first),
-    )
+    mlps = [layer.mlp for layer in model.model.layers]
+    return _stack(model, layers, first.self_attn, first.input_layernorm, mlps)
 
 
 def run(stack: _core.DecoderStack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -182,4 +286,5 @@ def run(stack: _core.DecoderStack, x: torch.Tensor, cos: torch.Tensor, sin: torc
         meta.block_tables,
         meta.seq_lens,
         meta.query_start_loc,
+        meta.state_slots,
     )
