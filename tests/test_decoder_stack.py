@@ -296,3 +296,60 @@ def test_attention_sinks_run_layer_by_layer(folders) -> None:
     attn.sinks = torch.linspace(-1.0, 3.0, attn.num_heads)
     got = _run(model, torch.float32, False, plan, seqs)
     assert not torch.equal(got[-1], want[-1])
+
+
+def test_bad_convolution_layers_are_clear_errors(folders) -> None:
+    """LFM2's convolution layers in the stack: a misshapen weight or state,
+    states sharing memory, a stack of convolutions alone, and a step without
+    ``state_slots`` are errors naming them."""
+    from fastllm.models.llama_stack import build_lfm2
+
+    model = _load(folders["lfm2"], torch.float32, None)
+    PagedRunner(model, torch.float32, fuse=True)
+    stack = model.decoder_stack
+    assert stack is not None and stack.num_layers == 4
+    captured: dict = {}
+    real = _core.DecoderStack
+
+    def capture(layers, **kw):
+        captured.update(layers=layers, kw=kw)
+        return real(layers, **kw)
+
+    _core.DecoderStack = capture
+    try:
+        build_lfm2(model)
+    finally:
+        _core.DecoderStack = real
+    layers, kw = captured["layers"], captured["kw"]
+    conv = next(i for i, d in enumerate(layers) if d.get("conv_in_proj") is not None)
+    h = kw["hidden_size"]
+    cases = [
+        ({"conv_weight": torch.zeros(h, 1)}, r"conv_weight: expected 2 to 8 taps, got 1"),
+        ({"conv_state": torch.zeros(4, h, 5)}, r"conv_state: dimension 2 must be 2"),
+        ({"conv_bias": torch.zeros(h + 1)}, r"conv_bias: dimension 0 must be"),
+        ({"conv_out_proj": layers[conv]["conv_in_proj"]}, r"conv_out_proj: expected a \[64, 64\]"),
+    ]
+    for change, message in cases:
+        bad = [*layers[:conv], {**layers[conv], **change}, *layers[conv + 1 :]]
+        with pytest.raises(ValueError, match=rf"layers\[{conv}\]\S* ?{message}"):
+            _core.DecoderStack(bad, **kw)
+    other = next(i for i, d in enumerate(layers) if i != conv and d.get("conv_state") is not None)
+    shared = [dict(d) for d in layers]
+    shared[other]["conv_state"] = layers[conv]["conv_state"]
+    with pytest.raises(ValueError, match="its KV cache or state shares memory"):
+        _core.DecoderStack(shared, **kw)
+    convs = [d for d in layers if d.get("conv_in_proj") is not None]
+    with pytest.raises(ValueError, match="expected at least one attention layer"):
+        _core.DecoderStack(convs, **kw)
+    x = torch.zeros(1, h)
+    cos = torch.zeros(1, model.rotary.rotary_dim // 2)
+    meta = (
+        torch.tensor([4]),
+        torch.tensor([[1]], dtype=torch.int32),
+        torch.tensor([1], dtype=torch.int32),
+        torch.tensor([0, 1], dtype=torch.int32),
+    )
+    with pytest.raises(ValueError, match="state_slots: required by the short-convolution"):
+        stack.forward(x, cos, cos, *meta)
+    with pytest.raises(ValueError, match="state_slots: slot 99 of sequence 0 is outside"):
+        stack.forward(x, cos, cos, *meta, torch.tensor([99]))

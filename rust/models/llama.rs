@@ -305,6 +305,7 @@ pub fn decoder_stack<T: Element>(
     for (i, layer) in layers.iter().enumerate() {
         check_layer(layer, &s, i)?;
     }
+    check_state_slots(layers, &s, step)?;
     if tokens == 0 {
         return Ok(());
     }
@@ -353,6 +354,43 @@ pub fn decoder_stack<T: Element>(
             Mlp::Sparse(moe) => moe.forward(&mut b.proj, &b.normed, tokens)?,
         }
         add_residual(x, &b.proj, s.residual_scale);
+    }
+    Ok(())
+}
+
+/// Checks the step's `state_slots` against every convolution layer's state
+/// before any layer runs, so a bad step changes nothing.
+fn check_state_slots<T>(
+    layers: &[DecoderLayer<'_, T>],
+    s: &DecoderShape,
+    step: &StepInputs<'_, T>,
+) -> CoreResult<()> {
+    let slots = layers
+        .iter()
+        .filter_map(|l| match &l.mixer {
+            Mixer::ShortConv(c) => Some(c.state.len() / (s.hidden * (c.taps - 1))),
+            Mixer::Attention(_) => None,
+        })
+        .min();
+    let Some(slots) = slots else {
+        return Ok(());
+    };
+    let seqs = step.batch.query_start_loc.len().saturating_sub(1);
+    if step.state_slots.len() != seqs {
+        return Err(CoreError::invalid(format!(
+            "state_slots: expected {seqs} entries (one per sequence), got {}",
+            step.state_slots.len()
+        )));
+    }
+    if let Some((i, &slot)) = step
+        .state_slots
+        .iter()
+        .enumerate()
+        .find(|&(_, &v)| v < 0 || v as u64 >= slots as u64)
+    {
+        return Err(CoreError::invalid(format!(
+            "state_slots: slot {slot} of sequence {i} is outside the {slots} slots of the state"
+        )));
     }
     Ok(())
 }
