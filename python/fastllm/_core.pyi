@@ -498,7 +498,7 @@ class QuantizedLinear:
         """The weights as GGUF blocks (rows padded to whole groups)."""
 
 class DecoderStack:
-    """Every decoder layer of a Llama-family model, run in one call per step.
+    """Every decoder layer of a Llama-family (or LFM2) model, run in one call per step.
 
     ``layers``: one dict per layer with ``input_norm``, ``post_norm``
     ([hidden]), ``q_norm``, ``k_norm`` ([head_dim] or None, both or neither),
@@ -507,7 +507,11 @@ class DecoderStack:
     ``gate_up`` / ``down`` a ``moe`` (a ``MoeBlock``), ``key_cache``,
     ``value_cache`` ([blocks, kv_heads, block_size, head_dim]) and
     ``sliding_window`` (0: none). Norms and caches share one dtype (bf16 or
-    f32); the stack keeps every tensor alive and checks them all here.
+    f32); the stack keeps every tensor alive and checks them all here. A
+    short-convolution layer (LFM2) gives instead of the attention keys
+    ``conv_in_proj`` [3H, H], ``conv_weight`` [H, taps], ``conv_bias`` ([H]
+    or None), ``conv_out_proj`` [H, H] and ``conv_state`` [slots, H, taps - 1]
+    (the model's dtype); at least one layer attends.
     """
 
     num_layers: int
@@ -534,13 +538,16 @@ class DecoderStack:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
+        state_slots: torch.Tensor | None = None,
     ) -> None:
         """Runs every layer on ``x`` [tokens, hidden] in place: RMSNorm,
         q/k/v (+ per-head q/k norm), rotary (``cos`` / ``sin`` [tokens,
         rotary_dim / 2]), the cache write at ``slot_mapping`` (int64), paged
         attention (int32 ``block_tables`` / ``seq_lens`` / ``query_start_loc``),
-        output projection and residual, RMSNorm, SiLU-gated MLP and residual;
-        the same kernels and roundings as the layer-by-layer ops. Releases the GIL."""
+        output projection and residual (or a short convolution over the
+        state slot of each sequence, ``state_slots`` int64 [seqs], required
+        with convolution layers), RMSNorm, SiLU-gated MLP and residual; the
+        same kernels and roundings as the layer-by-layer ops. Releases the GIL."""
 
 def quant_paths() -> list[str]:
     """Names of the integer kernel paths this CPU runs (subset of scalar, avx2, avxvnni,

@@ -403,6 +403,9 @@ class Lfm2ForCausalLM(HybridForCausalLM):
     (``llama_stack.build_lfm2``)."""
 
     LAYER_CLASS = Lfm2DecoderLayer
+    #: The classes whose maths ``rust/models/llama.rs`` implements for LFM2:
+    #: the layer, its attention, its short convolution, its MLPs.
+    FUSED_LAYER_TYPES = (Lfm2DecoderLayer, LlamaAttention, ShortConv, (LlamaMLP, SparseMoeBlock))
 
     def fuse_decoder_layers(self) -> bool:
         """The fused CPU decoder stack, which runs LFM2's convolution layers too."""

@@ -120,18 +120,17 @@ def _attention_why_not(attn, dtype: torch.dtype) -> str | None:
 
 def _lfm2_why_not(model) -> str | None:
     """``why_not`` for LFM2: its attention layers as the Llama ones, its
-    short convolutions packed, with their state, in the model's dtype."""
-    from fastllm.models.hybrid import Lfm2DecoderLayer, ShortConv
-    from fastllm.models.llama import LlamaAttention, LlamaMLP
-
+    short convolutions packed, with their state, in the model's dtype (the
+    layer, attention, convolution and MLP classes: ``FUSED_LAYER_TYPES``)."""
+    layer_type, attn_type, conv_type, mlp_types = model.FUSED_LAYER_TYPES
     layers = model.model.layers
     if not any(layer.self_attn is not None for layer in layers):
         return "the model has no attention layer"
     dtype = layers[0].operator_norm.weight.dtype
     for i, layer in enumerate(layers):
-        if type(layer) is not Lfm2DecoderLayer:
+        if type(layer) is not layer_type:
             return f"layer {i} is not the LFM2 layer the fused stack implements"
-        if type(layer.feed_forward) not in (LlamaMLP, SparseMoeBlock):
+        if type(layer.feed_forward) not in mlp_types:
             return f"layer {i}'s MLP is not one the fused stack implements"
         reason = _mlp_why_not(layer.feed_forward)
         if reason is not None:
@@ -140,13 +139,13 @@ def _lfm2_why_not(model) -> str | None:
             return f"layer {i}'s norm weights are not all in one dtype ({dtype})"
         conv = layer.conv
         if conv is None:
-            if type(layer.self_attn) is not LlamaAttention:
+            if type(layer.self_attn) is not attn_type:
                 return f"layer {i}'s attention is not the one the fused stack implements"
             reason = _attention_why_not(layer.self_attn, dtype)
             if reason is not None:
                 return f"layer {i}'s {reason}"
             continue
-        if type(conv) is not ShortConv or conv.ops.backend != "rust":
+        if type(conv) is not conv_type or conv.ops.backend != "rust":
             return f"layer {i}'s convolution runs the {conv.ops.backend} ops"
         if any(_packed(lin) is None for lin in (conv.in_proj, conv.out_proj)):
             return f"layer {i}'s convolution has a linear layer that is not packed"
