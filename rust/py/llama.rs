@@ -1,10 +1,12 @@
-//! The decoder stack (`DecoderStack`): every Llama-family layer of a model,
-//! run in one call per step (`models::llama`).
+//! The decoder stack (`DecoderStack`): every Llama-family layer of a model
+//! (or LFM2's, whose short convolutions keep a state per sequence), run in
+//! one call per step (`models::llama`).
 //!
-//! The stack is built once, after the model is packed and its KV caches are
-//! allocated: it checks every weight, norm and cache tensor then, keeps them
-//! alive, and shares the packed weights with the model's `PackedLinear` /
-//! `QuantizedLinear` objects. A step then only checks its own inputs.
+//! The stack is built once, after the model is packed and its KV caches (and
+//! states) are allocated: it checks every weight, norm, cache and state
+//! tensor then, keeps them alive, and shares the packed weights with the
+//! model's `PackedLinear` / `QuantizedLinear` objects. A step then only
+//! checks its own inputs.
 
 use std::sync::{Arc, Mutex};
 
@@ -108,8 +110,9 @@ enum LayerMlp {
 }
 
 /// The decoder layers of a Llama-family model (pre-norm attention with a
-/// fused q/k/v projection and rotary, a SiLU-gated MLP with a fused gate/up
-/// projection), run in one call per step.
+/// fused q/k/v projection and rotary, or LFM2's short convolution; a
+/// SiLU-gated MLP with a fused gate/up projection, or a mixture of experts),
+/// run in one call per step.
 #[pyclass(name = "DecoderStack", module = "fastllm._core", frozen)]
 struct PyDecoderStack {
     layers: Vec<Layer>,
