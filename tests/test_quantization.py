@@ -225,7 +225,10 @@ def _tables(model) -> dict[str, tuple]:
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "qwen2_moe", "lfm2_moe"])
+@pytest.mark.parametrize(
+    "family",
+    ["llama", "qwen2", "gpt2", "phi", "gemma3", "phi3", "olmo2", "qwen2_moe", "lfm2_moe"],
+)
 def test_folders_quantize_layer_by_layer_as_they_load(family, make_model, tmp_path, monkeypatch):
     """``LLM(folder, quantization=...)`` quantizes each linear layer as the
     loader reads it (``StreamingQuantizer``): the loader's state never holds
@@ -251,6 +254,11 @@ def test_folders_quantize_layer_by_layer_as_they_load(family, make_model, tmp_pa
 
         folder = str(tmp_path / family)
         _build("", folder, 0, test_hybrid_models.CONFIGS[family])
+    elif family in ("phi", "gemma3", "phi3", "olmo2"):  # heads with a bias, tied, fused
+        from test_models import _build
+
+        folder = str(tmp_path / family)
+        _build(family, folder, 0)
     else:
         folder = make_model(family)
     held: list[int] = []  # float linear weights in the loader's state, at each read
