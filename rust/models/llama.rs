@@ -102,6 +102,14 @@ pub struct ShortConv<'a, T> {
     pub taps: usize,
 }
 
+impl<T> ShortConv<'_, T> {
+    /// The state slots `state` holds (each `hidden * (taps - 1)` values;
+    /// `check_layer` has checked `taps >= 2`).
+    fn slots(&self, hidden: usize) -> usize {
+        self.state.len() / (hidden * (self.taps - 1))
+    }
+}
+
 /// A layer's MLP: Llama's gated SiLU MLP (gate/up fused), or a mixture of
 /// experts (Qwen3-MoE, Mixtral: `moe::SparseMlp`).
 #[derive(Clone, Copy)]
@@ -136,15 +144,12 @@ pub fn check_layer<T>(
 ) -> CoreResult<()> {
     let s = shape;
     let mut linears = Vec::with_capacity(4);
-    let mut q = None;
-    let mut k = None;
-    match &layer.mixer {
+    let (q, k) = match &layer.mixer {
         Mixer::Attention(a) => {
             linears.push(("qkv", a.qkv, s.hidden, s.qkv_width()));
             linears.push(("o", a.o, s.heads * s.head_dim, s.hidden));
-            (q, k) = a
-                .qk_norm
-                .map_or((None, None), |(q, k)| (Some(q.len()), Some(k.len())));
+            a.qk_norm
+                .map_or((None, None), |(q, k)| (Some(q.len()), Some(k.len())))
         }
         Mixer::ShortConv(c) => {
             linears.push(("conv_in_proj", c.in_proj, s.hidden, 3 * s.hidden));
@@ -171,8 +176,9 @@ pub fn check_layer<T>(
                     c.state.len()
                 )));
             }
+            (None, None)
         }
-    }
+    };
     match layer.mlp {
         Mlp::Dense { gate_up, down } => {
             linears.push(("gate_up", gate_up, s.hidden, 2 * s.intermediate));
@@ -368,7 +374,7 @@ fn check_state_slots<T>(
     let slots = layers
         .iter()
         .filter_map(|l| match &l.mixer {
-            Mixer::ShortConv(c) => Some(c.state.len() / (s.hidden * (c.taps - 1))),
+            Mixer::ShortConv(c) => Some(c.slots(s.hidden)),
             Mixer::Attention(_) => None,
         })
         .min();
@@ -407,50 +413,48 @@ fn attention<T: Element>(
     let (tokens, d) = (qkv_shape.tokens, s.head_dim);
     a.qkv
         .forward(T::dst(&mut b.qkv), T::src(&b.normed), tokens)?;
-    {
-        let qkv: &[T] = match a.qk_norm {
-            None => &b.qkv,
-            Some((qn, kn)) => {
-                let width = s.qkv_width();
-                let (qw, kw) = (s.heads * d, s.kv_heads * d);
-                for t in 0..tokens {
-                    let src = &b.qkv[t * width..(t + 1) * width];
-                    let dst = &mut b.qkv_normed[t * width..(t + 1) * width];
-                    let (dq, rest) = dst.split_at_mut(qw);
-                    let (dk, dv) = rest.split_at_mut(kw);
-                    rms_norm(T::dst(dq), T::src(&src[..qw]), T::src(qn), s.eps, d)?;
-                    rms_norm(T::dst(dk), T::src(&src[qw..qw + kw]), T::src(kn), s.eps, d)?;
-                    dv.copy_from_slice(&src[qw + kw..]);
-                }
-                &b.qkv_normed
+    let qkv: &[T] = match a.qk_norm {
+        None => &b.qkv,
+        Some((qn, kn)) => {
+            let width = s.qkv_width();
+            let (qw, kw) = (s.heads * d, s.kv_heads * d);
+            for t in 0..tokens {
+                let src = &b.qkv[t * width..(t + 1) * width];
+                let dst = &mut b.qkv_normed[t * width..(t + 1) * width];
+                let (dq, rest) = dst.split_at_mut(qw);
+                let (dk, dv) = rest.split_at_mut(kw);
+                rms_norm(T::dst(dq), T::src(&src[..qw]), T::src(qn), s.eps, d)?;
+                rms_norm(T::dst(dk), T::src(&src[qw..qw + kw]), T::src(kn), s.eps, d)?;
+                dv.copy_from_slice(&src[qw + kw..]);
             }
-        };
-        qkv_rotary(
-            T::dst(&mut b.q),
-            T::dst(&mut b.k),
-            T::dst(&mut b.v),
-            T::src(qkv),
-            T::src(step.cos),
-            T::src(step.sin),
-            qkv_shape,
-        )?;
-        // No soft-cap and no attention sinks: the stack implements the Llama
-        // layers only (llama_stack.why_not).
-        cache_and_attend(
-            &mut b.attn,
-            &b.q,
-            &b.k,
-            &b.v,
-            &mut a.key_cache,
-            &mut a.value_cache,
-            step.slot_mapping,
-            step.cache,
-            s.heads,
-            step.batch,
-            s.scale,
-            a.sliding_window,
-        )?;
-    }
+            &b.qkv_normed
+        }
+    };
+    qkv_rotary(
+        T::dst(&mut b.q),
+        T::dst(&mut b.k),
+        T::dst(&mut b.v),
+        T::src(qkv),
+        T::src(step.cos),
+        T::src(step.sin),
+        qkv_shape,
+    )?;
+    // No soft-cap and no attention sinks: the stack implements the Llama
+    // layers only (llama_stack.why_not).
+    cache_and_attend(
+        &mut b.attn,
+        &b.q,
+        &b.k,
+        &b.v,
+        &mut a.key_cache,
+        &mut a.value_cache,
+        step.slot_mapping,
+        step.cache,
+        s.heads,
+        step.batch,
+        s.scale,
+        a.sliding_window,
+    )?;
     a.o.forward(T::dst(&mut b.proj), T::src(&b.attn), tokens)
 }
 
@@ -474,7 +478,7 @@ fn short_conv<T: Element>(
             *o = mul(p, q);
         }
     }
-    let slots = c.state.len() / (h * (c.taps - 1));
+    let slots = c.slots(h);
     causal_conv1d(
         T::dst(&mut b.conv_out),
         T::src(&b.conv_in),

@@ -146,10 +146,13 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
         "num_hidden_layers": _int(gguf, p + "block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
-        "intermediate_size": _int(gguf, p + "feed_forward_length", _dense_width(gguf, arch, p)),
         "max_position_embeddings": _int(gguf, p + "context_length"),
         "tie_word_embeddings": "output.weight" not in tensors,
     }
+    # Qwen3.5-MoE has no dense MLP, and its files may leave the width out:
+    # the config then takes the shared expert's (``config._text_part``).
+    if arch != "qwen35moe" or gguf.get(p + "feed_forward_length") is not None:
+        hf["intermediate_size"] = _int(gguf, p + "feed_forward_length")
     head_dim = gguf.get(p + "attention.key_length")
     if head_dim is not None:
         hf["head_dim"] = _int(gguf, p + "attention.key_length")
@@ -275,16 +278,11 @@ def _moe(gguf: GGUFFile, arch: str, p: str, hf: dict[str, Any]) -> None:
     and shared expert, the top-k renormalisation (``expert_weights_norm``, or
     what llama.cpp assumes for the family), OLMoE's q/k/v clip
     (``attention.clamp_kqv``), and gpt-oss's windows, YaRN and SwiGLU clamp."""
-    tensors = gguf.tensors
     n = hf["num_hidden_layers"]
     experts = _int(gguf, p + "expert_count")
     hf["num_experts" if arch in _NORM_TOPK_DEFAULT else "num_local_experts"] = experts
     hf["num_experts_per_tok"] = _int(gguf, p + "expert_used_count")
-    sparse = [i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
-    first = f"blk.{sparse[0] if sparse else 0}"
-    down = tensors.get(f"{first}.ffn_down_exps.weight")
-    inter = down.shape[-1] if down is not None and len(down.shape) == 3 else None
-    inter = _int(gguf, p + "expert_feed_forward_length", inter)
+    sparse, first, inter = _experts(gguf, p, n)
     if arch in ("qwen3moe", "qwen2moe"):
         hf["moe_intermediate_size"] = inter
         hf["decoder_sparse_step"] = 1
@@ -292,10 +290,7 @@ def _moe(gguf: GGUFFile, arch: str, p: str, hf: dict[str, Any]) -> None:
     else:
         hf["intermediate_size"] = inter
     if arch == "qwen2moe":
-        shared = tensors.get(f"{first}.ffn_down_shexp.weight")
-        size = shared.shape[-1] if shared is not None else 0
-        key = p + "expert_shared_feed_forward_length"
-        hf["shared_expert_intermediate_size"] = _int(gguf, key, size) if size else 0
+        hf["shared_expert_intermediate_size"] = _shared_width(gguf, p, first) or 0
     if arch in _NORM_TOPK_DEFAULT:
         norm = gguf.get(p + "expert_weights_norm", _NORM_TOPK_DEFAULT[arch])
         if not isinstance(norm, bool):
@@ -310,17 +305,25 @@ def _moe(gguf: GGUFFile, arch: str, p: str, hf: dict[str, Any]) -> None:
         _gpt_oss(gguf, p, hf)
 
 
-def _dense_width(gguf: GGUFFile, arch: str, p: str) -> int | None:
-    """The MLP width where a file may leave ``feed_forward_length`` out:
-    Qwen3.5-MoE has no dense MLP (its config has no ``intermediate_size``),
-    so its shared expert's width stands in, as the folder's config does."""
-    if arch != "qwen35moe":
+def _experts(gguf: GGUFFile, p: str, n: int) -> tuple[list[int], str, int]:
+    """The layers with a router (``ffn_gate_inp``), the first one's tensor
+    prefix, and the experts' width (``expert_feed_forward_length``, or the
+    stacked tensors' shape)."""
+    tensors = gguf.tensors
+    sparse = [i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
+    first = f"blk.{sparse[0] if sparse else 0}"
+    down = tensors.get(f"{first}.ffn_down_exps.weight")
+    inter = down.shape[-1] if down is not None and len(down.shape) == 3 else None
+    return sparse, first, _int(gguf, p + "expert_feed_forward_length", inter)
+
+
+def _shared_width(gguf: GGUFFile, p: str, first: str) -> int | None:
+    """The shared expert's width (``expert_shared_feed_forward_length``, or
+    its tensor's shape in layer ``first``); None without a shared expert."""
+    shared = gguf.tensors.get(f"{first}.ffn_down_shexp.weight")
+    if shared is None:
         return None
-    for key in ("expert_shared_feed_forward_length", "expert_feed_forward_length"):
-        if gguf.get(p + key) is not None:
-            return _int(gguf, p + key)
-    down = gguf.tensors.get("blk.0.ffn_down_shexp.weight")
-    return down.shape[-1] if down is not None else None
+    return _int(gguf, p + "expert_shared_feed_forward_length", shared.shape[-1])
 
 
 def _hybrid_moe(gguf: GGUFFile, arch: str, p: str, hf: dict[str, Any]) -> None:
@@ -334,11 +337,7 @@ def _hybrid_moe(gguf: GGUFFile, arch: str, p: str, hf: dict[str, Any]) -> None:
     n = hf["num_hidden_layers"]
     hf["num_experts"] = _int(gguf, p + "expert_count")
     hf["num_experts_per_tok"] = _int(gguf, p + "expert_used_count")
-    sparse = [i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
-    first = f"blk.{sparse[0] if sparse else 0}"
-    down = tensors.get(f"{first}.ffn_down_exps.weight")
-    inter = down.shape[-1] if down is not None and len(down.shape) == 3 else None
-    hf["moe_intermediate_size"] = _int(gguf, p + "expert_feed_forward_length", inter)
+    sparse, first, hf["moe_intermediate_size"] = _experts(gguf, p, n)
     gating = gguf.get(p + "expert_gating_func")
     want = _GATING_SIGMOID if arch == "lfm2moe" else _GATING_SOFTMAX
     if gating is not None and gating != want:
@@ -347,11 +346,8 @@ def _hybrid_moe(gguf: GGUFFile, arch: str, p: str, hf: dict[str, Any]) -> None:
             f"{arch} routes by {'sigmoid' if want == _GATING_SIGMOID else 'softmax'} ({want})"
         )
     if arch == "qwen35moe":
-        shared = tensors.get(f"{first}.ffn_down_shexp.weight")
-        size = shared.shape[-1] if shared is not None else None
-        hf["shared_expert_intermediate_size"] = _int(
-            gguf, p + "expert_shared_feed_forward_length", size
-        )
+        key = p + "expert_shared_feed_forward_length"
+        hf["shared_expert_intermediate_size"] = _shared_width(gguf, p, first) or _int(gguf, key)
         return
     dense = gguf.get(p + "leading_dense_block_count") or 0
     if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
