@@ -42,6 +42,11 @@ MOE_NAMES = ["qwen3_moe", "qwen2_moe", "mixtral", "granitemoe"]
 # (``tests/test_hybrid_models.py``'s configs: one attention layer or two,
 # convolution biases, an MoE version with a dense layer first).
 LFM2_NAMES = ["lfm2", "lfm2_bias", "lfm2_moe", "lfm2_moe_plain"]
+# Qwen3.5's Gated DeltaNet and gated-attention layers (the same file's
+# configs: the default pattern, attention first with biases and 2 taps, MoE;
+# and the text part of the multimodal checkpoints, "_vl").
+QWEN3_5_NAMES = ["qwen3_5", "qwen3_5_pattern", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl"]
+HYBRID_NAMES = LFM2_NAMES + QWEN3_5_NAMES
 NAMES = [
     "llama",
     "llama3-rope",
@@ -51,7 +56,7 @@ NAMES = [
     "phi3",
     "granite",
     *MOE_NAMES,
-    *LFM2_NAMES,
+    *HYBRID_NAMES,
 ]
 
 
@@ -69,7 +74,11 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             config = copy.deepcopy(MOE_CONFIGS[name])
             config.vocab_size = VOCAB
             build_moe(config, folder, seed=5)
-        elif name in LFM2_NAMES:
+        elif name.endswith("_vl"):
+            from test_hybrid_models import build_multimodal
+
+            build_multimodal(name.removesuffix("_vl"), folder, tie=False, seed=5)
+        elif name in HYBRID_NAMES:
             from test_hybrid_models import CONFIGS as HYBRID_CONFIGS
 
             _build("", folder, 5, HYBRID_CONFIGS[name])
@@ -298,16 +307,14 @@ def test_attention_sinks_run_layer_by_layer(folders) -> None:
     assert not torch.equal(got[-1], want[-1])
 
 
-def test_bad_convolution_layers_are_clear_errors(folders) -> None:
-    """LFM2's convolution layers in the stack: a misshapen weight or state,
-    states sharing memory, a stack of convolutions alone, and a step without
-    ``state_slots`` are errors naming them."""
-    from fastllm.models.llama_stack import build_lfm2
+def _hybrid_stack_arguments(folder: str) -> tuple:
+    """A float32 hybrid model from ``folder`` fused by the runner, with the
+    layer dicts and keywords ``llama_stack.build_hybrid`` gives its stack."""
+    from fastllm.models.llama_stack import build_hybrid
 
-    model = _load(folders["lfm2"], torch.float32, None)
+    model = _load(folder, torch.float32, None)
     PagedRunner(model, torch.float32, fuse=True)
-    stack = model.decoder_stack
-    assert stack is not None and stack.num_layers == 4
+    assert model.decoder_stack is not None
     captured: dict = {}
     real = _core.DecoderStack
 
@@ -317,10 +324,19 @@ def test_bad_convolution_layers_are_clear_errors(folders) -> None:
 
     _core.DecoderStack = capture
     try:
-        build_lfm2(model)
+        build_hybrid(model)
     finally:
         _core.DecoderStack = real
-    layers, kw = captured["layers"], captured["kw"]
+    return model, captured["layers"], captured["kw"]
+
+
+def test_bad_convolution_layers_are_clear_errors(folders) -> None:
+    """LFM2's convolution layers in the stack: a misshapen weight or state,
+    states sharing memory, a stack of convolutions alone, and a step without
+    ``state_slots`` are errors naming them."""
+    model, layers, kw = _hybrid_stack_arguments(folders["lfm2"])
+    stack = model.decoder_stack
+    assert stack.num_layers == 4
     conv = next(i for i, d in enumerate(layers) if d.get("conv_in_proj") is not None)
     h = kw["hidden_size"]
     cases = [
@@ -349,7 +365,68 @@ def test_bad_convolution_layers_are_clear_errors(folders) -> None:
         torch.tensor([1], dtype=torch.int32),
         torch.tensor([0, 1], dtype=torch.int32),
     )
-    with pytest.raises(ValueError, match="state_slots: required by the short-convolution"):
+    with pytest.raises(ValueError, match="state_slots: required by the recurrent"):
         stack.forward(x, cos, cos, *meta)
     with pytest.raises(ValueError, match="state_slots: slot 99 of sequence 0 is outside"):
         stack.forward(x, cos, cos, *meta, torch.tensor([99]))
+
+
+def test_bad_delta_net_layers_are_clear_errors(folders) -> None:
+    """Qwen3.5's Gated DeltaNet layers in the stack: misshapen weights,
+    parameters or states, states sharing memory, and steps without (or with
+    bad) ``state_slots`` are errors naming them."""
+    model, layers, kw = _hybrid_stack_arguments(folders["qwen3_5"])
+    i = next(j for j, d in enumerate(layers) if d.get("delta_in_proj") is not None)
+    d = layers[i]
+    slots, hv, dk, dv = d["delta_state"].shape
+    channels = d["delta_conv_weight"].shape[0]
+    assert layers[-1]["attn_output_gate"] and layers[-1]["q_norm"].dtype == torch.float32
+    cases = [
+        (
+            {"delta_conv_weight": torch.zeros(channels, 1)},
+            r"delta_conv_weight: expected 2 to 8 taps",
+        ),
+        ({"delta_conv_weight": torch.zeros(channels + 1, 4)}, r"delta_conv_weight: \d+ channels"),
+        ({"delta_conv_state": torch.zeros(slots, channels, 2)}, r"delta_conv_state: dimension 2"),
+        ({"delta_a_log": torch.zeros(hv + 1)}, r"delta_a_log: dimension 0 must be"),
+        (
+            {"delta_dt_bias": torch.zeros(hv, dtype=torch.bfloat16)},
+            r"delta_dt_bias: expected dtype",
+        ),
+        ({"delta_norm": torch.zeros(dv + 1)}, r"delta_norm: dimension 0 must be"),
+        ({"delta_state": torch.zeros(slots + 1, hv, dk, dv)}, r"delta_state: expected \[slots"),
+        ({"delta_out_proj": d["delta_in_proj"]}, r"delta_out_proj: expected a \["),
+        ({"delta_in_proj": d["delta_out_proj"]}, r"delta_in_proj: expected a \["),
+    ]
+    for change, message in cases:
+        bad = [*layers[:i], {**d, **change}, *layers[i + 1 :]]
+        with pytest.raises(ValueError, match=rf"layers\[{i}\]\S* ?{message}"):
+            _core.DecoderStack(bad, **kw)
+    other = next(j for j, e in enumerate(layers) if j != i and e.get("delta_state") is not None)
+    shared = [dict(e) for e in layers]
+    shared[other]["delta_state"] = d["delta_state"]
+    with pytest.raises(ValueError, match="its KV cache or state shares memory"):
+        _core.DecoderStack(shared, **kw)
+    h = kw["hidden_size"]
+    x = torch.zeros(1, h)
+    cos = torch.zeros(1, model.rotary.rotary_dim // 2)
+    meta = (
+        torch.tensor([4]),
+        torch.tensor([[1]], dtype=torch.int32),
+        torch.tensor([1], dtype=torch.int32),
+        torch.tensor([0, 1], dtype=torch.int32),
+    )
+    stack = model.decoder_stack
+    with pytest.raises(ValueError, match="state_slots: required by the recurrent"):
+        stack.forward(x, cos, cos, *meta)
+    for e in layers:
+        for key in ("delta_state", "delta_conv_state"):
+            if e.get(key) is not None:
+                e[key].zero_()
+    x = torch.randn(1, h, generator=torch.Generator().manual_seed(0))
+    before = d["delta_state"].clone()
+    with pytest.raises(ValueError, match=f"state_slots: slot {slots} of sequence 0 is outside"):
+        stack.forward(x, cos, cos, *meta, torch.tensor([slots]))
+    assert torch.equal(d["delta_state"], before)  # nothing ran
+    stack.forward(x, cos, cos, *meta, torch.tensor([0]))
+    assert torch.isfinite(x).all() and not torch.equal(d["delta_state"], before)

@@ -337,13 +337,11 @@ def test_bad_hybrid_config(tmp_path, saved: dict) -> None:
             load_model(ModelConfig.from_pretrained(str(dst)), str(dst), torch.float32, "cpu")
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
-@pytest.mark.parametrize("tie", [False, True])
-def test_multimodal_checkpoint_runs_its_text_model(tmp_path, tie: bool, name: str) -> None:
-    """A ``Qwen3_5ForConditionalGeneration`` (or ``Qwen3_5MoeFor...``) folder
-    (a vision tower beside the text model under ``model.language_model``;
-    the head tied by the top-level flag) runs as its text model, equal to
-    transformers on text."""
+def build_multimodal(name: str, folder: str, tie: bool, seed: int = 3):
+    """Saves a ``Qwen3_5ForConditionalGeneration`` (``name`` "qwen3_5") or
+    ``Qwen3_5MoeForConditionalGeneration`` ("qwen3_5_moe") checkpoint of
+    ``CONFIGS[name]`` with a small vision tower to ``folder`` (the head tied by
+    the top-level flag ``tie``); returns the float32 reference model."""
     text = CONFIGS[name].to_dict()
     text["tie_word_embeddings"] = not tie  # the top level decides
     vision = dict(
@@ -367,9 +365,20 @@ def test_multimodal_checkpoint_runs_its_text_model(tmp_path, tie: bool, name: st
     ref_model = model_class(config)
     from test_models import _randomize
 
-    _randomize(ref_model, 3)
+    _randomize(ref_model, seed)
     ref_model = ref_model.float().eval()
-    ref_model.save_pretrained(str(tmp_path))
+    ref_model.save_pretrained(folder)
+    return ref_model
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_multimodal_checkpoint_runs_its_text_model(tmp_path, tie: bool, name: str) -> None:
+    """A ``Qwen3_5ForConditionalGeneration`` (or ``Qwen3_5MoeFor...``) folder
+    (a vision tower beside the text model under ``model.language_model``;
+    the head tied by the top-level flag) runs as its text model, equal to
+    transformers on text."""
+    ref_model = build_multimodal(name, str(tmp_path), tie)
     seqs = _sequences(11, [10, 6])
     ref = _reference(ref_model, seqs)
     model = _load(str(tmp_path), True)

@@ -266,3 +266,75 @@ def test_out_must_not_alias_the_state():
     args["out"] = args["state"].view(-1)[: 5 * 2 * 4].view(5, 2, 4)
     with pytest.raises(ValueError, match="^out: must not share memory with state"):
         _core.gated_delta_rule(**args)
+
+
+def _ulps(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """|got - want| in units of ``dtype``'s spacing at ``want`` (float32 maths)."""
+    spacing = 2.0 ** (torch.frexp(want.float())[1] - (8 if dtype == torch.bfloat16 else 24))
+    return ((got.float() - want.float()).abs() / spacing.clamp_min(2.0**-126)).max()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(1, 9),
+    heads=st.integers(1, 5),
+    dim=st.sampled_from([1, 8, 16, 33, 128]),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_qwen3_5_gates_and_gated_norm_match_transformers(rows, heads, dim, dtype, seed):
+    """``_core.gated_rms_norm`` against transformers' ``Qwen3_5RMSNormGated``,
+    ``_core.delta_gates`` against its ``beta`` / ``g`` expressions (softplus
+    past its threshold of 20 too) and ``_core.sigmoid_mul`` against
+    ``x * sigmoid(gate)``: within one step of the dtype (float32: a few
+    float32 steps; the kernels' exp is not torch's)."""
+    dt = DTYPES[dtype]
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows * heads, dim, generator=g) * 3).to(dt)
+    z = (torch.randn(rows * heads, dim, generator=g) * 4).to(dt)
+    norm = qwen35.Qwen3_5RMSNormGated(dim, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim, generator=g))
+    norm = norm.to(dt)
+    want = norm(x, z)
+    got = torch.empty_like(x)
+    _core.gated_rms_norm(got, x, z, norm.weight.detach(), 1e-6)
+    limit = 1.0 if dt == torch.bfloat16 else 64.0
+    assert _ulps(got, want, dt) <= limit
+
+    a = (torch.randn(rows, heads, generator=g) * 12).to(dt)
+    b = (torch.randn(rows, heads, generator=g) * 6).to(dt)
+    a[0, 0] = 30.0  # softplus(x) = x past 20
+    a_log = torch.randn(heads, generator=g)
+    dt_bias = torch.randn(heads, generator=g)
+    beta, gate = torch.empty(rows, heads), torch.empty(rows, heads)
+    _core.delta_gates(gate, beta, a, b, a_log, dt_bias)
+    want_beta = b.sigmoid().float()
+    want_g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    assert _ulps(beta, want_beta, dt) <= 1.0
+    assert torch.allclose(gate, want_g, rtol=2e-6, atol=1e-6)
+
+    gate_x = (torch.randn(rows, heads * dim, generator=g) * 5).to(dt)
+    out = torch.empty_like(gate_x)
+    _core.sigmoid_mul(out, x.reshape(rows, -1), gate_x)
+    want = x.reshape(rows, -1) * torch.sigmoid(gate_x)
+    assert _ulps(out, want, dt) <= (1.0 if dt == torch.bfloat16 else 4.0)
+
+
+def test_qwen3_5_elementwise_ops_reject_bad_arguments():
+    x = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="z: shape"):
+        _core.gated_rms_norm(torch.empty(2, 8), x, torch.zeros(2, 4), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="weight: dimension 0 must be 8"):
+        _core.gated_rms_norm(torch.empty(2, 8), x, x, torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="gate: shape"):
+        _core.sigmoid_mul(torch.empty(2, 8), x, torch.zeros(8, 2))
+    with pytest.raises(ValueError, match="out: expected dtype"):
+        _core.sigmoid_mul(torch.empty(2, 8, dtype=torch.bfloat16), x, x)
+    g, beta = torch.empty(2, 8), torch.empty(2, 8)
+    with pytest.raises(ValueError, match="A_log: dimension 0 must be 8"):
+        _core.delta_gates(g, beta, x, x, torch.zeros(3), torch.zeros(8))
+    with pytest.raises(ValueError, match="dt_bias: expected dtype"):
+        _core.delta_gates(g, beta, x, x, torch.zeros(8), torch.zeros(8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="g: must not share memory with beta"):
+        _core.delta_gates(g, g, x, x, torch.zeros(8), torch.zeros(8))

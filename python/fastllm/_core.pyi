@@ -498,7 +498,7 @@ class QuantizedLinear:
         """The weights as GGUF blocks (rows padded to whole groups)."""
 
 class DecoderStack:
-    """Every decoder layer of a Llama-family (or LFM2) model, run in one call per step.
+    """Every decoder layer of a Llama-family (or LFM2, Qwen3.5) model, run in one call per step.
 
     ``layers``: one dict per layer with ``input_norm``, ``post_norm``
     ([hidden]), ``q_norm``, ``k_norm`` ([head_dim] or None, both or neither),
@@ -511,7 +511,15 @@ class DecoderStack:
     short-convolution layer (LFM2) gives instead of the attention keys
     ``conv_in_proj`` [3H, H], ``conv_weight`` [H, taps], ``conv_bias`` ([H]
     or None), ``conv_out_proj`` [H, H] and ``conv_state`` [slots, H, taps - 1]
-    (the model's dtype); at least one layer attends.
+    (the model's dtype). A Gated DeltaNet layer (Qwen3.5) gives ``delta_in_proj``
+    [C + Hv Dv + 2 Hv, H] (q, k, v, z, b, a; C = 2 Hk Dk + Hv Dv),
+    ``delta_conv_weight`` [C, taps], ``delta_conv_state`` [slots, C, taps - 1] (the
+    model's dtype), ``delta_a_log`` and ``delta_dt_bias`` ([Hv] float32), ``delta_norm``
+    [Dv], ``delta_out_proj`` [H, Hv Dv] and ``delta_state`` [slots, Hv, Dk, Dv]
+    (float32). ``attn_output_gate`` (default False): ``qkv`` yields each query head
+    followed by its output gate (Qwen3.5). In a bf16 model a norm weight may be float32:
+    that norm runs in float32 and rounds once. At least one layer attends. ``dtype``: the
+    model's (torch.bfloat16 or torch.float32; default the first input norm's).
     """
 
     num_layers: int
@@ -528,6 +536,7 @@ class DecoderStack:
         eps: float,
         scale: float,
         residual_multiplier: float = 1.0,
+        dtype: torch.dtype | None = None,
     ) -> None: ...
     def forward(
         self,
@@ -544,9 +553,9 @@ class DecoderStack:
         q/k/v (+ per-head q/k norm), rotary (``cos`` / ``sin`` [tokens,
         rotary_dim / 2]), the cache write at ``slot_mapping`` (int64), paged
         attention (int32 ``block_tables`` / ``seq_lens`` / ``query_start_loc``),
-        output projection and residual (or a short convolution over the
-        state slot of each sequence, ``state_slots`` int64 [seqs], required
-        with convolution layers), RMSNorm, SiLU-gated MLP and residual; the
+        output projection and residual (or a short convolution or Gated
+        DeltaNet over the state slot of each sequence, ``state_slots`` int64
+        [seqs], required with recurrent layers), RMSNorm, SiLU-gated MLP and residual; the
         same kernels and roundings as the layer-by-layer ops. Releases the GIL."""
 
 def quant_paths() -> list[str]:
@@ -590,6 +599,17 @@ def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: floa
 def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
     """``out = round(silu(x[:, :d])) * x[:, d:]``: x [rows, 2d], out [rows, d], one dtype
     (bf16 or f32). Releases the GIL."""
+
+def sigmoid_mul(out: torch.Tensor, x: torch.Tensor, gate: torch.Tensor) -> None:
+    """``out = x * round(sigmoid(gate))`` elementwise, rounded as torch's
+    ``x * torch.sigmoid(gate)``: one dtype (bf16 or f32), one shape. Releases the GIL."""
+
+def gated_rms_norm(
+    out: torch.Tensor, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    """Qwen3.5's gated head norm: ``out = round(rms_norm(x, weight) * silu(z))``, the norm
+    rounded as ``rms_norm``'s, the gate and product in float32; x, z, out [rows, dim],
+    weight [dim], one dtype (bf16 or f32). Releases the GIL."""
 
 def qkv_rotary(
     q: torch.Tensor,
@@ -710,6 +730,19 @@ def causal_conv1d(
     [num_seqs]). ``out[t, c] = bias[c] + sum_j weight[c, j] * xin[t - K + 1 + j, c]``
     over the state followed by the rows, in f32, then ``y * sigmoid(y)`` if ``silu``,
     rounded once; the state becomes the last K - 1 inputs. Releases the GIL."""
+
+def delta_gates(
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+) -> None:
+    """Gated DeltaNet's gates: ``beta = sigmoid(b)`` rounded to b's dtype and
+    ``g = -exp(A_log) * softplus(a + dt_bias)`` in float32 (``g``, ``beta`` [T, H]
+    float32); ``a``, ``b`` [T, H] (one dtype, bf16 or f32), ``A_log``, ``dt_bias`` [H]
+    float32. Releases the GIL."""
 
 def gated_delta_rule(
     out: torch.Tensor,

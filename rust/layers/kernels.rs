@@ -84,6 +84,88 @@ impl<T: Element> Kernel for Act<'_, T> {
     }
 }
 
+/// `out = round(x * round(sigmoid(gate)))` elementwise (an attention
+/// output gate).
+pub(super) struct SigmoidMul<'a, T> {
+    pub(super) out: &'a mut [T],
+    pub(super) x: &'a [T],
+    pub(super) gate: &'a [T],
+}
+
+impl<T: Element> Kernel for SigmoidMul<'_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn run<S: Simd>(self) {
+        for ((o, &v), &g) in self.out.iter_mut().zip(self.x).zip(self.gate) {
+            *o = T::from_f32(v.to_f32() * T::round(sigmoid(g.to_f32())));
+        }
+    }
+}
+
+/// RMSNorm of the rows of `x` (rounded as [`Norm`]) times `silu(z)` in
+/// f32, rounded once.
+pub(super) struct GatedNorm<'a, T> {
+    pub(super) out: &'a mut [T],
+    pub(super) x: &'a [T],
+    pub(super) z: &'a [T],
+    pub(super) w: &'a [T],
+    pub(super) eps: f32,
+    pub(super) dim: usize,
+}
+
+impl<T: Element> Kernel for GatedNorm<'_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn run<S: Simd>(self) {
+        let GatedNorm {
+            out,
+            x,
+            z,
+            w,
+            eps,
+            dim,
+        } = self;
+        norm_body(out, x, w, eps, dim);
+        for (o, &g) in out.iter_mut().zip(z) {
+            *o = T::from_f32(o.to_f32() * silu(g.to_f32()));
+        }
+    }
+}
+
+/// Gated DeltaNet's per-head gates of the rows of `a` and `b` (`heads`
+/// each): `beta = round(sigmoid(b))` and `g = -e^A_log * softplus(a + dt_bias)`
+/// in f32 (softplus `ln(1 + e^x)`, or `x` above 20, as torch's).
+pub(super) struct DeltaGates<'a, T> {
+    pub(super) g: &'a mut [f32],
+    pub(super) beta: &'a mut [f32],
+    pub(super) a: &'a [T],
+    pub(super) b: &'a [T],
+    pub(super) a_log: &'a [f32],
+    pub(super) dt_bias: &'a [f32],
+}
+
+impl<T: Element> Kernel for DeltaGates<'_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn run<S: Simd>(self) {
+        let heads = self.a_log.len();
+        for (beta, &b) in self.beta.iter_mut().zip(self.b) {
+            *beta = T::round(sigmoid(b.to_f32()));
+        }
+        for (g, a) in self
+            .g
+            .chunks_exact_mut(heads)
+            .zip(self.a.chunks_exact(heads))
+        {
+            for (((g, &a), &al), &dt) in g.iter_mut().zip(a).zip(self.a_log).zip(self.dt_bias) {
+                let x = a.to_f32() + dt;
+                let softplus = if x > 20.0 { x } else { exp_f32(x).ln_1p() };
+                *g = -exp_f32(al) * softplus;
+            }
+        }
+    }
+}
+
 /// Rotary embedding of the heads (`d` features) of one token.
 pub(super) struct Rotate<'a, T> {
     pub(super) out: &'a mut [T],

@@ -15,7 +15,7 @@
 
 mod kernels;
 
-use kernels::{Act, Gelu, LayerNorm, Norm, Rotate};
+use kernels::{Act, DeltaGates, GatedNorm, Gelu, LayerNorm, Norm, Rotate, SigmoidMul};
 
 use crate::cpu::elem::SharedOut;
 use crate::cpu::simd::dispatch;
@@ -170,6 +170,164 @@ pub fn gelu(out: Dst<'_>, x: Src<'_>) -> CoreResult<()> {
         (Dst::Bf16(o), Src::Bf16(x)) => run!(o, x),
         _ => Err(CoreError::invalid("x and out must share one dtype")),
     }
+}
+
+/// `out = round(x * round(sigmoid(gate)))` elementwise, as torch's
+/// `x * torch.sigmoid(gate)` (Qwen3.5's attention output gate); one dtype.
+pub fn sigmoid_mul(out: Dst<'_>, x: Src<'_>, gate: Src<'_>) -> CoreResult<()> {
+    if out.len() != x.len() || gate.len() != x.len() {
+        return Err(CoreError::invalid(format!(
+            "gate, out: expected {} elements each (as x), got {} and {}",
+            x.len(),
+            gate.len(),
+            out.len()
+        )));
+    }
+    const ROW: usize = 4096;
+    let n = x.len();
+    macro_rules! run {
+        ($o:expr, $x:expr, $g:expr) => {{
+            let shared = SharedOut($o.as_mut_ptr());
+            for_row_chunks(n.div_ceil(ROW), ROW, |c0, c1| {
+                let span = (c0 * ROW).min(n)..(c1 * ROW).min(n);
+                // SAFETY: elements `span` of out belong to this chunk only.
+                let o = unsafe {
+                    std::slice::from_raw_parts_mut(shared.ptr().add(span.start), span.len())
+                };
+                let (x, gate) = (&$x[span.clone()], &$g[span]);
+                dispatch(best_path(), SigmoidMul { out: o, x, gate });
+            })
+        }};
+    }
+    match (out, x, gate) {
+        (Dst::F32(o), Src::F32(x), Src::F32(g)) => run!(o, x, g),
+        (Dst::Bf16(o), Src::Bf16(x), Src::Bf16(g)) => run!(o, x, g),
+        _ => Err(CoreError::invalid("x, gate and out must share one dtype")),
+    }
+}
+
+/// Qwen3.5's gated head norm over rows of `dim`: `out[r] =
+/// round(rms_norm(x[r]) * silu(z[r]))`, the norm rounded as [`rms_norm`]'s,
+/// `silu(z)` and the product in f32, as torch's `(norm(x) * F.silu(z.float())).to(dtype)`.
+/// `x`, `z`, `weight` and `out` share one element type.
+pub fn gated_rms_norm(
+    out: Dst<'_>,
+    x: Src<'_>,
+    z: Src<'_>,
+    weight: Src<'_>,
+    eps: f32,
+    dim: usize,
+) -> CoreResult<()> {
+    if dim == 0 || !x.len().is_multiple_of(dim) {
+        return Err(CoreError::invalid(format!(
+            "x: expected rows of {dim} elements, got {} elements",
+            x.len()
+        )));
+    }
+    if out.len() != x.len() || z.len() != x.len() {
+        return Err(CoreError::invalid(format!(
+            "z, out: expected {} elements each (as x), got {} and {}",
+            x.len(),
+            z.len(),
+            out.len()
+        )));
+    }
+    if weight.len() != dim {
+        return Err(CoreError::invalid(format!(
+            "weight: expected {dim} elements, got {}",
+            weight.len()
+        )));
+    }
+    let rows = x.len() / dim;
+    macro_rules! run {
+        ($o:expr, $x:expr, $z:expr, $w:expr) => {{
+            let shared = SharedOut($o.as_mut_ptr());
+            for_row_chunks(rows, dim, |r0, r1| {
+                let span = r0 * dim..r1 * dim;
+                // SAFETY: rows r0..r1 of out belong to this chunk only.
+                let o = unsafe {
+                    std::slice::from_raw_parts_mut(shared.ptr().add(span.start), span.len())
+                };
+                let (x, z) = (&$x[span.clone()], &$z[span]);
+                dispatch(
+                    best_path(),
+                    GatedNorm {
+                        out: o,
+                        x,
+                        z,
+                        w: $w,
+                        eps,
+                        dim,
+                    },
+                );
+            })
+        }};
+    }
+    match (out, x, z, weight) {
+        (Dst::F32(o), Src::F32(x), Src::F32(z), Src::F32(w)) => run!(o, x, z, w),
+        (Dst::Bf16(o), Src::Bf16(x), Src::Bf16(z), Src::Bf16(w)) => run!(o, x, z, w),
+        _ => Err(CoreError::invalid(
+            "x, z, weight and out must share one dtype",
+        )),
+    }
+}
+
+/// Gated DeltaNet's gates for rows of `heads = a_log.len()` values:
+/// `beta = round(sigmoid(b))` and `g = -e^A_log * softplus(a + dt_bias)`,
+/// both f32, as Qwen3.5's torch code computes them (`b.sigmoid().float()`;
+/// `-A_log.float().exp() * F.softplus(a.float() + dt_bias.float())`). `a` and
+/// `b` share one element type; `a_log` and `dt_bias` are f32.
+pub fn delta_gates(
+    g: &mut [f32],
+    beta: &mut [f32],
+    a: Src<'_>,
+    b: Src<'_>,
+    a_log: &[f32],
+    dt_bias: &[f32],
+) -> CoreResult<()> {
+    let heads = a_log.len();
+    if heads == 0 || dt_bias.len() != heads {
+        return Err(CoreError::invalid(format!(
+            "dt_bias: expected {heads} elements (as A_log, at least one), got {}",
+            dt_bias.len()
+        )));
+    }
+    if !a.len().is_multiple_of(heads) || [b.len(), g.len(), beta.len()] != [a.len(); 3] {
+        return Err(CoreError::invalid(format!(
+            "a, b, g, beta: expected rows of {heads} elements, {} each, got a {}, b {}, g {}, beta {}",
+            a.len(),
+            a.len(),
+            b.len(),
+            g.len(),
+            beta.len()
+        )));
+    }
+    match (a, b) {
+        (Src::F32(a), Src::F32(b)) => dispatch(
+            best_path(),
+            DeltaGates {
+                g,
+                beta,
+                a,
+                b,
+                a_log,
+                dt_bias,
+            },
+        ),
+        (Src::Bf16(a), Src::Bf16(b)) => dispatch(
+            best_path(),
+            DeltaGates {
+                g,
+                beta,
+                a,
+                b,
+                a_log,
+                dt_bias,
+            },
+        ),
+        _ => return Err(CoreError::invalid("a and b must share one dtype")),
+    }
+    Ok(())
 }
 
 /// The activation of a fused gate/up projection: rows of `2d` elements,

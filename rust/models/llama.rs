@@ -26,15 +26,31 @@
 //! b, c, v = h W_in ; y = causal_conv1d(b * v, state) ; x = x + (c * y) W_out
 //! ```
 //!
-//! where every `+` and `*` rounds to the element type, as torch's does.
+//! where every `+` and `*` rounds to the element type, as torch's does; or
+//! Qwen3.5's Gated DeltaNet ([`DeltaNet`]):
+//!
+//! ```text
+//! qkv, z, b, a = h W_in ; q, k, v = silu(causal_conv1d(qkv, state))
+//! o = gated_delta_rule(l2norm(q), l2norm(k), v, g(a), sigmoid(b), S)
+//! x = x + (rms_norm(o) * silu(z)) W_out
+//! ```
+//!
+//! Qwen3.5's attention layers add an output gate (`Attention::gate`: the
+//! attention output times `sigmoid(gate)`, the gate projected beside each
+//! query head), and its norms scale by `1 + w` in f32 ([`NormWeight::Float`]).
 
 use crate::attention::{cache_and_attend, BatchLayout, CacheShape, KvCacheMut};
 use crate::cpu::Element;
+use crate::cpu::{Dst, Src};
 use crate::error::{CoreError, CoreResult};
-use crate::layers::{qkv_rotary, rms_norm, silu_and_mul, QkvShape};
+use crate::layers::{
+    delta_gates, gated_rms_norm, qkv_rotary, rms_norm, sigmoid_mul, silu_and_mul, QkvShape,
+};
 use crate::linear::LinearWeight;
 use crate::moe::SparseMlp;
-use crate::recurrent::{causal_conv1d, ConvShape, Packed};
+use crate::recurrent::{
+    causal_conv1d, gated_delta_rule, ConvShape, DeltaInputs, DeltaShape, Packed, MAX_CONV_WIDTH,
+};
 
 /// The sizes every layer of a model shares.
 #[derive(Clone, Copy, Debug)]
@@ -63,22 +79,53 @@ impl DecoderShape {
 
 /// One decoder layer's weights, and its KV cache or recurrent state.
 pub struct DecoderLayer<'a, T> {
-    pub input_norm: &'a [T],
-    pub post_norm: &'a [T],
+    pub input_norm: NormWeight<'a, T>,
+    pub post_norm: NormWeight<'a, T>,
     pub mixer: Mixer<'a, T>,
     pub mlp: Mlp<'a>,
 }
 
-/// What mixes a layer's tokens: paged attention, or LFM2's short convolution.
+/// An RMSNorm's weight: in the element type (`w * round(x / rms)`, two
+/// roundings, as Llama's norm), or f32 (`round(w * (x / rms))` in f32:
+/// Qwen3.5's norms, whose `1 + w` the caller computed in f32).
+pub enum NormWeight<'a, T> {
+    Model(&'a [T]),
+    Float(&'a [f32]),
+}
+
+impl<T> Clone for NormWeight<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for NormWeight<'_, T> {}
+
+impl<T> NormWeight<'_, T> {
+    fn len(&self) -> usize {
+        match self {
+            NormWeight::Model(w) => w.len(),
+            NormWeight::Float(w) => w.len(),
+        }
+    }
+}
+
+/// What mixes a layer's tokens: paged attention, LFM2's short convolution,
+/// or Qwen3.5's Gated DeltaNet.
 pub enum Mixer<'a, T> {
     Attention(Attention<'a, T>),
     ShortConv(ShortConv<'a, T>),
+    DeltaNet(DeltaNet<'a, T>),
 }
 
 /// An attention mixer's weights and KV cache.
 pub struct Attention<'a, T> {
     /// Qwen3's per-head RMSNorm of q and k (both or neither).
-    pub qk_norm: Option<(&'a [T], &'a [T])>,
+    pub qk_norm: Option<(NormWeight<'a, T>, NormWeight<'a, T>)>,
+    /// Qwen3.5's output gate: `qkv` projects each query head followed by
+    /// its gate (`2 * heads * head_dim` rows, then k and v), and the
+    /// attention output is multiplied by `round(sigmoid(gate))` before `o`.
+    pub gate: bool,
     pub qkv: &'a LinearWeight,
     pub o: &'a LinearWeight,
     /// Float rows of `T`, or 8-bit rows with their scales (`kv_cache_dtype="int8"`).
@@ -110,6 +157,72 @@ impl<T> ShortConv<'_, T> {
     }
 }
 
+/// The head counts and sizes of a Gated DeltaNet layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeltaHeads {
+    /// Query / key heads and their size.
+    pub k_heads: usize,
+    pub k_dim: usize,
+    /// Value heads (a multiple of `k_heads`) and their size.
+    pub v_heads: usize,
+    pub v_dim: usize,
+    /// Taps of the q/k/v convolution.
+    pub taps: usize,
+}
+
+impl DeltaHeads {
+    fn key_dim(&self) -> usize {
+        self.k_heads * self.k_dim
+    }
+
+    fn value_dim(&self) -> usize {
+        self.v_heads * self.v_dim
+    }
+
+    /// Channels of the convolution: q, k and v.
+    fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+
+    /// Rows of `in_proj`: q, k, v, then z, b and a.
+    fn in_width(&self) -> usize {
+        self.conv_dim() + self.value_dim() + 2 * self.v_heads
+    }
+
+    /// Elements of one slot of the convolution state and of the delta-rule state.
+    fn slot_sizes(&self) -> (usize, usize) {
+        (
+            self.conv_dim() * self.taps.saturating_sub(1),
+            self.v_heads * self.k_dim * self.v_dim,
+        )
+    }
+}
+
+/// Qwen3.5's Gated DeltaNet mixer: `in_proj` [conv_dim + value_dim + 2 Hv,
+/// H] (q, k, v, z, b, a), the q/k/v convolution (`conv_weight` [conv_dim,
+/// taps], no bias, SiLU) with its `conv_state` ([slots, conv_dim, taps -
+/// 1]), the gates' `a_log` and `dt_bias` ([Hv], f32), the delta rule's
+/// `state` ([slots, Hv, Dk, Dv], f32), the gated head norm's `norm` [Dv]
+/// and `out_proj` [H, value_dim].
+pub struct DeltaNet<'a, T> {
+    pub in_proj: &'a LinearWeight,
+    pub conv_weight: &'a [T],
+    pub conv_state: &'a mut [T],
+    pub a_log: &'a [f32],
+    pub dt_bias: &'a [f32],
+    pub norm: &'a [T],
+    pub out_proj: &'a LinearWeight,
+    pub state: &'a mut [f32],
+    pub heads: DeltaHeads,
+}
+
+impl<T> DeltaNet<'_, T> {
+    /// The state slots (`check_layer` has checked both states hold as many).
+    fn slots(&self) -> usize {
+        self.state.len() / self.heads.slot_sizes().1.max(1)
+    }
+}
+
 /// A layer's MLP: Llama's gated SiLU MLP (gate/up fused), or a mixture of
 /// experts (Qwen3-MoE, Mixtral: `moe::SparseMlp`).
 #[derive(Clone, Copy)]
@@ -131,7 +244,8 @@ pub struct StepInputs<'a, T> {
     pub slot_mapping: &'a [i64],
     pub batch: BatchLayout<'a>,
     pub cache: CacheShape,
-    /// `[num_seqs]`: each sequence's recurrent-state slot (convolution layers).
+    /// `[num_seqs]`: each sequence's recurrent-state slot (convolution and
+    /// DeltaNet layers).
     pub state_slots: &'a [i64],
 }
 
@@ -144,28 +258,80 @@ pub fn check_layer<T>(
 ) -> CoreResult<()> {
     let s = shape;
     let mut linears = Vec::with_capacity(4);
+    let sizes_match = |sizes: &[(&str, usize, usize)]| -> CoreResult<()> {
+        for &(name, got, want) in sizes {
+            if got != want {
+                return Err(CoreError::invalid(format!(
+                    "layers[{index}].{name}: expected {want} elements, got {got}"
+                )));
+            }
+        }
+        Ok(())
+    };
     let (q, k) = match &layer.mixer {
         Mixer::Attention(a) => {
-            linears.push(("qkv", a.qkv, s.hidden, s.qkv_width()));
+            let gate = if a.gate { s.heads * s.head_dim } else { 0 };
+            linears.push(("qkv", a.qkv, s.hidden, s.qkv_width() + gate));
             linears.push(("o", a.o, s.heads * s.head_dim, s.hidden));
             a.qk_norm
                 .map_or((None, None), |(q, k)| (Some(q.len()), Some(k.len())))
+        }
+        Mixer::DeltaNet(n) => {
+            let h = n.heads;
+            if h.k_heads == 0
+                || h.k_dim == 0
+                || h.v_dim == 0
+                || !h.v_heads.is_multiple_of(h.k_heads)
+            {
+                return Err(CoreError::invalid(format!(
+                    "layers[{index}].delta_state: {} value heads must be a positive multiple of \
+                     the {} key heads, head sizes positive (got {}, {})",
+                    h.v_heads, h.k_heads, h.k_dim, h.v_dim
+                )));
+            }
+            if !(2..=MAX_CONV_WIDTH).contains(&h.taps) {
+                return Err(CoreError::invalid(format!(
+                    "layers[{index}].delta_conv_weight: expected 2 to {MAX_CONV_WIDTH} taps, got {}",
+                    h.taps
+                )));
+            }
+            linears.push(("delta_in_proj", n.in_proj, s.hidden, h.in_width()));
+            linears.push(("delta_out_proj", n.out_proj, h.value_dim(), s.hidden));
+            sizes_match(&[
+                (
+                    "delta_conv_weight",
+                    n.conv_weight.len(),
+                    h.conv_dim() * h.taps,
+                ),
+                ("delta_a_log", n.a_log.len(), h.v_heads),
+                ("delta_dt_bias", n.dt_bias.len(), h.v_heads),
+                ("delta_norm", n.norm.len(), h.v_dim),
+            ])?;
+            let (conv, delta) = h.slot_sizes();
+            let slots = n.slots();
+            if slots == 0 || n.state.len() != slots * delta || n.conv_state.len() != slots * conv {
+                return Err(CoreError::invalid(format!(
+                    "layers[{index}].delta_state: expected [slots, {}, {}, {}] and a \
+                     delta_conv_state of [slots, {}, {}] with as many slots, got {} and {} elements",
+                    h.v_heads,
+                    h.k_dim,
+                    h.v_dim,
+                    h.conv_dim(),
+                    h.taps - 1,
+                    n.state.len(),
+                    n.conv_state.len()
+                )));
+            }
+            (None, None)
         }
         Mixer::ShortConv(c) => {
             linears.push(("conv_in_proj", c.in_proj, s.hidden, 3 * s.hidden));
             linears.push(("conv_out_proj", c.out_proj, s.hidden, s.hidden));
             let taps = c.taps;
-            let sizes = [
+            sizes_match(&[
                 ("conv_weight", c.weight.len(), s.hidden * taps),
                 ("conv_bias", c.bias.map_or(s.hidden, |b| b.len()), s.hidden),
-            ];
-            for (name, got, want) in sizes {
-                if got != want {
-                    return Err(CoreError::invalid(format!(
-                        "layers[{index}].{name}: expected {want} elements, got {got}"
-                    )));
-                }
-            }
+            ])?;
             let per_slot = s.hidden * taps.saturating_sub(1);
             if taps < 2 || per_slot == 0 || !c.state.len().is_multiple_of(per_slot) {
                 return Err(CoreError::invalid(format!(
@@ -219,15 +385,20 @@ pub fn check_layer<T>(
     Ok(())
 }
 
-/// Scratch rows of one step, reused by every layer.
+/// Scratch rows of one step, reused by every layer: each buffer is sized
+/// by the first layer that uses it ([`sized`]).
 struct Scratch<T> {
     normed: Vec<T>,
     qkv: Vec<T>,
+    /// A gated attention's q, k, v with the gates taken out, and its gates.
+    qkv_plain: Vec<T>,
+    gate: Vec<T>,
     qkv_normed: Vec<T>,
     q: Vec<T>,
     k: Vec<T>,
     v: Vec<T>,
     attn: Vec<T>,
+    attn_gated: Vec<T>,
     proj: Vec<T>,
     gate_up: Vec<T>,
     act: Vec<T>,
@@ -235,32 +406,84 @@ struct Scratch<T> {
     bcv: Vec<T>,
     conv_in: Vec<T>,
     conv_out: Vec<T>,
+    /// A Gated DeltaNet's in_proj rows, its q, k, v, z, a, b, delta-rule
+    /// output and gated norm.
+    mix: Vec<T>,
+    z: Vec<T>,
+    a: Vec<T>,
+    b: Vec<T>,
+    delta_out: Vec<T>,
+    delta_normed: Vec<T>,
+    g: Vec<f32>,
+    beta: Vec<f32>,
+    /// Rows widened to f32 for a norm with f32 weights, and its output.
+    wide: Vec<f32>,
+    wide_out: Vec<f32>,
 }
 
 impl<T: Element> Scratch<T> {
-    fn new(tokens: usize, s: &DecoderShape, qk_norm: bool, dense: bool, conv: bool) -> Self {
-        let zeros = |n: usize| vec![T::from_f32(0.0); tokens * n];
-        let inter = if dense { s.intermediate } else { 0 };
-        let kv = s.kv_heads * s.head_dim;
-        let c = if conv { s.hidden } else { 0 };
+    fn new() -> Self {
         Scratch {
-            bcv: zeros(3 * c),
-            conv_in: zeros(c),
-            conv_out: zeros(c),
-            normed: zeros(s.hidden),
-            qkv: zeros(s.qkv_width()),
-            qkv_normed: if qk_norm {
-                zeros(s.qkv_width())
-            } else {
-                Vec::new()
-            },
-            q: zeros(s.heads * s.head_dim),
-            k: zeros(kv),
-            v: zeros(kv),
-            attn: zeros(s.heads * s.head_dim),
-            proj: zeros(s.hidden),
-            gate_up: zeros(2 * inter),
-            act: zeros(inter),
+            normed: Vec::new(),
+            qkv: Vec::new(),
+            qkv_plain: Vec::new(),
+            gate: Vec::new(),
+            qkv_normed: Vec::new(),
+            q: Vec::new(),
+            k: Vec::new(),
+            v: Vec::new(),
+            attn: Vec::new(),
+            attn_gated: Vec::new(),
+            proj: Vec::new(),
+            gate_up: Vec::new(),
+            act: Vec::new(),
+            bcv: Vec::new(),
+            conv_in: Vec::new(),
+            conv_out: Vec::new(),
+            mix: Vec::new(),
+            z: Vec::new(),
+            a: Vec::new(),
+            b: Vec::new(),
+            delta_out: Vec::new(),
+            delta_normed: Vec::new(),
+            g: Vec::new(),
+            beta: Vec::new(),
+            wide: Vec::new(),
+            wide_out: Vec::new(),
+        }
+    }
+}
+
+/// `buf` as exactly `n` elements (zeros where it grows).
+fn sized<E: Element>(buf: &mut Vec<E>, n: usize) -> &mut [E] {
+    buf.resize(n, E::from_f32(0.0));
+    buf
+}
+
+/// RMSNorm of the rows (`dim` each) of `src` into `dst` with `w`: the
+/// element type's kernel for a weight in it, or for f32 weights the rows
+/// widened, normalised and scaled by the same kernel in f32, and rounded
+/// once (`wide`, `wide_out`: scratch).
+fn norm_rows<T: Element>(
+    dst: &mut [T],
+    src: &[T],
+    w: NormWeight<'_, T>,
+    eps: f32,
+    dim: usize,
+    wide: &mut Vec<f32>,
+    wide_out: &mut Vec<f32>,
+) -> CoreResult<()> {
+    match w {
+        NormWeight::Model(w) => rms_norm(T::dst(dst), T::src(src), T::src(w), eps, dim),
+        NormWeight::Float(w) => {
+            wide.clear();
+            wide.extend(src.iter().map(|v| v.to_f32()));
+            let out = sized(wide_out, src.len());
+            rms_norm(Dst::F32(out), Src::F32(wide), Src::F32(w), eps, dim)?;
+            for (d, &v) in dst.iter_mut().zip(out.iter()) {
+                *d = T::from_f32(v);
+            }
+            Ok(())
         }
     }
 }
@@ -315,14 +538,7 @@ pub fn decoder_stack<T: Element>(
     if tokens == 0 {
         return Ok(());
     }
-    let qk_norm = layers
-        .iter()
-        .any(|l| matches!(&l.mixer, Mixer::Attention(a) if a.qk_norm.is_some()));
-    let dense = layers.iter().any(|l| matches!(l.mlp, Mlp::Dense { .. }));
-    let conv = layers
-        .iter()
-        .any(|l| matches!(l.mixer, Mixer::ShortConv(_)));
-    let mut b = Scratch::<T>::new(tokens, &s, qk_norm, dense, conv);
+    let mut b = Scratch::<T>::new();
     let d = s.head_dim;
     let qkv_shape = QkvShape {
         tokens,
@@ -332,39 +548,49 @@ pub fn decoder_stack<T: Element>(
         half: s.rotary_half,
     };
     for layer in layers.iter_mut() {
-        rms_norm(
-            T::dst(&mut b.normed),
-            T::src(x),
-            T::src(layer.input_norm),
+        let normed = sized(&mut b.normed, tokens * s.hidden);
+        norm_rows(
+            normed,
+            x,
+            layer.input_norm,
             s.eps,
             s.hidden,
+            &mut b.wide,
+            &mut b.wide_out,
         )?;
         match &mut layer.mixer {
             Mixer::Attention(a) => attention(a, &mut b, &s, step, qkv_shape)?,
             Mixer::ShortConv(c) => short_conv(c, &mut b, &s, step, tokens)?,
+            Mixer::DeltaNet(n) => delta_net(n, &mut b, &s, step, tokens)?,
         }
         add_residual(x, &b.proj, s.residual_scale);
-        rms_norm(
-            T::dst(&mut b.normed),
-            T::src(x),
-            T::src(layer.post_norm),
+        norm_rows(
+            &mut b.normed,
+            x,
+            layer.post_norm,
             s.eps,
             s.hidden,
+            &mut b.wide,
+            &mut b.wide_out,
         )?;
+        let proj = sized(&mut b.proj, tokens * s.hidden);
         match layer.mlp {
             Mlp::Dense { gate_up, down } => {
-                gate_up.forward(T::dst(&mut b.gate_up), T::src(&b.normed), tokens)?;
-                silu_and_mul(T::dst(&mut b.act), T::src(&b.gate_up), s.intermediate)?;
-                down.forward(T::dst(&mut b.proj), T::src(&b.act), tokens)?;
+                let inter = s.intermediate;
+                let gu = sized(&mut b.gate_up, tokens * 2 * inter);
+                gate_up.forward(T::dst(gu), T::src(&b.normed), tokens)?;
+                let act = sized(&mut b.act, tokens * inter);
+                silu_and_mul(T::dst(act), T::src(&b.gate_up), inter)?;
+                down.forward(T::dst(proj), T::src(&b.act), tokens)?;
             }
-            Mlp::Sparse(moe) => moe.forward(&mut b.proj, &b.normed, tokens)?,
+            Mlp::Sparse(moe) => moe.forward(proj, &b.normed, tokens)?,
         }
         add_residual(x, &b.proj, s.residual_scale);
     }
     Ok(())
 }
 
-/// Checks the step's `state_slots` against every convolution layer's state
+/// Checks the step's `state_slots` against every recurrent layer's state
 /// before any layer runs, so a bad step changes nothing.
 fn check_state_slots<T>(
     layers: &[DecoderLayer<'_, T>],
@@ -375,6 +601,7 @@ fn check_state_slots<T>(
         .iter()
         .filter_map(|l| match &l.mixer {
             Mixer::ShortConv(c) => Some(c.slots(s.hidden)),
+            Mixer::DeltaNet(n) => Some(n.slots()),
             Mixer::Attention(_) => None,
         })
         .min();
@@ -411,29 +638,60 @@ fn attention<T: Element>(
     qkv_shape: QkvShape,
 ) -> CoreResult<()> {
     let (tokens, d) = (qkv_shape.tokens, s.head_dim);
-    a.qkv
-        .forward(T::dst(&mut b.qkv), T::src(&b.normed), tokens)?;
+    let width = s.qkv_width();
+    let (qw, kw) = (s.heads * d, s.kv_heads * d);
+    let projected = if a.gate { width + qw } else { width };
+    let raw = sized(&mut b.qkv, tokens * projected);
+    a.qkv.forward(T::dst(raw), T::src(&b.normed), tokens)?;
+    if a.gate {
+        // Each query head is followed by its gate: [q_0, g_0, q_1, g_1, ..., k, v].
+        let plain = sized(&mut b.qkv_plain, tokens * width);
+        let gate = sized(&mut b.gate, tokens * qw);
+        for ((src, dst), g) in b
+            .qkv
+            .chunks_exact(projected)
+            .zip(plain.chunks_exact_mut(width))
+            .zip(gate.chunks_exact_mut(qw))
+        {
+            for ((pair, q), gh) in src[..2 * qw]
+                .chunks_exact(2 * d)
+                .zip(dst[..qw].chunks_exact_mut(d))
+                .zip(g.chunks_exact_mut(d))
+            {
+                q.copy_from_slice(&pair[..d]);
+                gh.copy_from_slice(&pair[d..]);
+            }
+            dst[qw..].copy_from_slice(&src[2 * qw..]);
+        }
+    }
+    let plain: &[T] = if a.gate { &b.qkv_plain } else { &b.qkv };
     let qkv: &[T] = match a.qk_norm {
-        None => &b.qkv,
+        None => plain,
         Some((qn, kn)) => {
-            let width = s.qkv_width();
-            let (qw, kw) = (s.heads * d, s.kv_heads * d);
-            for t in 0..tokens {
-                let src = &b.qkv[t * width..(t + 1) * width];
-                let dst = &mut b.qkv_normed[t * width..(t + 1) * width];
+            let normed = sized(&mut b.qkv_normed, tokens * width);
+            for (src, dst) in plain
+                .chunks_exact(width)
+                .zip(normed.chunks_exact_mut(width))
+            {
                 let (dq, rest) = dst.split_at_mut(qw);
                 let (dk, dv) = rest.split_at_mut(kw);
-                rms_norm(T::dst(dq), T::src(&src[..qw]), T::src(qn), s.eps, d)?;
-                rms_norm(T::dst(dk), T::src(&src[qw..qw + kw]), T::src(kn), s.eps, d)?;
+                let (wide, out) = (&mut b.wide, &mut b.wide_out);
+                norm_rows(dq, &src[..qw], qn, s.eps, d, wide, out)?;
+                norm_rows(dk, &src[qw..qw + kw], kn, s.eps, d, wide, out)?;
                 dv.copy_from_slice(&src[qw + kw..]);
             }
             &b.qkv_normed
         }
     };
+    let (q, k, v) = (
+        sized(&mut b.q, tokens * qw),
+        sized(&mut b.k, tokens * kw),
+        sized(&mut b.v, tokens * kw),
+    );
     qkv_rotary(
-        T::dst(&mut b.q),
-        T::dst(&mut b.k),
-        T::dst(&mut b.v),
+        T::dst(q),
+        T::dst(k),
+        T::dst(v),
         T::src(qkv),
         T::src(step.cos),
         T::src(step.sin),
@@ -441,8 +699,9 @@ fn attention<T: Element>(
     )?;
     // No soft-cap and no attention sinks: the stack implements the Llama
     // layers only (llama_stack.why_not).
+    let attn = sized(&mut b.attn, tokens * qw);
     cache_and_attend(
-        &mut b.attn,
+        attn,
         &b.q,
         &b.k,
         &b.v,
@@ -455,7 +714,13 @@ fn attention<T: Element>(
         s.scale,
         a.sliding_window,
     )?;
-    a.o.forward(T::dst(&mut b.proj), T::src(&b.attn), tokens)
+    let proj = sized(&mut b.proj, tokens * s.hidden);
+    if !a.gate {
+        return a.o.forward(T::dst(proj), T::src(&b.attn), tokens);
+    }
+    let gated = sized(&mut b.attn_gated, tokens * qw);
+    sigmoid_mul(T::dst(gated), T::src(&b.attn), T::src(&b.gate))?;
+    a.o.forward(T::dst(proj), T::src(&b.attn_gated), tokens)
 }
 
 /// LFM2's short convolution on the step's normed rows (`b.normed`), its
@@ -469,18 +734,20 @@ fn short_conv<T: Element>(
     tokens: usize,
 ) -> CoreResult<()> {
     let h = s.hidden;
-    c.in_proj
-        .forward(T::dst(&mut b.bcv), T::src(&b.normed), tokens)?;
+    let bcv = sized(&mut b.bcv, tokens * 3 * h);
+    c.in_proj.forward(T::dst(bcv), T::src(&b.normed), tokens)?;
     let mul = |p: T, q: T| T::from_f32(p.to_f32() * q.to_f32());
-    for (row, dst) in b.bcv.chunks_exact(3 * h).zip(b.conv_in.chunks_exact_mut(h)) {
+    let conv_in = sized(&mut b.conv_in, tokens * h);
+    for (row, dst) in b.bcv.chunks_exact(3 * h).zip(conv_in.chunks_exact_mut(h)) {
         let (bs, vs) = (&row[..h], &row[2 * h..]);
         for ((o, &p), &q) in dst.iter_mut().zip(bs).zip(vs) {
             *o = mul(p, q);
         }
     }
     let slots = c.slots(h);
+    let conv_out = sized(&mut b.conv_out, tokens * h);
     causal_conv1d(
-        T::dst(&mut b.conv_out),
+        T::dst(conv_out),
         T::src(&b.conv_in),
         T::src(c.weight),
         c.bias.map(T::src),
@@ -507,8 +774,110 @@ fn short_conv<T: Element>(
             *o = mul(p, q);
         }
     }
-    c.out_proj
-        .forward(T::dst(&mut b.proj), T::src(&b.conv_in), tokens)
+    let proj = sized(&mut b.proj, tokens * h);
+    c.out_proj.forward(T::dst(proj), T::src(&b.conv_in), tokens)
+}
+
+/// Qwen3.5's Gated DeltaNet on the step's normed rows (`b.normed`), its
+/// output projection in `b.proj`, with the kernels and roundings of the
+/// layer-by-layer path (`models/hybrid.py`'s `GatedDeltaNet`).
+fn delta_net<T: Element>(
+    n: &mut DeltaNet<'_, T>,
+    b: &mut Scratch<T>,
+    s: &DecoderShape,
+    step: &StepInputs<'_, T>,
+    tokens: usize,
+) -> CoreResult<()> {
+    let h = n.heads;
+    let (kd, vd, cd, hv) = (h.key_dim(), h.value_dim(), h.conv_dim(), h.v_heads);
+    let width = h.in_width();
+    let mix = sized(&mut b.mix, tokens * width);
+    n.in_proj.forward(T::dst(mix), T::src(&b.normed), tokens)?;
+    let conv_in = sized(&mut b.conv_in, tokens * cd);
+    let z = sized(&mut b.z, tokens * vd);
+    let gb = sized(&mut b.b, tokens * hv);
+    let ga = sized(&mut b.a, tokens * hv);
+    for (t, row) in b.mix.chunks_exact(width).enumerate() {
+        let (c, rest) = row.split_at(cd);
+        let (zr, rest) = rest.split_at(vd);
+        let (br, ar) = rest.split_at(hv);
+        conv_in[t * cd..(t + 1) * cd].copy_from_slice(c);
+        z[t * vd..(t + 1) * vd].copy_from_slice(zr);
+        gb[t * hv..(t + 1) * hv].copy_from_slice(br);
+        ga[t * hv..(t + 1) * hv].copy_from_slice(ar);
+    }
+    let packed = Packed {
+        query_start_loc: step.batch.query_start_loc,
+        state_slots: step.state_slots,
+    };
+    let slots = n.slots();
+    let conv_out = sized(&mut b.conv_out, tokens * cd);
+    causal_conv1d(
+        T::dst(conv_out),
+        T::src(&b.conv_in),
+        T::src(n.conv_weight),
+        None,
+        T::dst(n.conv_state),
+        packed,
+        ConvShape {
+            tokens,
+            channels: cd,
+            width: h.taps,
+            slots,
+        },
+        true,
+    )?;
+    let (q, k, v) = (
+        sized(&mut b.q, tokens * kd),
+        sized(&mut b.k, tokens * kd),
+        sized(&mut b.v, tokens * vd),
+    );
+    for (t, row) in b.conv_out.chunks_exact(cd).enumerate() {
+        q[t * kd..(t + 1) * kd].copy_from_slice(&row[..kd]);
+        k[t * kd..(t + 1) * kd].copy_from_slice(&row[kd..2 * kd]);
+        v[t * vd..(t + 1) * vd].copy_from_slice(&row[2 * kd..]);
+    }
+    let (g, beta) = (
+        sized(&mut b.g, tokens * hv),
+        sized(&mut b.beta, tokens * hv),
+    );
+    delta_gates(g, beta, T::src(&b.a), T::src(&b.b), n.a_log, n.dt_bias)?;
+    let out = sized(&mut b.delta_out, tokens * vd);
+    gated_delta_rule(
+        T::dst(out),
+        DeltaInputs {
+            q: T::src(&b.q),
+            k: T::src(&b.k),
+            v: T::src(&b.v),
+            g: &b.g,
+            beta: &b.beta,
+        },
+        n.state,
+        packed,
+        DeltaShape {
+            tokens,
+            k_heads: h.k_heads,
+            v_heads: hv,
+            k_dim: h.k_dim,
+            v_dim: h.v_dim,
+            slots,
+        },
+        // As Python's `head_k_dim ** -0.5`, then rounded to f32.
+        (h.k_dim as f64).powf(-0.5) as f32,
+        true,
+    )?;
+    let normed = sized(&mut b.delta_normed, tokens * vd);
+    gated_rms_norm(
+        T::dst(normed),
+        T::src(&b.delta_out),
+        T::src(&b.z),
+        T::src(n.norm),
+        s.eps,
+        h.v_dim,
+    )?;
+    let proj = sized(&mut b.proj, tokens * s.hidden);
+    n.out_proj
+        .forward(T::dst(proj), T::src(&b.delta_normed), tokens)
 }
 
 #[cfg(test)]
@@ -733,10 +1102,16 @@ mod tests {
                     .iter_mut()
                     .enumerate()
                     .map(|(l, (kc, vc))| DecoderLayer {
-                        input_norm: &r.norms[l][0],
-                        post_norm: &r.norms[l][1],
+                        input_norm: NormWeight::Model(&r.norms[l][0]),
+                        post_norm: NormWeight::Model(&r.norms[l][1]),
                         mixer: Mixer::Attention(Attention {
-                            qk_norm: qk_norm.then(|| (&r.norms[l][2][..], &r.norms[l][3][..])),
+                            qk_norm: qk_norm.then(|| {
+                                (
+                                    NormWeight::Model(&r.norms[l][2][..]),
+                                    NormWeight::Model(&r.norms[l][3][..]),
+                                )
+                            }),
+                            gate: false,
                             qkv: &weights[l][0],
                             o: &weights[l][1],
                             key_cache: KvCacheMut::Float(kc),
@@ -807,10 +1182,11 @@ mod tests {
         };
         let (mut kc, mut vc) = (vec![0f32; cache.numel()], vec![0f32; cache.numel()]);
         let mut layers = vec![DecoderLayer {
-            input_norm: &norm,
-            post_norm: &norm,
+            input_norm: NormWeight::Model(&norm),
+            post_norm: NormWeight::Model(&norm),
             mixer: Mixer::Attention(Attention {
                 qk_norm: None,
+                gate: false,
                 qkv: &qkv,
                 o: &gu, // wrong: [12, 8] where [8, 8] belongs
                 key_cache: KvCacheMut::Float(&mut kc),

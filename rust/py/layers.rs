@@ -150,6 +150,74 @@ fn silu_and_mul(py: Python<'_>, out: &Bound<'_, PyAny>, x: &Bound<'_, PyAny>) ->
     Ok(())
 }
 
+/// out = x * sigmoid(gate) elementwise, the sigmoid rounded to the dtype
+/// first (an attention output gate); one dtype, one shape (contiguous).
+#[pyfunction]
+fn sigmoid_mul(
+    py: Python<'_>,
+    out: &Bound<'_, PyAny>,
+    x: &Bound<'_, PyAny>,
+    gate: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let x = TensorArg::extract("x", x)?;
+    x.check(&[DType::BF16, DType::F32], x.shape.len())?;
+    let mut args = Vec::with_capacity(2);
+    for (name, obj) in [("gate", gate), ("out", out)] {
+        let t = TensorArg::extract(name, obj)?;
+        t.check(&[x.dtype], x.shape.len())?;
+        if t.shape != x.shape {
+            return Err(PyValueError::new_err(format!(
+                "{name}: shape {:?} must match x {:?}",
+                t.shape, x.shape
+            )));
+        }
+        args.push(t);
+    }
+    let (gate, out) = (&args[0], &args[1]);
+    check_no_overlap(out, &x)?;
+    check_no_overlap(out, gate)?;
+    // SAFETY: all three were checked (dtype, CPU, contiguity, shape) and out
+    // shares no memory with the inputs; the caller keeps them alive.
+    let (dst, xs, gs) = unsafe {
+        let dst = kernel_dst(out);
+        (dst, kernel_src(&x), kernel_src(gate))
+    };
+    py.detach(move || crate::layers::sigmoid_mul(dst, xs, gs))?;
+    Ok(())
+}
+
+/// out [rows, dim] = RMSNorm(x) * weight times silu(z) (Qwen3.5's gated
+/// head norm: the norm rounded as `rms_norm`'s, the gate in float32,
+/// rounded once); x, z [rows, dim], weight [dim], one dtype.
+#[pyfunction]
+fn gated_rms_norm(
+    py: Python<'_>,
+    out: &Bound<'_, PyAny>,
+    x: &Bound<'_, PyAny>,
+    z: &Bound<'_, PyAny>,
+    weight: &Bound<'_, PyAny>,
+    eps: f32,
+) -> PyResult<()> {
+    let (x, weight, out, dim) = norm_args(x, weight, out)?;
+    let z = TensorArg::extract("z", z)?;
+    z.check(&[x.dtype], 2)?;
+    if z.shape != x.shape {
+        return Err(PyValueError::new_err(format!(
+            "z: shape {:?} must match x {:?}",
+            z.shape, x.shape
+        )));
+    }
+    check_no_overlap(&out, &z)?;
+    // SAFETY: all four were checked (dtype, CPU, contiguity, shape) and out
+    // shares no memory with the inputs; the caller keeps them alive.
+    let (dst, xs, zs, ws) = unsafe {
+        let dst = kernel_dst(&out);
+        (dst, kernel_src(&x), kernel_src(&z), kernel_src(&weight))
+    };
+    py.detach(move || crate::layers::gated_rms_norm(dst, xs, zs, ws, eps, dim))?;
+    Ok(())
+}
+
 /// Splits qkv [T, (h + 2 kv) * d] into q [T, h, d], k [T, kv, d] and
 /// v [T, kv * d], rotating q and k with cos / sin [T, half]; one dtype.
 #[pyfunction]
@@ -229,5 +297,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gelu, m)?)?;
     m.add_function(wrap_pyfunction!(silu_and_mul, m)?)?;
     m.add_function(wrap_pyfunction!(qkv_rotary, m)?)?;
+    m.add_function(wrap_pyfunction!(sigmoid_mul, m)?)?;
+    m.add_function(wrap_pyfunction!(gated_rms_norm, m)?)?;
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! The decoder stack (`DecoderStack`): every Llama-family layer of a model
-//! (or LFM2's, whose short convolutions keep a state per sequence), run in
-//! one call per step (`models::llama`).
+//! (or a hybrid's: LFM2's short convolutions and Qwen3.5's Gated DeltaNet
+//! layers keep a state per sequence), run in one call per step
+//! (`models::llama`).
 //!
 //! The stack is built once, after the model is packed and its KV caches (and
 //! states) are allocated: it checks every weight, norm, cache and state
@@ -21,7 +22,8 @@ use super::tensor::{DType, TensorArg};
 use crate::attention::{BatchLayout, CacheShape, Element, KvCacheMut};
 use crate::linear::LinearWeight;
 use crate::models::llama::{
-    self as decoder, Attention, DecoderLayer, DecoderShape, Mixer, Mlp, ShortConv, StepInputs,
+    self as decoder, Attention, DecoderLayer, DecoderShape, DeltaHeads, DeltaNet, Mixer, Mlp,
+    NormWeight, ShortConv, StepInputs,
 };
 use crate::moe::SparseMlp;
 
@@ -63,16 +65,37 @@ impl Span {
 }
 
 struct Layer {
-    input_norm: Span,
-    post_norm: Span,
+    input_norm: Norm,
+    post_norm: Norm,
     mixer: LayerMixer,
     mlp: LayerMlp,
+}
+
+/// A norm's weight: in the model's dtype, or f32 in a bf16 model
+/// (`decoder::NormWeight::Float`).
+#[derive(Clone, Copy)]
+struct Norm {
+    span: Span,
+    float: bool,
+}
+
+impl Norm {
+    /// # Safety
+    /// As `Span::slice`, the span holding the model's `T` unless `float`.
+    unsafe fn view<'a, T>(self) -> NormWeight<'a, T> {
+        if self.float {
+            NormWeight::Float(self.span.slice())
+        } else {
+            NormWeight::Model(self.span.slice())
+        }
+    }
 }
 
 /// A layer's mixer (`decoder::Mixer` borrows it).
 enum LayerMixer {
     Attention {
-        qk_norm: Option<(Span, Span)>,
+        qk_norm: Option<(Norm, Norm)>,
+        gate: bool,
         qkv: LinearWeight,
         o: LinearWeight,
         key_cache: Span,
@@ -87,18 +110,34 @@ enum LayerMixer {
         state: Span,
         taps: usize,
     },
+    DeltaNet {
+        in_proj: LinearWeight,
+        conv_weight: Span,
+        conv_state: Span,
+        a_log: Span,
+        dt_bias: Span,
+        norm: Span,
+        out_proj: LinearWeight,
+        state: Span,
+        heads: DeltaHeads,
+    },
 }
 
 impl Layer {
-    /// The tensors a step writes: the KV caches, or the convolution's state.
-    fn written(&self) -> Vec<Span> {
+    /// The tensors a step writes, each with its element size: the KV caches
+    /// (`cache` bytes), or the recurrent states (`model` bytes, f32 for the
+    /// delta rule's).
+    fn written(&self, model: usize, cache: usize) -> Vec<(Span, usize)> {
         match &self.mixer {
             LayerMixer::Attention {
                 key_cache,
                 value_cache,
                 ..
-            } => vec![*key_cache, *value_cache],
-            LayerMixer::ShortConv { state, .. } => vec![*state],
+            } => vec![(*key_cache, cache), (*value_cache, cache)],
+            LayerMixer::ShortConv { state, .. } => vec![(*state, model)],
+            LayerMixer::DeltaNet {
+                conv_state, state, ..
+            } => vec![(*conv_state, model), (*state, 4)],
         }
     }
 }
@@ -122,8 +161,8 @@ struct PyDecoderStack {
     dtype: DType,
     /// The caches' element type: `dtype`, or int8 (8-bit rows with scales).
     cache_dtype: DType,
-    /// Whether any layer is a short convolution (its steps need `state_slots`).
-    has_conv: bool,
+    /// Whether any layer keeps a recurrent state (its steps need `state_slots`).
+    has_state: bool,
     /// The tensors the layers point into, kept alive with the stack.
     _tensors: Vec<Py<PyAny>>,
     /// One step at a time: a step writes the caches.
@@ -155,11 +194,22 @@ impl PyDecoderStack {
     /// (bf16 or f32). A short-convolution layer (LFM2) gives instead of the
     /// attention keys `conv_in_proj` [3H, H], `conv_weight` ([H, taps], the
     /// model's dtype), `conv_bias` ([H] or None), `conv_out_proj` [H, H] and
-    /// `conv_state` ([slots, H, taps - 1], the model's dtype).
-    /// `residual_multiplier` scales each residual branch (Granite).
+    /// `conv_state` ([slots, H, taps - 1], the model's dtype). A Gated
+    /// DeltaNet layer (Qwen3.5) gives `delta_in_proj` [C + Hv Dv + 2 Hv, H]
+    /// (q, k, v, z, b, a; C = 2 Hk Dk + Hv Dv), `delta_conv_weight` [C, taps],
+    /// `delta_conv_state` [slots, C, taps - 1] (the model's dtype),
+    /// `delta_a_log` and `delta_dt_bias` ([Hv] float32), `delta_norm` [Dv],
+    /// `delta_out_proj` [H, Hv Dv] and `delta_state` ([slots, Hv, Dk, Dv]
+    /// float32). `attn_output_gate` (Qwen3.5's attention, default False):
+    /// `qkv` yields each query head followed by its gate. In a bf16 model the
+    /// norm weights (`input_norm`, `post_norm`, `q_norm`, `k_norm`) may be
+    /// float32: such a norm runs in float32 and rounds once (Qwen3.5's `1 + w`).
+    /// `residual_multiplier` scales each residual branch (Granite). `dtype`:
+    /// the model's (torch.bfloat16 or torch.float32; default the first input
+    /// norm's).
     #[new]
     #[pyo3(signature = (layers, hidden_size, num_heads, num_kv_heads, head_dim, rotary_dim,
-                        intermediate_size, eps, scale, residual_multiplier=1.0))]
+                        intermediate_size, eps, scale, residual_multiplier=1.0, dtype=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -173,6 +223,7 @@ impl PyDecoderStack {
         eps: f32,
         scale: f32,
         residual_multiplier: f32,
+        dtype: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         if !(residual_multiplier.is_finite() && residual_multiplier > 0.0) {
             return Err(PyValueError::new_err(format!(
@@ -201,9 +252,24 @@ impl PyDecoderStack {
         let Some(layer0) = layers.first() else {
             return Err(PyValueError::new_err("layers: expected at least one layer"));
         };
-        let dtype = TensorArg::extract("input_norm", &item(layer0, "input_norm")?)
-            .map_err(|e| in_layer(py, 0, e))?
-            .dtype;
+        let dtype = match dtype {
+            Some(d) if !d.is_none() => {
+                let name = d.str()?.to_string();
+                match DType::from_torch(&name) {
+                    Some(dt @ (DType::BF16 | DType::F32)) => dt,
+                    _ => {
+                        return Err(PyValueError::new_err(format!(
+                            "dtype: expected torch.bfloat16 or torch.float32, got {name}"
+                        )))
+                    }
+                }
+            }
+            _ => {
+                TensorArg::extract("input_norm", &item(layer0, "input_norm")?)
+                    .map_err(|e| in_layer(py, 0, e))?
+                    .dtype
+            }
+        };
         let mut first: Option<(CacheShape, DType)> = None;
         for (i, d) in layers.iter().enumerate() {
             let layer = Self::layer(d, &shape, dtype, &mut first, &mut tensors)
@@ -220,13 +286,9 @@ impl PyDecoderStack {
             .iter()
             .enumerate()
             .flat_map(|(i, l): (usize, &Layer)| {
-                let size = match l.mixer {
-                    LayerMixer::Attention { .. } => cache_dtype.size(),
-                    LayerMixer::ShortConv { .. } => dtype.size(),
-                };
-                l.written()
+                l.written(dtype.size(), cache_dtype.size())
                     .into_iter()
-                    .map(move |s| (i, s.ptr, s.ptr + s.len * size))
+                    .map(move |(s, size)| (i, s.ptr, s.ptr + s.len * size))
             })
             .collect();
         for (a, &(i, s0, s1)) in written.iter().enumerate() {
@@ -238,9 +300,9 @@ impl PyDecoderStack {
                 }
             }
         }
-        let has_conv = built
+        let has_state = built
             .iter()
-            .any(|l| matches!(l.mixer, LayerMixer::ShortConv { .. }));
+            .any(|l| !matches!(l.mixer, LayerMixer::Attention { .. }));
         if cache.num_kv_heads != num_kv_heads || cache.head_size != head_dim {
             return Err(PyValueError::new_err(format!(
                 "key_cache: expected {num_kv_heads} kv heads of {head_dim}, got {} of {}",
@@ -253,7 +315,7 @@ impl PyDecoderStack {
             cache,
             dtype,
             cache_dtype,
-            has_conv,
+            has_state,
             _tensors: tensors,
             running: Mutex::new(()),
         };
@@ -272,8 +334,8 @@ impl PyDecoderStack {
     /// step's `slot_mapping` (int64 [tokens]), `block_tables` (int32
     /// [seqs, max_blocks]), `seq_lens` (int32 [seqs]) and `query_start_loc`
     /// (int32 [seqs + 1]), as the paged-attention kernel takes them; with
-    /// short-convolution layers, `state_slots` (int64 [seqs]): each
-    /// sequence's slot of the convolution states.
+    /// recurrent (convolution, DeltaNet) layers, `state_slots` (int64
+    /// [seqs]): each sequence's slot of their states.
     #[pyo3(signature = (x, cos, sin, slot_mapping, block_tables, seq_lens, query_start_loc,
                         state_slots=None))]
     #[allow(clippy::too_many_arguments)]
@@ -313,19 +375,15 @@ impl PyDecoderStack {
                 t.check(&[DType::I64], 1)?;
                 Some(t)
             }
-            _ if self.has_conv => {
+            _ if self.has_state => {
                 return Err(PyValueError::new_err(
-                    "state_slots: required by the short-convolution layers",
+                    "state_slots: required by the recurrent (convolution, DeltaNet) layers",
                 ))
             }
             _ => None,
         };
         for layer in &self.layers {
-            let size = match layer.mixer {
-                LayerMixer::Attention { .. } => self.cache_dtype.size(),
-                LayerMixer::ShortConv { .. } => self.dtype.size(),
-            };
-            for span in layer.written() {
+            for (span, size) in layer.written(self.dtype.size(), self.cache_dtype.size()) {
                 for t in [&x, &rot[0], &rot[1]] {
                     if span.overlaps(t, size) {
                         return Err(PyValueError::new_err(format!(
@@ -377,42 +435,59 @@ impl PyDecoderStack {
         first: &mut Option<(CacheShape, DType)>,
         tensors: &mut Vec<Py<PyAny>>,
     ) -> PyResult<Layer> {
-        let mut norm = |key: &'static str, dim: usize| -> PyResult<Option<Span>> {
-            let obj = item(d, key)?;
-            if obj.is_none() {
-                return Ok(None);
-            }
-            let t = TensorArg::extract(key, &obj)?;
-            t.check(&[dtype], 1)?;
-            t.expect_dim(0, dim, "its layer's width")?;
-            tensors.push(obj.unbind());
-            Ok(Some(Span::of(&t)))
+        // A 1-D tensor of `dim` elements in one of `dtypes`, kept alive; None if None.
+        let mut vector =
+            |key: &'static str, dim: usize, dtypes: &[DType]| -> PyResult<Option<(Span, DType)>> {
+                let obj = item(d, key)?;
+                if obj.is_none() {
+                    return Ok(None);
+                }
+                let t = TensorArg::extract(key, &obj)?;
+                t.check(dtypes, 1)?;
+                t.expect_dim(0, dim, "its layer's width")?;
+                tensors.push(obj.unbind());
+                Ok(Some((Span::of(&t), t.dtype)))
+            };
+        // A norm's weight: the model's dtype, or float32 (run in float32).
+        let mut norm = |key: &'static str, dim: usize| -> PyResult<Option<Norm>> {
+            Ok(
+                vector(key, dim, &[dtype, DType::F32])?.map(|(span, dt)| Norm {
+                    span,
+                    float: dt != dtype,
+                }),
+            )
         };
-        let required = |s: Option<Span>, key: &str| {
+        let required = |s: Option<Norm>, key: &str| {
             s.ok_or_else(|| PyValueError::new_err(format!("{key}: must not be None")))
         };
         let input_norm = required(norm("input_norm", shape.hidden)?, "input_norm")?;
         let post_norm = required(norm("post_norm", shape.hidden)?, "post_norm")?;
-        let mixer = match d.get_item("conv_in_proj")? {
-            Some(in_proj) if !in_proj.is_none() => {
-                let bias = norm("conv_bias", shape.hidden)?;
-                Self::short_conv(d, &in_proj, bias, shape, dtype, tensors)?
-            }
-            _ => {
-                let qk_norm = match (
-                    norm("q_norm", shape.head_dim)?,
-                    norm("k_norm", shape.head_dim)?,
-                ) {
-                    (Some(q), Some(k)) => Some((q, k)),
-                    (None, None) => None,
-                    _ => {
-                        return Err(PyValueError::new_err(
-                            "q_norm, k_norm: give both or neither",
-                        ))
-                    }
-                };
-                Self::attention(d, qk_norm, dtype, first, tensors)?
-            }
+        let present = |key: &str| -> PyResult<Option<Bound<'_, PyAny>>> {
+            Ok(d.get_item(key)?.filter(|v| !v.is_none()))
+        };
+        let mixer = if let Some(in_proj) = present("conv_in_proj")? {
+            let bias = vector("conv_bias", shape.hidden, &[dtype])?.map(|(s, _)| s);
+            Self::short_conv(d, &in_proj, bias, shape, dtype, tensors)?
+        } else if let Some(in_proj) = present("delta_in_proj")? {
+            Self::delta_net(d, &in_proj, dtype, tensors)?
+        } else {
+            let qk_norm = match (
+                norm("q_norm", shape.head_dim)?,
+                norm("k_norm", shape.head_dim)?,
+            ) {
+                (Some(q), Some(k)) => Some((q, k)),
+                (None, None) => None,
+                _ => {
+                    return Err(PyValueError::new_err(
+                        "q_norm, k_norm: give both or neither",
+                    ))
+                }
+            };
+            let gate = match present("attn_output_gate")? {
+                Some(g) => g.extract::<bool>()?,
+                None => false,
+            };
+            Self::attention(d, qk_norm, gate, dtype, first, tensors)?
         };
         let mlp = match d.get_item("moe")? {
             Some(moe) if !moe.is_none() => LayerMlp::Sparse(super::moe::block_of(&moe)?),
@@ -432,7 +507,8 @@ impl PyDecoderStack {
     /// An attention layer's projections, caches and window.
     fn attention(
         d: &Bound<'_, PyDict>,
-        qk_norm: Option<(Span, Span)>,
+        qk_norm: Option<(Norm, Norm)>,
+        gate: bool,
         dtype: DType,
         first: &mut Option<(CacheShape, DType)>,
         tensors: &mut Vec<Py<PyAny>>,
@@ -463,6 +539,7 @@ impl PyDecoderStack {
         let sliding_window: i64 = item(d, "sliding_window")?.extract()?;
         let mixer = LayerMixer::Attention {
             qk_norm,
+            gate,
             qkv: linear_weight(&item(d, "qkv")?, "qkv")?,
             o: linear_weight(&item(d, "o")?, "o")?,
             key_cache: Span::of(&kc),
@@ -512,6 +589,68 @@ impl PyDecoderStack {
         Ok(mixer)
     }
 
+    /// A Gated DeltaNet layer's projections, gate parameters, norm and
+    /// states (its head counts read from the states' shapes).
+    fn delta_net(
+        d: &Bound<'_, PyDict>,
+        in_proj: &Bound<'_, PyAny>,
+        dtype: DType,
+        tensors: &mut Vec<Py<PyAny>>,
+    ) -> PyResult<LayerMixer> {
+        let mut tensor = |key: &'static str, dtypes: &[DType], ndim: usize| {
+            let obj = item(d, key)?;
+            let t = TensorArg::extract(key, &obj)?;
+            t.check(dtypes, ndim)?;
+            tensors.push(obj.unbind());
+            Ok::<_, PyErr>(t)
+        };
+        let state = tensor("delta_state", &[DType::F32], 4)?;
+        let (v_heads, k_dim, v_dim) = (state.shape[1], state.shape[2], state.shape[3]);
+        let conv_weight = tensor("delta_conv_weight", &[dtype], 2)?;
+        let (conv_dim, taps) = (conv_weight.shape[0], conv_weight.shape[1]);
+        if !(2..=crate::recurrent::MAX_CONV_WIDTH).contains(&taps) {
+            return Err(PyValueError::new_err(format!(
+                "delta_conv_weight: expected 2 to {} taps, got {taps}",
+                crate::recurrent::MAX_CONV_WIDTH
+            )));
+        }
+        let keys = conv_dim.checked_sub(v_heads * v_dim).unwrap_or(1);
+        if k_dim == 0 || !keys.is_multiple_of(2 * k_dim) || keys == 0 {
+            return Err(PyValueError::new_err(format!(
+                "delta_conv_weight: {conv_dim} channels are not q, k of a whole number of \
+                 heads of {k_dim} and v of {v_heads} heads of {v_dim}"
+            )));
+        }
+        let conv_state = tensor("delta_conv_state", &[dtype], 3)?;
+        conv_state.expect_dim(1, conv_dim, "channels of delta_conv_weight")?;
+        conv_state.expect_dim(2, taps.saturating_sub(1), "taps - 1")?;
+        let mut span = |key: &'static str, dtypes: &[DType], dim: usize| {
+            let t = tensor(key, dtypes, 1)?;
+            t.expect_dim(0, dim, "its layer's heads")?;
+            Ok::<_, PyErr>(Span::of(&t))
+        };
+        let a_log = span("delta_a_log", &[DType::F32], v_heads)?;
+        let dt_bias = span("delta_dt_bias", &[DType::F32], v_heads)?;
+        let norm = span("delta_norm", &[dtype], v_dim)?;
+        Ok(LayerMixer::DeltaNet {
+            in_proj: linear_weight(in_proj, "delta_in_proj")?,
+            conv_weight: Span::of(&conv_weight),
+            conv_state: Span::of(&conv_state),
+            a_log,
+            dt_bias,
+            norm,
+            out_proj: linear_weight(&item(d, "delta_out_proj")?, "delta_out_proj")?,
+            state: Span::of(&state),
+            heads: DeltaHeads {
+                k_heads: keys / (2 * k_dim),
+                k_dim,
+                v_heads,
+                v_dim,
+                taps,
+            },
+        })
+    }
+
     /// Shape check of layer `i` by the pure-Rust side.
     fn check<T: Element>(&self, i: usize) -> PyResult<()> {
         // SAFETY: only lengths are read; nothing runs on these slices.
@@ -531,13 +670,15 @@ impl PyDecoderStack {
         let mixer = match &l.mixer {
             LayerMixer::Attention {
                 qk_norm,
+                gate,
                 qkv,
                 o,
                 key_cache,
                 value_cache,
                 sliding_window,
             } => Mixer::Attention(Attention {
-                qk_norm: qk_norm.map(|(q, k)| (q.slice(), k.slice())),
+                qk_norm: qk_norm.map(|(q, k)| (q.view(), k.view())),
+                gate: *gate,
                 qkv,
                 o,
                 key_cache: self.cache_view(*key_cache),
@@ -559,10 +700,31 @@ impl PyDecoderStack {
                 state: state.slice_mut(),
                 taps: *taps,
             }),
+            LayerMixer::DeltaNet {
+                in_proj,
+                conv_weight,
+                conv_state,
+                a_log,
+                dt_bias,
+                norm,
+                out_proj,
+                state,
+                heads,
+            } => Mixer::DeltaNet(DeltaNet {
+                in_proj,
+                conv_weight: conv_weight.slice(),
+                conv_state: conv_state.slice_mut(),
+                a_log: a_log.slice(),
+                dt_bias: dt_bias.slice(),
+                norm: norm.slice(),
+                out_proj,
+                state: state.slice_mut(),
+                heads: *heads,
+            }),
         };
         DecoderLayer {
-            input_norm: l.input_norm.slice(),
-            post_norm: l.post_norm.slice(),
+            input_norm: l.input_norm.view(),
+            post_norm: l.post_norm.view(),
             mixer,
             mlp: match &l.mlp {
                 LayerMlp::Dense(gate_up, down) => Mlp::Dense { gate_up, down },

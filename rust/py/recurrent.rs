@@ -206,8 +206,69 @@ fn gated_delta_rule(
     Ok(())
 }
 
+/// Gated DeltaNet's gates: g, beta [T, H] f32 from a, b [T, H] (one
+/// dtype, bf16 or f32) and A_log, dt_bias [H] f32: `beta = sigmoid(b)`
+/// rounded to b's dtype, `g = -exp(A_log) * softplus(a + dt_bias)`.
+#[pyfunction]
+fn delta_gates(
+    py: Python<'_>,
+    g: &Bound<'_, PyAny>,
+    beta: &Bound<'_, PyAny>,
+    a: &Bound<'_, PyAny>,
+    b: &Bound<'_, PyAny>,
+    a_log: &Bound<'_, PyAny>,
+    dt_bias: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let a = TensorArg::extract("a", a)?;
+    a.check(&[DType::BF16, DType::F32], 2)?;
+    let b = TensorArg::extract("b", b)?;
+    b.check(&[a.dtype], 2)?;
+    if b.shape != a.shape {
+        return Err(PyValueError::new_err(format!(
+            "b: shape {:?} must match a {:?}",
+            b.shape, a.shape
+        )));
+    }
+    let heads = a.shape[1];
+    let mut params = Vec::with_capacity(2);
+    for (name, obj) in [("A_log", a_log), ("dt_bias", dt_bias)] {
+        let t = TensorArg::extract(name, obj)?;
+        t.check(&[DType::F32], 1)?;
+        t.expect_dim(0, heads, "heads of a")?;
+        params.push(t);
+    }
+    let mut outs = Vec::with_capacity(2);
+    for (name, obj) in [("g", g), ("beta", beta)] {
+        let t = TensorArg::extract(name, obj)?;
+        t.check(&[DType::F32], 2)?;
+        t.expect_dim(0, a.shape[0], "rows of a")?;
+        t.expect_dim(1, heads, "heads of a")?;
+        for input in [&a, &b, &params[0], &params[1]] {
+            check_no_overlap(&t, input)?;
+        }
+        outs.push(t);
+    }
+    check_no_overlap(&outs[0], &outs[1])?;
+    // SAFETY: every tensor was checked (dtype, CPU, contiguity, shape); the
+    // outputs share no memory with each other or the inputs; the caller
+    // keeps them alive.
+    let (gs, bs, a_s, b_s, al, dt) = unsafe {
+        (
+            outs[0].slice_mut::<f32>(),
+            outs[1].slice_mut::<f32>(),
+            kernel_src(&a),
+            kernel_src(&b),
+            params[0].slice::<f32>(),
+            params[1].slice::<f32>(),
+        )
+    };
+    py.detach(move || crate::layers::delta_gates(gs, bs, a_s, b_s, al, dt))?;
+    Ok(())
+}
+
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(causal_conv1d, m)?)?;
     m.add_function(wrap_pyfunction!(gated_delta_rule, m)?)?;
+    m.add_function(wrap_pyfunction!(delta_gates, m)?)?;
     Ok(())
 }

@@ -36,11 +36,15 @@ class ZeroCenteredRMSNorm(Module):
         self.ops = TORCH_OPS  # the model's op table (``layers/ops.py``), bound at load
         self._scale: torch.Tensor | None = None  # 1 + w in float32, made on first use
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalises the last dimension of ``x``."""
+    def scale(self) -> torch.Tensor:
+        """``1 + w`` in float32 (made once; the fused CPU stack reads it too)."""
         if self._scale is None:
             self._scale = 1.0 + self.weight.detach().float()
-        return self.ops.rms_norm(x.float(), self._scale, self.eps).to(x.dtype)
+        return self._scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalises the last dimension of ``x``."""
+        return self.ops.rms_norm(x.float(), self.scale(), self.eps).to(x.dtype)
 
 
 class LayerNorm(Module):

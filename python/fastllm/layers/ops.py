@@ -53,6 +53,13 @@ class LayerOps:
     # (q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv], state [S, Hv, Dk, Dv],
     #  query_start_loc, state_slots, scale, l2norm) -> [T, Hv, Dv]
     gated_delta_rule: Callable[..., Tensor] = recurrent.gated_delta_rule_torch
+    # Qwen3.5's elementwise parts, so that the fused CPU stack and the layers share kernels:
+    # (x, gate) -> x * sigmoid(gate), the sigmoid rounded to x's dtype first
+    sigmoid_mul: Callable[[Tensor, Tensor], Tensor] = recurrent.sigmoid_mul_torch
+    # (x [T, d], z [T, d], weight [d], eps) -> rms_norm(x) * silu(z) in float32, rounded once
+    gated_rms_norm: Callable[..., Tensor] = recurrent.gated_rms_norm_torch
+    # (a, b [T, H], A_log, dt_bias [H]) -> (g, beta) [T, H] float32
+    delta_gates: Callable[..., tuple[Tensor, Tensor]] = recurrent.delta_gates_torch
 
 
 # ---- torch ----------------------------------------------------------------
@@ -180,6 +187,9 @@ RUST_OPS = LayerOps(
     attention=attention_rust,
     causal_conv1d=recurrent.causal_conv1d_rust,
     gated_delta_rule=recurrent.gated_delta_rule_rust,
+    sigmoid_mul=recurrent.sigmoid_mul_rust,
+    gated_rms_norm=recurrent.gated_rms_norm_rust,
+    delta_gates=recurrent.delta_gates_rust,
 )
 
 

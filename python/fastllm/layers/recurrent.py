@@ -128,3 +128,53 @@ def gated_delta_rule_rust(q, k, v, g, beta, state, query_start_loc, state_slots,
         l2norm,
     )
     return out
+
+
+# ---- Qwen3.5's elementwise parts (torch reference and Rust kernels) -------------
+
+
+def sigmoid_mul_torch(x: Tensor, gate: Tensor) -> Tensor:
+    """``x * sigmoid(gate)`` (the attention output gate of Qwen3.5)."""
+    return x * torch.sigmoid(gate)
+
+
+def gated_rms_norm_torch(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Qwen3.5's gated head norm: ``weight * round(x / rms(x))`` (as the model's
+    other RMSNorms), times ``silu(z)`` in float32, rounded to x's dtype once."""
+    xf = x.float()
+    normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (normed * F.silu(z.float())).to(x.dtype)
+
+
+def delta_gates_torch(
+    a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Gated DeltaNet's gates: ``g = -exp(A_log) * softplus(a + dt_bias)`` (the log
+    decay) and ``beta = sigmoid(b)`` (rounded to b's dtype), both float32."""
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, b.sigmoid().float()
+
+
+def sigmoid_mul_rust(x: Tensor, gate: Tensor) -> Tensor:
+    """``sigmoid_mul_torch`` by the Rust kernel."""
+    x, gate = x.contiguous(), gate.reshape(x.shape).contiguous()
+    out = torch.empty_like(x)
+    _core.sigmoid_mul(out, x, gate)
+    return out
+
+
+def gated_rms_norm_rust(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``gated_rms_norm_torch`` by the Rust kernel (x, z [rows, dim])."""
+    x, z = x.contiguous(), z.contiguous()
+    out = torch.empty_like(x)
+    _core.gated_rms_norm(out, x, z, weight, eps)
+    return out
+
+
+def delta_gates_rust(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
+    """``delta_gates_torch`` by the Rust kernel."""
+    a, b = a.contiguous(), b.contiguous()
+    g = torch.empty(a.shape, dtype=torch.float32)
+    beta = torch.empty(a.shape, dtype=torch.float32)
+    _core.delta_gates(g, beta, a, b, a_log.float().contiguous(), dt_bias.float().contiguous())
+    return g, beta

@@ -28,11 +28,12 @@
   sigmoid-scored experts chosen with an ``expert_bias``, renormalised and
   scaled by ``routed_scaling_factor``.
 
-On the CPU, once packed, LFM2 and LFM2-MoE run their layers in the fused
-decoder stack (``llama_stack.build_lfm2``: its mixers are attention or the
-short convolution); Qwen3.5 and Qwen3.5-MoE run layer by layer (the stack
-has no Gated DeltaNet: ``llama_stack.why_not``), with the model's op table
-for every kernel.
+On the CPU, once packed, every one of these families runs its layers in the
+fused decoder stack (``llama_stack.build_hybrid``: a layer's mixer is
+attention, with Qwen3.5's output gate and float32 ``1 + w`` norms, the short
+convolution or the Gated DeltaNet); elsewhere (or with ``FASTLLM_CPU_FUSED=0``)
+layer by layer, with the model's op table for every kernel (Qwen3.5's gates
+and gated norm included, so that both paths round alike).
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fastllm.config import ModelConfig
@@ -97,8 +97,7 @@ class GatedRMSNorm(Module):
         self.ops = TORCH_OPS
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        normed = self.ops.rms_norm(x, self.weight, self.eps)
-        return (normed * F.silu(z.float())).to(x.dtype)
+        return self.ops.gated_rms_norm(x, z, self.weight, self.eps)
 
 
 class GatedDeltaNet(Module):
@@ -158,8 +157,7 @@ class GatedDeltaNet(Module):
             True,
         )
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        beta = b.sigmoid().float()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        g, beta = self.ops.delta_gates(a, b, self.A_log, self.dt_bias)
         out = self.ops.gated_delta_rule(
             q.reshape(n, self.num_k_heads, self.head_k_dim),
             k.reshape(n, self.num_k_heads, self.head_k_dim),
@@ -181,6 +179,9 @@ class GatedAttention(LlamaAttention):
     (interleaved per head), q/k normalised per head, partial rotary, and
     the attention output multiplied by ``sigmoid(gate)`` before o_proj."""
 
+    #: The fused stack's ``attn_output_gate`` (``llama_stack.build_hybrid``).
+    OUTPUT_GATE = True
+
     def __init__(self, config: ModelConfig, layer: int, eps: float) -> None:
         bias = bool(config.hf.get("attention_bias", False))
         super().__init__(config, layer, bias, bias, True, eps)
@@ -198,7 +199,7 @@ class GatedAttention(LlamaAttention):
         k = self.k_norm(k.reshape(n, self.num_kv_heads, d))
         q, k = self.ops.rotary(q, cos, sin), self.ops.rotary(k, cos, sin)
         out = self.attn(q, k, v)
-        return self.o_proj(out * torch.sigmoid(gate))
+        return self.o_proj(self.ops.sigmoid_mul(out, gate))
 
 
 class Qwen3_5DecoderLayer(Module):
@@ -230,8 +231,9 @@ class Qwen3_5DecoderLayer(Module):
 
 
 class HybridForCausalLM(LlamaForCausalLM):
-    """What the hybrid families share: the mixers' lists for the runner, and
-    the fused stack declined."""
+    """What the hybrid families share: the mixers' lists for the runner. On
+    the CPU, once packed, every layer runs in one ``_core.DecoderStack`` call
+    per step (``llama_stack.build_hybrid``)."""
 
     def attention_layers(self) -> list[PagedAttention]:
         """The paged-attention layers (the recurrent ones have no KV cache)."""
@@ -241,15 +243,19 @@ class HybridForCausalLM(LlamaForCausalLM):
         """The recurrent mixers, in order, for the runner to give state slots."""
         return [m for m in self.modules() if hasattr(m, "state_shapes")]
 
-    def fuse_decoder_layers(self) -> bool:
-        """The fused CPU decoder stack has no recurrent layers: layer by layer."""
-        return False
-
 
 class Qwen3_5ForCausalLM(HybridForCausalLM):
     """Qwen3.5 (text): Gated DeltaNet and gated-attention layers."""
 
     LAYER_CLASS = Qwen3_5DecoderLayer
+    #: The classes whose maths ``rust/models/llama.rs`` implements for Qwen3.5:
+    #: the layer, its attention, its Gated DeltaNet, its MLPs.
+    FUSED_LAYER_TYPES = (
+        Qwen3_5DecoderLayer,
+        GatedAttention,
+        GatedDeltaNet,
+        (LlamaMLP, SparseMoeBlock),
+    )
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
@@ -398,18 +404,12 @@ class Lfm2DecoderLayer(Module):
 
 
 class Lfm2ForCausalLM(HybridForCausalLM):
-    """LFM2: short-convolution and attention layers. On the CPU, once packed,
-    every layer runs in one ``_core.DecoderStack`` call per step
-    (``llama_stack.build_lfm2``)."""
+    """LFM2: short-convolution and attention layers."""
 
     LAYER_CLASS = Lfm2DecoderLayer
     #: The classes whose maths ``rust/models/llama.rs`` implements for LFM2:
     #: the layer, its attention, its short convolution, its MLPs.
     FUSED_LAYER_TYPES = (Lfm2DecoderLayer, LlamaAttention, ShortConv, (LlamaMLP, SparseMoeBlock))
-
-    def fuse_decoder_layers(self) -> bool:
-        """The fused CPU decoder stack, which runs LFM2's convolution layers too."""
-        return LlamaForCausalLM.fuse_decoder_layers(self)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)

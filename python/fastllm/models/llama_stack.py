@@ -1,4 +1,5 @@
-"""The Llama family's (and LFM2's) decoder layers in one Rust call per step.
+"""The Llama family's (and the hybrids': LFM2, Qwen3.5) decoder layers in one
+Rust call per step.
 
 On the CPU, once a model is packed and its KV caches exist, the model runner
 asks the model to fuse its layers (``LlamaForCausalLM.fuse_decoder_layers``).
@@ -22,6 +23,7 @@ import torch
 from fastllm import _core
 from fastllm.forward_context import get_context
 from fastllm.layers.moe import SparseMoeBlock
+from fastllm.layers.norm import ZeroCenteredRMSNorm
 
 logger = logging.getLogger("fastllm")
 
@@ -58,13 +60,29 @@ FUSED_ARCHITECTURES = frozenset(
         "GraniteForCausalLM",
         "GraniteMoeForCausalLM",
         # LFM2 (dense and MoE): attention layers (q/k norms) and short
-        # convolutions whose states the runner keeps (``build_lfm2``).
+        # convolutions whose states the runner keeps (``build_hybrid``).
         "Lfm2ForCausalLM",
         "Lfm2MoeForCausalLM",
+        # Qwen3.5 (dense and MoE, and the text part of their multimodal
+        # checkpoints): gated attention with float32 ``1 + w`` norms, and Gated
+        # DeltaNet layers with their two states (``build_hybrid``).
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeForConditionalGeneration",
     }
 )
-# The hybrid families among them, built by ``build_lfm2``.
-_LFM2 = frozenset({"Lfm2ForCausalLM", "Lfm2MoeForCausalLM"})
+# The hybrid families among them, built by ``build_hybrid``.
+_HYBRID = frozenset(
+    {
+        "Lfm2ForCausalLM",
+        "Lfm2MoeForCausalLM",
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeForConditionalGeneration",
+    }
+)
 
 
 def why_not(model) -> str | None:
@@ -75,8 +93,8 @@ def why_not(model) -> str | None:
     arch = model.config.architecture
     if arch not in FUSED_ARCHITECTURES:
         return f"the fused stack does not implement {arch}"
-    if arch in _LFM2:
-        return _lfm2_why_not(model)
+    if arch in _HYBRID:
+        return _hybrid_why_not(model)
     layer_type, attn_type, mlp_types = model.FUSED_LAYER_TYPES
     for i, layer in enumerate(model.model.layers):
         kinds = ((layer, (layer_type,)), (layer.self_attn, (attn_type,)), (layer.mlp, mlp_types))
@@ -118,42 +136,76 @@ def _attention_why_not(attn, dtype: torch.dtype) -> str | None:
     return None
 
 
-def _lfm2_why_not(model) -> str | None:
-    """``why_not`` for LFM2: its attention layers as the Llama ones, its
-    short convolutions packed, with their state, in the model's dtype (the
-    layer, attention, convolution and MLP classes: ``FUSED_LAYER_TYPES``)."""
-    layer_type, attn_type, conv_type, mlp_types = model.FUSED_LAYER_TYPES
+def _hybrid_parts(layer) -> tuple:
+    """A hybrid layer's (input norm, post norm, recurrent mixer or None,
+    attention or None, MLP): LFM2's names or Qwen3.5's."""
+    if hasattr(layer, "operator_norm"):
+        return layer.operator_norm, layer.ffn_norm, layer.conv, layer.self_attn, layer.feed_forward
+    return (
+        layer.input_layernorm,
+        layer.post_attention_layernorm,
+        layer.linear_attn,
+        layer.self_attn,
+        layer.mlp,
+    )
+
+
+def _is_delta_net(mixer) -> bool:
+    """Whether a recurrent mixer is a Gated DeltaNet (else LFM2's short convolution)."""
+    return hasattr(mixer, "A_log")
+
+
+def _norm_weight(norm) -> torch.Tensor:
+    """The weight the stack gives a norm: its own, or a zero-centred norm's
+    ``1 + w`` in float32 (the stack then normalises in float32)."""
+    if isinstance(norm, ZeroCenteredRMSNorm):
+        return norm.scale()
+    return norm.weight.detach()
+
+
+def _hybrid_why_not(model) -> str | None:
+    """``why_not`` for the hybrids (LFM2, Qwen3.5): their attention layers as
+    the Llama ones, their recurrent mixers packed, with their states, in the
+    model's dtype (the layer, attention, mixer and MLP classes:
+    ``FUSED_LAYER_TYPES``)."""
+    layer_type, attn_type, mixer_type, mlp_types = model.FUSED_LAYER_TYPES
     layers = model.model.layers
     if not any(layer.self_attn is not None for layer in layers):
         return "the model has no attention layer"
-    dtype = layers[0].operator_norm.weight.dtype
+    dtype = _hybrid_parts(layers[0])[0].weight.dtype
     for i, layer in enumerate(layers):
         if type(layer) is not layer_type:
-            return f"layer {i} is not the LFM2 layer the fused stack implements"
-        if type(layer.feed_forward) not in mlp_types:
+            return f"layer {i} is not the {layer_type.__name__} the fused stack implements"
+        in_norm, post_norm, mixer, attn, mlp = _hybrid_parts(layer)
+        if type(mlp) not in mlp_types:
             return f"layer {i}'s MLP is not one the fused stack implements"
-        reason = _mlp_why_not(layer.feed_forward)
+        reason = _mlp_why_not(mlp)
         if reason is not None:
             return f"layer {i}'s {reason}"
-        if any(n.weight.dtype != dtype for n in (layer.operator_norm, layer.ffn_norm)):
+        if any(n.weight.dtype != dtype for n in (in_norm, post_norm)):
             return f"layer {i}'s norm weights are not all in one dtype ({dtype})"
-        conv = layer.conv
-        if conv is None:
-            if type(layer.self_attn) is not attn_type:
+        if mixer is None:
+            if type(attn) is not attn_type:
                 return f"layer {i}'s attention is not the one the fused stack implements"
-            reason = _attention_why_not(layer.self_attn, dtype)
+            reason = _attention_why_not(attn, dtype)
             if reason is not None:
                 return f"layer {i}'s {reason}"
             continue
-        if type(conv) is not conv_type or conv.ops.backend != "rust":
-            return f"layer {i}'s convolution runs the {conv.ops.backend} ops"
-        if any(_packed(lin) is None for lin in (conv.in_proj, conv.out_proj)):
-            return f"layer {i}'s convolution has a linear layer that is not packed"
-        if len(conv.states) != 1 or conv.states[0].dtype != dtype:
-            return f"layer {i}'s convolution has no state in the model's dtype ({dtype})"
-        tensors = [conv.conv.weight] + ([conv.conv.bias] if conv.conv.bias is not None else [])
+        if type(mixer) is not mixer_type or mixer.ops.backend != "rust":
+            return f"layer {i}'s recurrent mixer runs the {mixer.ops.backend} ops"
+        if any(_packed(lin) is None for lin in (mixer.in_proj, mixer.out_proj)):
+            return f"layer {i}'s recurrent mixer has a linear layer that is not packed"
+        want = [dt for _, dt in mixer.state_shapes(dtype)]
+        if [t.dtype for t in mixer.states] != want:
+            return f"layer {i}'s recurrent mixer has no states of {want}"
+        if _is_delta_net(mixer):
+            tensors = [mixer.conv1d.weight, mixer.norm.weight]
+        else:
+            tensors = [mixer.conv.weight] + (
+                [mixer.conv.bias] if mixer.conv.bias is not None else []
+            )
         if any(t.dtype != dtype for t in tensors):
-            return f"layer {i}'s convolution weights are not in the model's dtype ({dtype})"
+            return f"layer {i}'s recurrent mixer weights are not in the model's dtype ({dtype})"
     return None
 
 
@@ -213,38 +265,59 @@ def _stack(model, layers: list[dict], attn, norm, mlps: list) -> _core.DecoderSt
         eps=norm.eps,
         scale=attn.attn.scale,
         residual_multiplier=_residual_multiplier(model.model.layers[0]),
+        dtype=norm.weight.dtype,
     )
 
 
-def build_lfm2(model) -> _core.DecoderStack:
-    """LFM2's layers as one stack (``why_not`` said they can): attention
-    layers as the Llama ones, convolution layers with their projections,
-    taps, bias and the runner's state tensor."""
+def _recurrent_entries(mixer) -> dict:
+    """A layer dict's entries for a recurrent mixer: a short convolution's
+    ``conv_*`` or a Gated DeltaNet's ``delta_*``."""
+    if _is_delta_net(mixer):
+        conv_state, state = mixer.states
+        return {
+            "delta_in_proj": _packed(mixer.in_proj),
+            "delta_conv_weight": mixer.conv1d.weight.detach().view(mixer.conv_dim, mixer.taps),
+            "delta_conv_state": conv_state,
+            "delta_a_log": mixer.A_log.detach().float().contiguous(),
+            "delta_dt_bias": mixer.dt_bias.detach().float().contiguous(),
+            "delta_norm": mixer.norm.weight.detach(),
+            "delta_out_proj": _packed(mixer.out_proj),
+            "delta_state": state,
+        }
+    bias = mixer.conv.bias
+    return {
+        "conv_in_proj": _packed(mixer.in_proj),
+        "conv_weight": mixer.conv.weight.detach().view(mixer.hidden, mixer.taps),
+        "conv_bias": None if bias is None else bias.detach(),
+        "conv_out_proj": _packed(mixer.out_proj),
+        "conv_state": mixer.states[0],
+    }
+
+
+def build_hybrid(model) -> _core.DecoderStack:
+    """A hybrid's layers as one stack (``why_not`` said they can): attention
+    layers as the Llama ones (with Qwen3.5's output gate and float32 norms),
+    recurrent layers with their projections, parameters and the runner's
+    state tensors."""
     layers = []
     for layer in model.model.layers:
+        in_norm, post_norm, mixer, attn, mlp = _hybrid_parts(layer)
         entry = {
-            "input_norm": layer.operator_norm.weight.detach(),
-            "post_norm": layer.ffn_norm.weight.detach(),
-            **_mlp_entries(layer.feed_forward),
+            "input_norm": _norm_weight(in_norm),
+            "post_norm": _norm_weight(post_norm),
+            **_mlp_entries(mlp),
         }
-        conv = layer.conv
-        if conv is None:
-            entry.update(_attention_entries(layer.self_attn))
+        if mixer is None:
+            entry.update(_attention_entries(attn))
+            if attn.q_norm is not None and attn.k_norm is not None:
+                entry["q_norm"], entry["k_norm"] = map(_norm_weight, (attn.q_norm, attn.k_norm))
+            entry["attn_output_gate"] = getattr(attn, "OUTPUT_GATE", False)
         else:
-            bias = conv.conv.bias
-            entry.update(
-                {
-                    "conv_in_proj": _packed(conv.in_proj),
-                    "conv_weight": conv.conv.weight.detach().view(conv.hidden, conv.taps),
-                    "conv_bias": None if bias is None else bias.detach(),
-                    "conv_out_proj": _packed(conv.out_proj),
-                    "conv_state": conv.states[0],
-                }
-            )
+            entry.update(_recurrent_entries(mixer))
         layers.append(entry)
     attn = next(layer.self_attn for layer in model.model.layers if layer.self_attn is not None)
-    mlps = [layer.feed_forward for layer in model.model.layers]
-    return _stack(model, layers, attn, model.model.layers[0].operator_norm, mlps)
+    parts = [_hybrid_parts(layer) for layer in model.model.layers]
+    return _stack(model, layers, attn, parts[0][0], [p[4] for p in parts])
 
 
 def build(model) -> _core.DecoderStack | None:
@@ -254,8 +327,8 @@ def build(model) -> _core.DecoderStack | None:
     if reason is not None:
         logger.debug("decoder layers run one by one: %s", reason)
         return None
-    if model.config.architecture in _LFM2:
-        return build_lfm2(model)
+    if model.config.architecture in _HYBRID:
+        return build_hybrid(model)
     layers = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
