@@ -90,7 +90,12 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-ARGS = [a for a in sys.argv[1:] if not a.startswith("--models")]
+if any(a in ("-h", "--help") for a in sys.argv[1:]):
+    print(__doc__)
+    sys.exit(0)
+ARGS = [a for a in sys.argv[1:] if not a.startswith("--models=")]
+if len(ARGS) > 1 or any(a.startswith("-") for a in ARGS):
+    sys.exit(f"make_bench_model.py: unexpected arguments {ARGS} (usage: see --help)")
 ROOT = ARGS[0] if ARGS else "bench-models"
 MODELS = next(
     (a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--models=")), "qwen2,tiny"

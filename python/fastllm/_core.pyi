@@ -736,13 +736,13 @@ def delta_gates(
     beta: torch.Tensor,
     a: torch.Tensor,
     b: torch.Tensor,
-    A_log: torch.Tensor,
+    a_log: torch.Tensor,
     dt_bias: torch.Tensor,
 ) -> None:
     """Gated DeltaNet's gates: ``beta = sigmoid(b)`` rounded to b's dtype and
     ``g = -exp(A_log) * softplus(a + dt_bias)`` in float32 (``g``, ``beta`` [T, H]
-    float32); ``a``, ``b`` [T, H] (one dtype, bf16 or f32), ``A_log``, ``dt_bias`` [H]
-    float32. Releases the GIL."""
+    float32); ``a``, ``b`` [T, H] (one dtype, bf16 or f32), ``a_log`` (the model's
+    ``A_log``), ``dt_bias`` [H] float32. Releases the GIL."""
 
 def gated_delta_rule(
     out: torch.Tensor,
