@@ -55,6 +55,11 @@ NAMES = [
     "qwen3",
     "phi3",
     "granite",
+    # Gemma: four norms, GeGLU, soft-capped scores (Gemma 2), local layers
+    # in their own KV group, with their own rotary tables (Gemma 3).
+    "gemma2",
+    "gemma3",
+    "gemma3_vl",  # the text part of a Gemma3ForConditionalGeneration checkpoint
     *MOE_NAMES,
     *HYBRID_NAMES,
 ]
@@ -74,6 +79,9 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             config = copy.deepcopy(MOE_CONFIGS[name])
             config.vocab_size = VOCAB
             build_moe(config, folder, seed=5)
+        elif name == "gemma3_vl":
+            _build("gemma3", folder, seed=5)
+            _as_gemma3_multimodal(folder)
         elif name.endswith("_vl"):
             from test_hybrid_models import build_multimodal
 
@@ -86,6 +94,35 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             _build(name, folder, seed=5)
         out[name] = folder
     return out
+
+
+def _as_gemma3_multimodal(folder: str) -> None:
+    """Rewrites a saved Gemma 3 text model in place as a
+    ``Gemma3ForConditionalGeneration`` checkpoint: its config under
+    ``text_config``, its weights under ``model.language_model.``."""
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        text = json.load(f)
+    text.pop("architectures", None)
+    config = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "text_config": {**text, "model_type": "gemma3_text"},
+        "vision_config": {"model_type": "siglip_vision_model"},
+        "tie_word_embeddings": text.get("tie_word_embeddings", True),
+    }
+    with open(path, "w") as f:
+        json.dump(config, f)
+    weights = os.path.join(folder, "model.safetensors")
+    tensors = load_file(weights)
+    prefix = "model.language_model."
+    renamed = {(prefix + k[6:] if k.startswith("model.") else k): v for k, v in tensors.items()}
+    save_file(renamed, weights)
 
 
 def _load(folder: str, dtype: torch.dtype, quant: str | None) -> torch.nn.Module:
@@ -181,6 +218,37 @@ def test_engine_uses_the_stack_and_the_switch_turns_it_off(folders, monkeypatch)
         LLM(folder, skip_tokenizer_init=True, max_model_len=64)
 
 
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_engine_stack_with_kv_groups_matches_the_layers(name, folders, monkeypatch) -> None:
+    """Gemma in the engine: its local layers keep their blocks in a KV group
+    of their own (blocks out of the window freed), sharing cache tensors
+    with the global layers at other blocks; the stack reads each group's
+    tables and gives the tokens and logprobs of the layers run one by one,
+    over prompts and outputs several windows long."""
+    folder = folders[name]
+    params = SamplingParams(max_tokens=16, temperature=0, logprobs=3, ignore_eos=True)
+    prompts = [{"prompt_token_ids": s} for s in _sequences([9, 4, 27], seed=4)]
+    results = {}
+    for value in ("1", "0"):
+        monkeypatch.setenv("FASTLLM_CPU_FUSED", value)
+        llm = LLM(
+            folder, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=64, block_size=4
+        )
+        runner = llm.llm_engine.runner
+        assert runner.fused_layers == (value == "1")
+        groups = {layer.kv_group for layer in runner.model.attention_layers()}
+        assert len(groups) > 1, groups  # the local layers' blocks apart from the global ones
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results[value] = [
+            (
+                o.outputs[0].token_ids,
+                [{k: v.logprob for k, v in lp.items()} for lp in o.outputs[0].logprobs],
+            )
+            for o in outs
+        ]
+    assert results["1"] == results["0"]
+
+
 def _layer_dict(model: torch.nn.Module, i: int) -> dict:
     layer = model.model.layers[i]
     a, m = layer.self_attn, layer.mlp
@@ -272,7 +340,8 @@ def test_every_fused_architecture_is_checked_here(folders) -> None:
 
     checked = {ModelConfig.from_pretrained(folders[n]).architecture for n in NAMES}
     assert checked >= FUSED_ARCHITECTURES
-    modules = ("fastllm.models.llama", "fastllm.models.moe", "fastllm.models.hybrid")
+    modules = ("llama", "moe", "hybrid", "gemma")
+    modules = tuple(f"fastllm.models.{m}" for m in modules)
     family = {a for a, (module, _) in ARCHITECTURES.items() if module in modules}
     assert family >= FUSED_ARCHITECTURES
 

@@ -498,7 +498,8 @@ class QuantizedLinear:
         """The weights as GGUF blocks (rows padded to whole groups)."""
 
 class DecoderStack:
-    """Every decoder layer of a Llama-family (or LFM2, Qwen3.5) model, run in one call per step.
+    """Every decoder layer of a Llama-family (or Gemma, LFM2, Qwen3.5) model, run in one call
+    per step.
 
     ``layers``: one dict per layer with ``input_norm``, ``post_norm``
     ([hidden]), ``q_norm``, ``k_norm`` ([head_dim] or None, both or neither),
@@ -506,7 +507,12 @@ class DecoderStack:
     ``QuantizedLinear``, biases inside; shared, not copied), or instead of
     ``gate_up`` / ``down`` a ``moe`` (a ``MoeBlock``), ``key_cache``,
     ``value_cache`` ([blocks, kv_heads, block_size, head_dim]) and
-    ``sliding_window`` (0: none). Norms and caches share one dtype (bf16 or
+    ``sliding_window`` (0: none); optionally ``logit_softcap`` (0: none),
+    ``kv_group`` (its slots and block tables: the step's ``group_*`` entry;
+    layers of different groups may share a cache tensor), ``local_rotary``
+    (turned by the step's local tables), ``mixer_out_norm`` / ``mlp_out_norm``
+    (Gemma's norms of the attention and MLP outputs before the residual add)
+    and ``mlp_act`` ("silu" or "gelu_tanh"). Norms and caches share one dtype (bf16 or
     f32); the stack keeps every tensor alive and checks them all here. A
     short-convolution layer (LFM2) gives instead of the attention keys
     ``conv_in_proj`` [3H, H], ``conv_weight`` [H, taps], ``conv_bias`` ([H]
@@ -548,6 +554,10 @@ class DecoderStack:
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
         state_slots: torch.Tensor | None = None,
+        cos_local: torch.Tensor | None = None,
+        sin_local: torch.Tensor | None = None,
+        group_slot_mappings: list[torch.Tensor] | None = None,
+        group_block_tables: list[torch.Tensor] | None = None,
     ) -> None:
         """Runs every layer on ``x`` [tokens, hidden] in place: RMSNorm,
         q/k/v (+ per-head q/k norm), rotary (``cos`` / ``sin`` [tokens,
@@ -556,7 +566,11 @@ class DecoderStack:
         output projection and residual (or a short convolution or Gated
         DeltaNet over the state slot of each sequence, ``state_slots`` int64
         [seqs], required with recurrent layers), RMSNorm, SiLU-gated MLP and residual; the
-        same kernels and roundings as the layer-by-layer ops. Releases the GIL."""
+        same kernels and roundings as the layer-by-layer ops. ``cos_local`` / ``sin_local``:
+        the tables of the ``local_rotary`` layers (default ``cos`` / ``sin``);
+        ``group_slot_mappings`` / ``group_block_tables``: per KV group (entry 0 unread: the
+        step's own), the slots and tables of the layers of that ``kv_group``. Releases the
+        GIL."""
 
 def quant_paths() -> list[str]:
     """Names of the integer kernel paths this CPU runs (subset of scalar, avx2, avxvnni,
@@ -610,6 +624,10 @@ def gated_rms_norm(
     """Qwen3.5's gated head norm: ``out = round(rms_norm(x, weight) * silu(z))``, the norm
     rounded as ``rms_norm``'s, the gate and product in float32; x, z, out [rows, dim],
     weight [dim], one dtype (bf16 or f32). Releases the GIL."""
+
+def gelu_tanh_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
+    """``out = round(gelu_tanh(x[:, :d])) * x[:, d:]`` (GeGLU, the GELU's tanh
+    approximation): x [rows, 2d], out [rows, d], one dtype (bf16 or f32). Releases the GIL."""
 
 def qkv_rotary(
     q: torch.Tensor,

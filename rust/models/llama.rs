@@ -38,13 +38,22 @@
 //! Qwen3.5's attention layers add an output gate (`Attention::gate`: the
 //! attention output times `sigmoid(gate)`, the gate projected beside each
 //! query head), and its norms scale by `1 + w` in f32 ([`NormWeight::Float`]).
+//!
+//! Gemma 2 and 3 normalise the mixer's and the MLP's outputs before their
+//! residual adds (`DecoderLayer::mixer_out_norm`, `mlp_out_norm`), gate the
+//! MLP with the tanh GELU (`Mlp::Dense::act`), soft-cap attention scores
+//! (`Attention::softcap`), rotate their local layers by their own tables
+//! (`Attention::local_rotary`) and keep those layers' blocks in a KV group
+//! of their own (`Attention::group`, `StepInputs::groups`). Layers of
+//! different groups share cache tensors (at distinct blocks), so the stack
+//! reads its layers one at a time ([`Layers`]).
 
 use crate::attention::{cache_and_attend, BatchLayout, CacheShape, KvCacheMut};
 use crate::cpu::Element;
 use crate::cpu::{Dst, Src};
 use crate::error::{CoreError, CoreResult};
 use crate::layers::{
-    delta_gates, gated_rms_norm, qkv_rotary, rms_norm, sigmoid_mul, silu_and_mul, QkvShape,
+    delta_gates, gated_act, gated_rms_norm, qkv_rotary, rms_norm, sigmoid_mul, GatedAct, QkvShape,
 };
 use crate::linear::LinearWeight;
 use crate::moe::SparseMlp;
@@ -81,8 +90,39 @@ impl DecoderShape {
 pub struct DecoderLayer<'a, T> {
     pub input_norm: NormWeight<'a, T>,
     pub post_norm: NormWeight<'a, T>,
+    /// Gemma's norms of the mixer's and the MLP's outputs, before each is
+    /// added to the residual.
+    pub mixer_out_norm: Option<NormWeight<'a, T>>,
+    pub mlp_out_norm: Option<NormWeight<'a, T>>,
     pub mixer: Mixer<'a, T>,
     pub mlp: Mlp<'a>,
+}
+
+/// Where [`decoder_stack`] finds its layers: one at a time, so that no two
+/// layers' views of a shared cache tensor are alive together.
+pub trait Layers<T> {
+    /// The number of layers.
+    fn count(&self) -> usize;
+    /// Runs `f` on layer `i`.
+    fn with<R>(
+        &mut self,
+        i: usize,
+        f: impl FnOnce(&mut DecoderLayer<'_, T>) -> CoreResult<R>,
+    ) -> CoreResult<R>;
+}
+
+impl<'a, T> Layers<T> for [DecoderLayer<'a, T>] {
+    fn count(&self) -> usize {
+        self.len()
+    }
+
+    fn with<R>(
+        &mut self,
+        i: usize,
+        f: impl FnOnce(&mut DecoderLayer<'_, T>) -> CoreResult<R>,
+    ) -> CoreResult<R> {
+        f(&mut self[i])
+    }
 }
 
 /// An RMSNorm's weight: in the element type (`w * round(x / rms)`, two
@@ -133,6 +173,14 @@ pub struct Attention<'a, T> {
     pub value_cache: KvCacheMut<'a, T>,
     /// Keys within this many positions, or 0 for all.
     pub sliding_window: i64,
+    /// Score soft-cap `c * tanh(s / c)` (Gemma 2), or 0 for none.
+    pub softcap: f32,
+    /// The layer's KV group: 0 reads the step's `slot_mapping` and block
+    /// tables, `g > 0` those of `StepInputs::groups[g - 1]`.
+    pub group: usize,
+    /// Rotated by the step's local tables (`cos_local`, `sin_local`: Gemma
+    /// 3's local layers) instead of `cos`, `sin`.
+    pub local_rotary: bool,
 }
 
 /// LFM2's short-convolution mixer: `in_proj` [3H, H] (b, c and v rows),
@@ -230,8 +278,19 @@ pub enum Mlp<'a> {
     Dense {
         gate_up: &'a LinearWeight,
         down: &'a LinearWeight,
+        /// `GatedAct::Silu` (Llama) or `GatedAct::GeluTanh` (Gemma).
+        act: GatedAct,
     },
     Sparse(&'a SparseMlp),
+}
+
+/// The cache slots and block tables of the layers of one KV group `g > 0`
+/// (the step's `slot_mapping` and `batch.block_tables` are group 0's).
+#[derive(Clone, Copy, Debug)]
+pub struct KvGroup<'a> {
+    pub slot_mapping: &'a [i64],
+    pub block_tables: &'a [i32],
+    pub max_blocks_per_seq: usize,
 }
 
 /// What one step gives every layer: rotary tables of its tokens, their
@@ -241,8 +300,14 @@ pub struct StepInputs<'a, T> {
     /// `[tokens, rotary_half]` each.
     pub cos: &'a [T],
     pub sin: &'a [T],
+    /// The tables of the layers with `local_rotary` (`cos`, `sin` when the
+    /// model has one pair).
+    pub cos_local: &'a [T],
+    pub sin_local: &'a [T],
     pub slot_mapping: &'a [i64],
     pub batch: BatchLayout<'a>,
+    /// KV groups 1, 2, ... (empty when every layer is in group 0).
+    pub groups: &'a [KvGroup<'a>],
     pub cache: CacheShape,
     /// `[num_seqs]`: each sequence's recurrent-state slot (convolution and
     /// DeltaNet layers).
@@ -346,7 +411,7 @@ pub fn check_layer<T>(
         }
     };
     match layer.mlp {
-        Mlp::Dense { gate_up, down } => {
+        Mlp::Dense { gate_up, down, .. } => {
             linears.push(("gate_up", gate_up, s.hidden, 2 * s.intermediate));
             linears.push(("down", down, s.intermediate, s.hidden));
         }
@@ -372,6 +437,16 @@ pub fn check_layer<T>(
     let norms = [
         ("input_norm", Some(layer.input_norm.len()), s.hidden),
         ("post_norm", Some(layer.post_norm.len()), s.hidden),
+        (
+            "mixer_out_norm",
+            layer.mixer_out_norm.map(|n| n.len()),
+            s.hidden,
+        ),
+        (
+            "mlp_out_norm",
+            layer.mlp_out_norm.map(|n| n.len()),
+            s.hidden,
+        ),
         ("q_norm", q, s.head_dim),
         ("k_norm", k, s.head_dim),
     ];
@@ -400,6 +475,7 @@ struct Scratch<T> {
     attn: Vec<T>,
     attn_gated: Vec<T>,
     proj: Vec<T>,
+    proj_normed: Vec<T>,
     gate_up: Vec<T>,
     act: Vec<T>,
     /// The short convolution's b, c, v rows, its input and output.
@@ -435,6 +511,7 @@ impl<T: Element> Scratch<T> {
             attn: Vec::new(),
             attn_gated: Vec::new(),
             proj: Vec::new(),
+            proj_normed: Vec::new(),
             gate_up: Vec::new(),
             act: Vec::new(),
             bcv: Vec::new(),
@@ -504,9 +581,9 @@ fn add_residual<T: Element>(x: &mut [T], y: &[T], m: f32) {
 }
 
 /// Runs `layers` in order on the hidden states `x` [tokens, hidden], in place.
-pub fn decoder_stack<T: Element>(
+pub fn decoder_stack<T: Element, L: Layers<T> + ?Sized>(
     x: &mut [T],
-    layers: &mut [DecoderLayer<'_, T>],
+    layers: &mut L,
     shape: &DecoderShape,
     step: &StepInputs<'_, T>,
 ) -> CoreResult<()> {
@@ -519,95 +596,167 @@ pub fn decoder_stack<T: Element>(
         )));
     }
     let tokens = x.len() / s.hidden;
-    if step.slot_mapping.len() != tokens {
-        return Err(CoreError::invalid(format!(
-            "slot_mapping: expected {tokens} entries (one per token), got {}",
-            step.slot_mapping.len()
-        )));
-    }
     if 2 * s.rotary_half > s.head_dim {
         return Err(CoreError::invalid(format!(
             "rotary: {} rotated pairs exceed the head size {}",
             s.rotary_half, s.head_dim
         )));
     }
-    for (i, layer) in layers.iter().enumerate() {
-        check_layer(layer, &s, i)?;
+    check_step(step, tokens)?;
+    // Every layer checked (and the recurrent states' slot count found)
+    // before any runs, so a bad step changes nothing.
+    let mut state_slots: Option<usize> = None;
+    for i in 0..layers.count() {
+        layers.with(i, |layer| {
+            check_layer(layer, &s, i)?;
+            match &layer.mixer {
+                Mixer::ShortConv(c) => {
+                    state_slots =
+                        Some(state_slots.map_or(c.slots(s.hidden), |m| m.min(c.slots(s.hidden))));
+                }
+                Mixer::DeltaNet(n) => {
+                    state_slots = Some(state_slots.map_or(n.slots(), |m| m.min(n.slots())));
+                }
+                Mixer::Attention(a) if a.group > step.groups.len() => {
+                    return Err(CoreError::invalid(format!(
+                        "layers[{i}]: KV group {} but the step gives {} groups",
+                        a.group,
+                        step.groups.len() + 1
+                    )));
+                }
+                Mixer::Attention(_) => {}
+            }
+            Ok(())
+        })?;
     }
-    check_state_slots(layers, &s, step)?;
+    if let Some(slots) = state_slots {
+        check_state_slots(slots, step)?;
+    }
     if tokens == 0 {
         return Ok(());
     }
     let mut b = Scratch::<T>::new();
-    let d = s.head_dim;
-    let qkv_shape = QkvShape {
-        tokens,
-        heads: s.heads,
-        kv_heads: s.kv_heads,
-        head_dim: d,
-        half: s.rotary_half,
-    };
-    for layer in layers.iter_mut() {
-        let normed = sized(&mut b.normed, tokens * s.hidden);
-        norm_rows(
-            normed,
-            x,
-            layer.input_norm,
-            s.eps,
-            s.hidden,
-            &mut b.wide,
-            &mut b.wide_out,
-        )?;
-        match &mut layer.mixer {
-            Mixer::Attention(a) => attention(a, &mut b, &s, step, qkv_shape)?,
-            Mixer::ShortConv(c) => short_conv(c, &mut b, &s, step, tokens)?,
-            Mixer::DeltaNet(n) => delta_net(n, &mut b, &s, step, tokens)?,
-        }
-        add_residual(x, &b.proj, s.residual_scale);
-        norm_rows(
-            &mut b.normed,
-            x,
-            layer.post_norm,
-            s.eps,
-            s.hidden,
-            &mut b.wide,
-            &mut b.wide_out,
-        )?;
-        let proj = sized(&mut b.proj, tokens * s.hidden);
-        match layer.mlp {
-            Mlp::Dense { gate_up, down } => {
-                let inter = s.intermediate;
-                let gu = sized(&mut b.gate_up, tokens * 2 * inter);
-                gate_up.forward(T::dst(gu), T::src(&b.normed), tokens)?;
-                let act = sized(&mut b.act, tokens * inter);
-                silu_and_mul(T::dst(act), T::src(&b.gate_up), inter)?;
-                down.forward(T::dst(proj), T::src(&b.act), tokens)?;
-            }
-            Mlp::Sparse(moe) => moe.forward(proj, &b.normed, tokens)?,
-        }
-        add_residual(x, &b.proj, s.residual_scale);
+    for i in 0..layers.count() {
+        layers.with(i, |layer| run_layer(x, layer, &mut b, &s, step, tokens))?;
     }
     Ok(())
 }
 
-/// Checks the step's `state_slots` against every recurrent layer's state
-/// before any layer runs, so a bad step changes nothing.
-fn check_state_slots<T>(
-    layers: &[DecoderLayer<'_, T>],
+/// One layer on `x` [tokens, hidden], in place.
+fn run_layer<T: Element>(
+    x: &mut [T],
+    layer: &mut DecoderLayer<'_, T>,
+    b: &mut Scratch<T>,
     s: &DecoderShape,
     step: &StepInputs<'_, T>,
+    tokens: usize,
 ) -> CoreResult<()> {
-    let slots = layers
-        .iter()
-        .filter_map(|l| match &l.mixer {
-            Mixer::ShortConv(c) => Some(c.slots(s.hidden)),
-            Mixer::DeltaNet(n) => Some(n.slots()),
-            Mixer::Attention(_) => None,
-        })
-        .min();
-    let Some(slots) = slots else {
+    let normed = sized(&mut b.normed, tokens * s.hidden);
+    norm_rows(
+        normed,
+        x,
+        layer.input_norm,
+        s.eps,
+        s.hidden,
+        &mut b.wide,
+        &mut b.wide_out,
+    )?;
+    match &mut layer.mixer {
+        Mixer::Attention(a) => attention(a, b, s, step, tokens)?,
+        Mixer::ShortConv(c) => short_conv(c, b, s, step, tokens)?,
+        Mixer::DeltaNet(n) => delta_net(n, b, s, step, tokens)?,
+    }
+    add_output(x, b, layer.mixer_out_norm, s)?;
+    norm_rows(
+        &mut b.normed,
+        x,
+        layer.post_norm,
+        s.eps,
+        s.hidden,
+        &mut b.wide,
+        &mut b.wide_out,
+    )?;
+    let proj = sized(&mut b.proj, tokens * s.hidden);
+    match layer.mlp {
+        Mlp::Dense { gate_up, down, act } => {
+            let inter = s.intermediate;
+            let gu = sized(&mut b.gate_up, tokens * 2 * inter);
+            gate_up.forward(T::dst(gu), T::src(&b.normed), tokens)?;
+            let out = sized(&mut b.act, tokens * inter);
+            gated_act(T::dst(out), T::src(&b.gate_up), inter, act)?;
+            down.forward(T::dst(proj), T::src(&b.act), tokens)?;
+        }
+        Mlp::Sparse(moe) => moe.forward(proj, &b.normed, tokens)?,
+    }
+    add_output(x, b, layer.mlp_out_norm, s)
+}
+
+/// `x += branch`, the branch (`b.proj`) normalised first when the layer has
+/// a norm for it (Gemma's post-attention and post-feedforward norms).
+fn add_output<T: Element>(
+    x: &mut [T],
+    b: &mut Scratch<T>,
+    norm: Option<NormWeight<'_, T>>,
+    s: &DecoderShape,
+) -> CoreResult<()> {
+    let Some(w) = norm else {
+        add_residual(x, &b.proj, s.residual_scale);
         return Ok(());
     };
+    let out = sized(&mut b.proj_normed, b.proj.len());
+    norm_rows(
+        out,
+        &b.proj,
+        w,
+        s.eps,
+        s.hidden,
+        &mut b.wide,
+        &mut b.wide_out,
+    )?;
+    add_residual(x, &b.proj_normed, s.residual_scale);
+    Ok(())
+}
+
+/// Checks the step's tables: one slot per token in every group, the local
+/// rotary tables as long as the others, each group's block tables whole.
+fn check_step<T>(step: &StepInputs<'_, T>, tokens: usize) -> CoreResult<()> {
+    let seqs = step.batch.query_start_loc.len().saturating_sub(1);
+    let mappings = std::iter::once(("slot_mapping", step.slot_mapping)).chain(
+        step.groups
+            .iter()
+            .map(|g| ("group_slot_mappings", g.slot_mapping)),
+    );
+    for (name, m) in mappings {
+        if m.len() != tokens {
+            return Err(CoreError::invalid(format!(
+                "{name}: expected {tokens} entries (one per token), got {}",
+                m.len()
+            )));
+        }
+    }
+    for (g, group) in step.groups.iter().enumerate() {
+        if group.block_tables.len() != seqs * group.max_blocks_per_seq {
+            return Err(CoreError::invalid(format!(
+                "group_block_tables[{}]: expected {seqs} x {} entries, got {}",
+                g + 1,
+                group.max_blocks_per_seq,
+                group.block_tables.len()
+            )));
+        }
+    }
+    if step.cos_local.len() != step.cos.len() || step.sin_local.len() != step.sin.len() {
+        return Err(CoreError::invalid(format!(
+            "cos_local, sin_local: expected {} elements each (as cos), got {} and {}",
+            step.cos.len(),
+            step.cos_local.len(),
+            step.sin_local.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Checks the step's `state_slots` against the recurrent layers' `slots`.
+fn check_state_slots<T>(slots: usize, step: &StepInputs<'_, T>) -> CoreResult<()> {
     let seqs = step.batch.query_start_loc.len().saturating_sub(1);
     if step.state_slots.len() != seqs {
         return Err(CoreError::invalid(format!(
@@ -635,9 +784,16 @@ fn attention<T: Element>(
     b: &mut Scratch<T>,
     s: &DecoderShape,
     step: &StepInputs<'_, T>,
-    qkv_shape: QkvShape,
+    tokens: usize,
 ) -> CoreResult<()> {
-    let (tokens, d) = (qkv_shape.tokens, s.head_dim);
+    let d = s.head_dim;
+    let qkv_shape = QkvShape {
+        tokens,
+        heads: s.heads,
+        kv_heads: s.kv_heads,
+        head_dim: d,
+        half: s.rotary_half,
+    };
     let width = s.qkv_width();
     let (qw, kw) = (s.heads * d, s.kv_heads * d);
     let projected = if a.gate { width + qw } else { width };
@@ -688,17 +844,33 @@ fn attention<T: Element>(
         sized(&mut b.k, tokens * kw),
         sized(&mut b.v, tokens * kw),
     );
+    let (cos, sin) = if a.local_rotary {
+        (step.cos_local, step.sin_local)
+    } else {
+        (step.cos, step.sin)
+    };
     qkv_rotary(
         T::dst(q),
         T::dst(k),
         T::dst(v),
         T::src(qkv),
-        T::src(step.cos),
-        T::src(step.sin),
+        T::src(cos),
+        T::src(sin),
         qkv_shape,
     )?;
-    // No soft-cap and no attention sinks: the stack implements the Llama
-    // layers only (llama_stack.why_not).
+    let (slots, batch) = match a.group {
+        0 => (step.slot_mapping, step.batch),
+        g => {
+            let group = &step.groups[g - 1];
+            let batch = BatchLayout {
+                block_tables: group.block_tables,
+                max_blocks_per_seq: group.max_blocks_per_seq,
+                ..step.batch
+            };
+            (group.slot_mapping, batch)
+        }
+    };
+    // No attention sinks: gpt-oss runs layer by layer (llama_stack.why_not).
     let attn = sized(&mut b.attn, tokens * qw);
     cache_and_attend(
         attn,
@@ -707,12 +879,13 @@ fn attention<T: Element>(
         &b.v,
         &mut a.key_cache,
         &mut a.value_cache,
-        step.slot_mapping,
+        slots,
         step.cache,
         s.heads,
-        step.batch,
+        batch,
         s.scale,
         a.sliding_window,
+        a.softcap,
     )?;
     let proj = sized(&mut b.proj, tokens * s.hidden);
     if !a.gate {
@@ -1104,6 +1277,8 @@ mod tests {
                     .map(|(l, (kc, vc))| DecoderLayer {
                         input_norm: NormWeight::Model(&r.norms[l][0]),
                         post_norm: NormWeight::Model(&r.norms[l][1]),
+                        mixer_out_norm: None,
+                        mlp_out_norm: None,
                         mixer: Mixer::Attention(Attention {
                             qk_norm: qk_norm.then(|| {
                                 (
@@ -1117,22 +1292,29 @@ mod tests {
                             key_cache: KvCacheMut::Float(kc),
                             value_cache: KvCacheMut::Float(vc),
                             sliding_window: window as i64,
+                            softcap: 0.0,
+                            group: 0,
+                            local_rotary: false,
                         }),
                         mlp: Mlp::Dense {
                             gate_up: &weights[l][2],
                             down: &weights[l][3],
+                            act: GatedAct::Silu,
                         },
                     })
                     .collect();
                 let inputs = StepInputs {
                     cos: &cos,
                     sin: &sin,
+                    cos_local: &cos,
+                    sin_local: &sin,
                     slot_mapping: &slots,
                     batch,
+                    groups: &[],
                     cache,
                     state_slots: &[],
                 };
-                decoder_stack(&mut x, &mut layers, &s, &inputs).unwrap();
+                decoder_stack(&mut x, &mut layers[..], &s, &inputs).unwrap();
                 let mut rows = x.chunks(s.hidden);
                 for (i, &(a, b)) in step.iter().enumerate() {
                     got[i].extend((a..b).map(|_| rows.next().unwrap().to_vec()));
@@ -1181,9 +1363,11 @@ mod tests {
             head_size: 4,
         };
         let (mut kc, mut vc) = (vec![0f32; cache.numel()], vec![0f32; cache.numel()]);
-        let mut layers = vec![DecoderLayer {
+        let mut layers = [DecoderLayer {
             input_norm: NormWeight::Model(&norm),
             post_norm: NormWeight::Model(&norm),
+            mixer_out_norm: None,
+            mlp_out_norm: None,
             mixer: Mixer::Attention(Attention {
                 qk_norm: None,
                 gate: false,
@@ -1192,16 +1376,23 @@ mod tests {
                 key_cache: KvCacheMut::Float(&mut kc),
                 value_cache: KvCacheMut::Float(&mut vc),
                 sliding_window: 0,
+                softcap: 0.0,
+                group: 0,
+                local_rotary: false,
             }),
             mlp: Mlp::Dense {
                 gate_up: &gu,
                 down: &down,
+                act: GatedAct::Silu,
             },
         }];
         let (cos, sin) = (vec![1.0f32; 2], vec![0.0f32; 2]);
         let step = StepInputs {
             cos: &cos,
             sin: &sin,
+            cos_local: &cos,
+            sin_local: &sin,
+            groups: &[],
             slot_mapping: &[0],
             batch: BatchLayout {
                 block_tables: &[0],
@@ -1213,7 +1404,7 @@ mod tests {
             state_slots: &[],
         };
         let mut x = vec![1.0f32; 8];
-        let err = decoder_stack(&mut x, &mut layers, &s, &step).unwrap_err();
+        let err = decoder_stack(&mut x, &mut layers[..], &s, &step).unwrap_err();
         assert!(
             err.to_string()
                 .contains("layers[0].o: expected a [8, 8] weight"),
@@ -1223,8 +1414,8 @@ mod tests {
             a.o = &o;
         }
         let mut short = vec![1.0f32; 7];
-        assert!(decoder_stack(&mut short, &mut layers, &s, &step).is_err());
-        decoder_stack(&mut x, &mut layers, &s, &step).unwrap();
+        assert!(decoder_stack(&mut short, &mut layers[..], &s, &step).is_err());
+        decoder_stack(&mut x, &mut layers[..], &s, &step).unwrap();
         assert!(x.iter().all(|v| v.is_finite()));
     }
 }

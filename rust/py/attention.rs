@@ -109,6 +109,11 @@ impl BatchArgs {
         })
     }
 
+    /// The number of sequences.
+    pub(super) fn num_seqs(&self) -> usize {
+        self.block_tables.shape[0]
+    }
+
     /// The kernel's view of the tensors.
     ///
     /// # Safety

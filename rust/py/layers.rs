@@ -5,6 +5,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::tensor::{check_no_overlap, kernel_dst, kernel_src, DType, TensorArg};
+use crate::layers::GatedAct;
 
 /// The tensors every norm takes, checked: x [rows, dim] (bf16 or f32),
 /// weight [dim] and out [rows, dim] of x's dtype, out apart from both; and dim.
@@ -126,6 +127,23 @@ fn gelu(py: Python<'_>, out: &Bound<'_, PyAny>, x: &Bound<'_, PyAny>) -> PyResul
 /// out [rows, d] = silu(x[:, :d]) * x[:, d:] for x [rows, 2d]; one dtype.
 #[pyfunction]
 fn silu_and_mul(py: Python<'_>, out: &Bound<'_, PyAny>, x: &Bound<'_, PyAny>) -> PyResult<()> {
+    gated(py, out, x, GatedAct::Silu)
+}
+
+/// out [rows, d] = gelu_tanh(x[:, :d]) * x[:, d:] for x [rows, 2d] (GeGLU,
+/// the GELU's tanh approximation, rounded before the product); one dtype.
+#[pyfunction]
+fn gelu_tanh_and_mul(py: Python<'_>, out: &Bound<'_, PyAny>, x: &Bound<'_, PyAny>) -> PyResult<()> {
+    gated(py, out, x, GatedAct::GeluTanh)
+}
+
+/// A gated activation of a fused gate/up projection x [rows, 2d] into out [rows, d].
+fn gated(
+    py: Python<'_>,
+    out: &Bound<'_, PyAny>,
+    x: &Bound<'_, PyAny>,
+    act: GatedAct,
+) -> PyResult<()> {
     let x = TensorArg::extract("x", x)?;
     x.check(&[DType::BF16, DType::F32], 2)?;
     if x.shape[1] % 2 != 0 {
@@ -146,7 +164,7 @@ fn silu_and_mul(py: Python<'_>, out: &Bound<'_, PyAny>, x: &Bound<'_, PyAny>) ->
         let dst = kernel_dst(&out);
         (dst, kernel_src(&x))
     };
-    py.detach(move || crate::layers::silu_and_mul(dst, xs, d))?;
+    py.detach(move || crate::layers::gated_act(dst, xs, d, act))?;
     Ok(())
 }
 
@@ -296,6 +314,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(layer_norm, m)?)?;
     m.add_function(wrap_pyfunction!(gelu, m)?)?;
     m.add_function(wrap_pyfunction!(silu_and_mul, m)?)?;
+    m.add_function(wrap_pyfunction!(gelu_tanh_and_mul, m)?)?;
     m.add_function(wrap_pyfunction!(qkv_rotary, m)?)?;
     m.add_function(wrap_pyfunction!(sigmoid_mul, m)?)?;
     m.add_function(wrap_pyfunction!(gated_rms_norm, m)?)?;

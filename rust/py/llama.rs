@@ -20,10 +20,12 @@ use super::attention::{cache_shape, BatchArgs};
 use super::linear::linear_weight;
 use super::tensor::{DType, TensorArg};
 use crate::attention::{BatchLayout, CacheShape, Element, KvCacheMut};
+use crate::error::CoreResult;
+use crate::layers::GatedAct;
 use crate::linear::LinearWeight;
 use crate::models::llama::{
-    self as decoder, Attention, DecoderLayer, DecoderShape, DeltaHeads, DeltaNet, Mixer, Mlp,
-    NormWeight, ShortConv, StepInputs,
+    self as decoder, Attention, DecoderLayer, DecoderShape, DeltaHeads, DeltaNet, KvGroup, Layers,
+    Mixer, Mlp, NormWeight, ShortConv, StepInputs,
 };
 use crate::moe::SparseMlp;
 
@@ -67,6 +69,8 @@ impl Span {
 struct Layer {
     input_norm: Norm,
     post_norm: Norm,
+    mixer_out_norm: Option<Norm>,
+    mlp_out_norm: Option<Norm>,
     mixer: LayerMixer,
     mlp: LayerMlp,
 }
@@ -101,6 +105,9 @@ enum LayerMixer {
         key_cache: Span,
         value_cache: Span,
         sliding_window: i64,
+        softcap: f32,
+        group: usize,
+        local_rotary: bool,
     },
     ShortConv {
         in_proj: LinearWeight,
@@ -144,13 +151,15 @@ impl Layer {
 
 /// A layer's MLP weights (`decoder::Mlp` borrows them).
 enum LayerMlp {
-    Dense(LinearWeight, LinearWeight),
+    Dense(LinearWeight, LinearWeight, GatedAct),
     Sparse(Arc<SparseMlp>),
 }
 
 /// The decoder layers of a Llama-family model (pre-norm attention with a
-/// fused q/k/v projection and rotary, or LFM2's short convolution; a
-/// SiLU-gated MLP with a fused gate/up projection, or a mixture of experts),
+/// fused q/k/v projection and rotary, or LFM2's short convolution, or
+/// Qwen3.5's Gated DeltaNet; Gemma's extra norms, soft-caps, local tables
+/// and KV groups; a SiLU- or GELU-gated MLP with a fused gate/up projection,
+/// or a mixture of experts),
 /// run in one call per step.
 #[pyclass(name = "DecoderStack", module = "fastllm._core", frozen)]
 struct PyDecoderStack {
@@ -190,7 +199,11 @@ impl PyDecoderStack {
     /// `qkv`, `o`, `gate_up`, `down` (PackedLinear or QuantizedLinear, biases
     /// inside; or, for a mixture of experts, `moe`: a MoeBlock), `key_cache`,
     /// `value_cache` ([blocks, kv_heads, block_size, head_dim]) and
-    /// `sliding_window` (0: none). Norms and caches share the model's dtype
+    /// `sliding_window` (0: none); optionally `logit_softcap` (0: none),
+    /// `kv_group` (0: the step's own tables; layers of different groups may
+    /// share a cache tensor, at their own blocks), `local_rotary` (the step's
+    /// local tables), `mixer_out_norm` / `mlp_out_norm` (Gemma's norms of the
+    /// attention and MLP outputs) and `mlp_act` ("silu", "gelu_tanh"). Norms and caches share the model's dtype
     /// (bf16 or f32). A short-convolution layer (LFM2) gives instead of the
     /// attention keys `conv_in_proj` [3H, H], `conv_weight` ([H, taps], the
     /// model's dtype), `conv_bias` ([H] or None), `conv_out_proj` [H, H] and
@@ -291,9 +304,19 @@ impl PyDecoderStack {
                     .map(move |(s, size)| (i, s.ptr, s.ptr + s.len * size))
             })
             .collect();
+        // Attention layers of different KV groups may share a cache tensor
+        // (the runner's layout: each group at its own blocks of it).
+        let group = |i: usize| match built[i].mixer {
+            LayerMixer::Attention { group, .. } => Some(group),
+            _ => None,
+        };
         for (a, &(i, s0, s1)) in written.iter().enumerate() {
             for &(j, t0, t1) in &written[a + 1..] {
-                if s0 < t1 && t0 < s1 {
+                let shared_by_groups = (s0, s1) == (t0, t1)
+                    && group(i).is_some()
+                    && group(j).is_some()
+                    && group(i) != group(j);
+                if s0 < t1 && t0 < s1 && !shared_by_groups {
                     return Err(PyValueError::new_err(format!(
                         "layers[{j}]: its KV cache or state shares memory with layer {i}'s"
                     )));
@@ -335,9 +358,14 @@ impl PyDecoderStack {
     /// [seqs, max_blocks]), `seq_lens` (int32 [seqs]) and `query_start_loc`
     /// (int32 [seqs + 1]), as the paged-attention kernel takes them; with
     /// recurrent (convolution, DeltaNet) layers, `state_slots` (int64
-    /// [seqs]): each sequence's slot of their states.
+    /// [seqs]): each sequence's slot of their states. `cos_local` /
+    /// `sin_local`: the tables of the layers with `local_rotary` (default
+    /// `cos` / `sin`). `group_slot_mappings` / `group_block_tables`: per KV
+    /// group (entry 0, group 0's, is the step's own and is not read), the
+    /// slots and block tables of the layers of that `kv_group`.
     #[pyo3(signature = (x, cos, sin, slot_mapping, block_tables, seq_lens, query_start_loc,
-                        state_slots=None))]
+                        state_slots=None, cos_local=None, sin_local=None,
+                        group_slot_mappings=None, group_block_tables=None))]
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
@@ -350,6 +378,10 @@ impl PyDecoderStack {
         seq_lens: &Bound<'_, PyAny>,
         query_start_loc: &Bound<'_, PyAny>,
         state_slots: Option<&Bound<'_, PyAny>>,
+        cos_local: Option<&Bound<'_, PyAny>>,
+        sin_local: Option<&Bound<'_, PyAny>>,
+        group_slot_mappings: Option<Vec<Bound<'_, PyAny>>>,
+        group_block_tables: Option<Vec<Bound<'_, PyAny>>>,
     ) -> PyResult<()> {
         let dt = [self.dtype];
         let x = TensorArg::extract("x", x)?;
@@ -357,8 +389,18 @@ impl PyDecoderStack {
         x.expect_dim(1, self.shape.hidden, "hidden_size")?;
         let tokens = x.shape[0];
         let half = self.shape.rotary_half;
-        let mut rot = Vec::with_capacity(2);
-        for (name, t) in [("cos", cos), ("sin", sin)] {
+        let mut rot = Vec::with_capacity(4);
+        let local = [
+            (
+                "cos_local",
+                cos_local.filter(|t| !t.is_none()).unwrap_or(cos),
+            ),
+            (
+                "sin_local",
+                sin_local.filter(|t| !t.is_none()).unwrap_or(sin),
+            ),
+        ];
+        for (name, t) in [("cos", cos), ("sin", sin)].into_iter().chain(local) {
             let t = TensorArg::extract(name, t)?;
             t.check(&dt, 2)?;
             t.expect_dim(0, tokens, "tokens of x")?;
@@ -369,6 +411,29 @@ impl PyDecoderStack {
         slots.check(&[DType::I64], 1)?;
         slots.expect_dim(0, tokens, "tokens of x")?;
         let batch = BatchArgs::extract(block_tables, seq_lens, query_start_loc)?;
+        let seqs = batch.num_seqs();
+        // Groups 1.. (entry 0 is group 0's, the step's own tables).
+        let (maps, tables) = (
+            group_slot_mappings.unwrap_or_default(),
+            group_block_tables.unwrap_or_default(),
+        );
+        if maps.len() != tables.len() {
+            return Err(PyValueError::new_err(format!(
+                "group_slot_mappings, group_block_tables: {} and {} entries, expected as many",
+                maps.len(),
+                tables.len()
+            )));
+        }
+        let mut groups = Vec::with_capacity(maps.len().saturating_sub(1));
+        for (m, t) in maps.iter().zip(&tables).skip(1) {
+            let m = TensorArg::extract("group_slot_mappings", m)?;
+            m.check(&[DType::I64], 1)?;
+            m.expect_dim(0, tokens, "tokens of x")?;
+            let t = TensorArg::extract("group_block_tables", t)?;
+            t.check(&[DType::I32], 2)?;
+            t.expect_dim(0, seqs, "num_seqs of block_tables")?;
+            groups.push((m, t));
+        }
         let state_slots = match state_slots {
             Some(s) if !s.is_none() => {
                 let t = TensorArg::extract("state_slots", s)?;
@@ -384,7 +449,7 @@ impl PyDecoderStack {
         };
         for layer in &self.layers {
             for (span, size) in layer.written(self.dtype.size(), self.cache_dtype.size()) {
-                for t in [&x, &rot[0], &rot[1]] {
+                for t in [&x, &rot[0], &rot[1], &rot[2], &rot[3]] {
                     if span.overlaps(t, size) {
                         return Err(PyValueError::new_err(format!(
                             "{}: must not share memory with a KV cache or state",
@@ -397,14 +462,24 @@ impl PyDecoderStack {
         let _one_step = self.running.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: every tensor was checked (dtype, CPU, contiguity, shape);
         // x is disjoint from the caches, the caches were checked disjoint at
-        // construction, and the stack keeps its tensors alive.
+        // construction (or shared by layers of different groups, which write
+        // their own blocks), and the stack keeps its tensors alive.
         unsafe {
             let batch = batch.layout();
             let slots = slots.slice::<i64>();
             let states: &[i64] = state_slots.as_ref().map_or(&[], |t| t.slice::<i64>());
+            let groups: Vec<KvGroup<'_>> = groups
+                .iter()
+                .map(|(m, t)| KvGroup {
+                    slot_mapping: m.slice::<i64>(),
+                    block_tables: t.slice::<i32>(),
+                    max_blocks_per_seq: t.shape[1],
+                })
+                .collect();
+            let tables = (slots, states, &groups[..]);
             match self.dtype {
-                DType::BF16 => self.run::<bf16>(py, &x, &rot, slots, states, batch),
-                _ => self.run::<f32>(py, &x, &rot, slots, states, batch),
+                DType::BF16 => self.run::<bf16>(py, &x, &rot, tables, batch),
+                _ => self.run::<f32>(py, &x, &rot, tables, batch),
             }
         }
     }
@@ -465,6 +540,13 @@ impl PyDecoderStack {
         let present = |key: &str| -> PyResult<Option<Bound<'_, PyAny>>> {
             Ok(d.get_item(key)?.filter(|v| !v.is_none()))
         };
+        let mut out_norms = [None, None];
+        for (slot, key) in out_norms.iter_mut().zip(["mixer_out_norm", "mlp_out_norm"]) {
+            if present(key)?.is_some() {
+                *slot = norm(key, shape.hidden)?;
+            }
+        }
+        let [mixer_out_norm, mlp_out_norm] = out_norms;
         let mixer = if let Some(in_proj) = present("conv_in_proj")? {
             let bias = vector("conv_bias", shape.hidden, &[dtype])?.map(|(s, _)| s);
             Self::short_conv(d, &in_proj, bias, shape, dtype, tensors)?
@@ -491,14 +573,31 @@ impl PyDecoderStack {
         };
         let mlp = match d.get_item("moe")? {
             Some(moe) if !moe.is_none() => LayerMlp::Sparse(super::moe::block_of(&moe)?),
-            _ => LayerMlp::Dense(
-                linear_weight(&item(d, "gate_up")?, "gate_up")?,
-                linear_weight(&item(d, "down")?, "down")?,
-            ),
+            _ => {
+                let act = match present("mlp_act")? {
+                    None => GatedAct::Silu,
+                    Some(a) => match a.extract::<String>()?.as_str() {
+                        "silu" => GatedAct::Silu,
+                        "gelu_tanh" => GatedAct::GeluTanh,
+                        other => {
+                            return Err(PyValueError::new_err(format!(
+                                "mlp_act: expected 'silu' or 'gelu_tanh', got {other:?}"
+                            )))
+                        }
+                    },
+                };
+                LayerMlp::Dense(
+                    linear_weight(&item(d, "gate_up")?, "gate_up")?,
+                    linear_weight(&item(d, "down")?, "down")?,
+                    act,
+                )
+            }
         };
         Ok(Layer {
             input_norm,
             post_norm,
+            mixer_out_norm,
+            mlp_out_norm,
             mixer,
             mlp,
         })
@@ -537,6 +636,17 @@ impl PyDecoderStack {
             }
         }
         let sliding_window: i64 = item(d, "sliding_window")?.extract()?;
+        let optional = |key: &str| -> PyResult<Option<Bound<'_, PyAny>>> {
+            Ok(d.get_item(key)?.filter(|v| !v.is_none()))
+        };
+        let softcap: f32 = optional("logit_softcap")?.map_or(Ok(0.0), |v| v.extract())?;
+        if !(softcap.is_finite() && softcap >= 0.0) {
+            return Err(PyValueError::new_err(format!(
+                "logit_softcap: must be a positive number or 0 (none), got {softcap}"
+            )));
+        }
+        let group: usize = optional("kv_group")?.map_or(Ok(0), |v| v.extract())?;
+        let local_rotary: bool = optional("local_rotary")?.map_or(Ok(false), |v| v.extract())?;
         let mixer = LayerMixer::Attention {
             qk_norm,
             gate,
@@ -545,6 +655,9 @@ impl PyDecoderStack {
             key_cache: Span::of(&kc),
             value_cache: Span::of(&vc),
             sliding_window: sliding_window.max(0),
+            softcap,
+            group,
+            local_rotary,
         };
         tensors.push(kc_obj.unbind());
         tensors.push(vc_obj.unbind());
@@ -676,6 +789,9 @@ impl PyDecoderStack {
                 key_cache,
                 value_cache,
                 sliding_window,
+                softcap,
+                group,
+                local_rotary,
             } => Mixer::Attention(Attention {
                 qk_norm: qk_norm.map(|(q, k)| (q.view(), k.view())),
                 gate: *gate,
@@ -684,6 +800,9 @@ impl PyDecoderStack {
                 key_cache: self.cache_view(*key_cache),
                 value_cache: self.cache_view(*value_cache),
                 sliding_window: *sliding_window,
+                softcap: *softcap,
+                group: *group,
+                local_rotary: *local_rotary,
             }),
             LayerMixer::ShortConv {
                 in_proj,
@@ -725,9 +844,15 @@ impl PyDecoderStack {
         DecoderLayer {
             input_norm: l.input_norm.view(),
             post_norm: l.post_norm.view(),
+            mixer_out_norm: l.mixer_out_norm.map(|n| n.view()),
+            mlp_out_norm: l.mlp_out_norm.map(|n| n.view()),
             mixer,
             mlp: match &l.mlp {
-                LayerMlp::Dense(gate_up, down) => Mlp::Dense { gate_up, down },
+                LayerMlp::Dense(gate_up, down, act) => Mlp::Dense {
+                    gate_up,
+                    down,
+                    act: *act,
+                },
                 LayerMlp::Sparse(moe) => Mlp::Sparse(moe),
             },
         }
@@ -752,24 +877,49 @@ impl PyDecoderStack {
         py: Python<'_>,
         x: &TensorArg,
         rot: &[TensorArg],
-        slot_mapping: &[i64],
-        state_slots: &[i64],
+        (slot_mapping, state_slots, groups): (&[i64], &[i64], &[KvGroup<'_>]),
         batch: BatchLayout<'_>,
     ) -> PyResult<()> {
-        let mut layers: Vec<DecoderLayer<'_, T>> =
-            self.layers.iter().map(|l| self.view::<T>(l)).collect();
         let xs = x.slice_mut::<T>();
         let step = StepInputs {
             cos: rot[0].slice::<T>(),
             sin: rot[1].slice::<T>(),
+            cos_local: rot[2].slice::<T>(),
+            sin_local: rot[3].slice::<T>(),
             slot_mapping,
             batch,
+            groups,
             cache: self.cache,
             state_slots,
         };
         let shape = &self.shape;
+        let mut layers = Views { stack: self };
         py.detach(move || decoder::decoder_stack(xs, &mut layers, shape, &step))?;
         Ok(())
+    }
+}
+
+/// The stack's layers as `decoder::Layers`: each layer's view made when it
+/// runs and dropped after, so that layers sharing a cache tensor (different
+/// KV groups) never hold views of it at once.
+struct Views<'s> {
+    stack: &'s PyDecoderStack,
+}
+
+impl<T: Element> Layers<T> for Views<'_> {
+    fn count(&self) -> usize {
+        self.stack.layers.len()
+    }
+
+    fn with<R>(
+        &mut self,
+        i: usize,
+        f: impl FnOnce(&mut DecoderLayer<'_, T>) -> CoreResult<R>,
+    ) -> CoreResult<R> {
+        // SAFETY: the caller holds `running` (one step at a time) and this
+        // view is the only one alive.
+        let mut layer = unsafe { self.stack.view::<T>(&self.stack.layers[i]) };
+        f(&mut layer)
     }
 }
 

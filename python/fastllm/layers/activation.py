@@ -43,11 +43,15 @@ class ActAndMul(Module):
         super().__init__()
         self.act = get_activation(name)
         self.fused_silu = self.act is F.silu
+        #: GeGLU (tanh GELU: Gemma), run as one op of the model's table.
+        self.fused_gelu_tanh = self.act is _gelu_tanh
         self.ops = TORCH_OPS  # the model's op table (``layers/ops.py``), bound at load
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Applies the gate to the first half and multiplies by the second half."""
         if self.fused_silu:
             return self.ops.silu_and_mul(x)
+        if self.fused_gelu_tanh:
+            return self.ops.gelu_tanh_and_mul(x)
         d = x.shape[-1] // 2
         return self.act(x[..., :d]) * x[..., d:]

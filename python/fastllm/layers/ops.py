@@ -41,6 +41,8 @@ class LayerOps:
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]
     # x [..., 2d] -> silu(x[..., :d]) * x[..., d:]
     silu_and_mul: Callable[[Tensor], Tensor]
+    # x [..., 2d] -> gelu_tanh(x[..., :d]) * x[..., d:] (GeGLU: Gemma)
+    gelu_tanh_and_mul: Callable[[Tensor], Tensor]
     # (x [T, heads, head], cos, sin [T, 1, half]) -> x with its first 2*half dims rotated
     rotary: Callable[[Tensor, Tensor, Tensor], Tensor]
     # (qkv [T, (h + 2 kv) d], heads, kv_heads, d, cos, sin) -> q [T, h, d], k [T, kv, d], v [T, kv d]
@@ -79,6 +81,12 @@ def silu_and_mul_torch(x: Tensor) -> Tensor:
     return F.silu(x[..., :d]) * x[..., d:]
 
 
+def gelu_tanh_and_mul_torch(x: Tensor) -> Tensor:
+    """``gelu_tanh(x[..., :d]) * x[..., d:]``."""
+    d = x.shape[-1] // 2
+    return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
 def rotary_torch(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Neox rotary of the first ``2 * cos.shape[-1]`` dims of each head of x [T, heads, head]."""
     half = cos.shape[-1]
@@ -109,6 +117,7 @@ TORCH_OPS = LayerOps(
     backend="torch",
     rms_norm=rms_norm_torch,
     silu_and_mul=silu_and_mul_torch,
+    gelu_tanh_and_mul=gelu_tanh_and_mul_torch,
     rotary=rotary_torch,
     split_qkv_rotary=_split_qkv_rotary_with(rotary_torch),
     attention=attention_torch.attend,
@@ -133,13 +142,21 @@ def rms_norm_rust(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return out if rows is x else out.view(x.shape)
 
 
-def silu_and_mul_rust(x: Tensor) -> Tensor:
-    """SiLU-and-mul by the Rust kernel."""
-    d = x.shape[-1] // 2
-    rows = _rows(x, 2 * d)
-    out = torch.empty(rows.shape[0], d, dtype=x.dtype)
-    _core.silu_and_mul(out, rows)
-    return out if rows is x else out.view(*x.shape[:-1], d)
+def _gated_rust(kernel: Callable[[Tensor, Tensor], None]) -> Callable[[Tensor], Tensor]:
+    def op(x: Tensor) -> Tensor:
+        d = x.shape[-1] // 2
+        rows = _rows(x, 2 * d)
+        out = torch.empty(rows.shape[0], d, dtype=x.dtype)
+        kernel(out, rows)
+        return out if rows is x else out.view(*x.shape[:-1], d)
+
+    return op
+
+
+#: SiLU-and-mul by the Rust kernel.
+silu_and_mul_rust = _gated_rust(_core.silu_and_mul)
+#: GeGLU (tanh GELU) by the Rust kernel.
+gelu_tanh_and_mul_rust = _gated_rust(_core.gelu_tanh_and_mul)
 
 
 def split_qkv_rotary_rust(qkv, heads, kv_heads, d, cos, sin):
@@ -182,6 +199,7 @@ RUST_OPS = LayerOps(
     backend="rust",
     rms_norm=rms_norm_rust,
     silu_and_mul=silu_and_mul_rust,
+    gelu_tanh_and_mul=gelu_tanh_and_mul_rust,
     rotary=rotary_torch,
     split_qkv_rotary=split_qkv_rotary_rust,
     attention=attention_rust,
@@ -255,6 +273,7 @@ CUDA_OPS = LayerOps(
     backend="cuda",
     rms_norm=rms_norm_cuda,
     silu_and_mul=silu_and_mul_cuda,
+    gelu_tanh_and_mul=gelu_tanh_and_mul_torch,
     rotary=rotary_cuda,
     split_qkv_rotary=_split_qkv_rotary_with(rotary_cuda),
     attention=attention_cuda,

@@ -33,6 +33,7 @@ from fastllm.config import ModelConfig, rope_of_layer_type
 from fastllm.layers import Module
 from fastllm.layers.norm import RMSNorm
 from fastllm.layers.rotary import RotaryEmbedding
+from fastllm.models import llama_stack
 from fastllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, positive_number
 from fastllm.models.weights import WeightSpec
 
@@ -65,6 +66,9 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     """Gemma 2: alternating local and global layers, soft-capped attention scores and logits."""
 
     LAYER_CLASS = GemmaDecoderLayer
+    #: The layer classes whose maths ``rust/models/llama.rs`` implements for
+    #: Gemma (its four norms, GeGLU, soft-caps, local tables and KV groups).
+    FUSED_LAYER_TYPES = (GemmaDecoderLayer, LlamaAttention, (LlamaMLP,))
     #: Whether the family normalises q and k per head (Gemma 3).
     QK_NORM = False
 
@@ -110,6 +114,9 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         local = cos, sin
         if self.rotary_local is not None:
             local = self.rotary_local.cos_sin(positions, x.dtype)
+        if self.decoder_stack is not None:
+            llama_stack.run(self.decoder_stack, x, cos, sin, local)
+            return self.model.norm(x)
         for layer, is_local in zip(self.model.layers, self.local_layers, strict=True):
             x = layer(x, *(local if is_local else (cos, sin)))
         return self.model.norm(x)

@@ -59,6 +59,13 @@ FUSED_ARCHITECTURES = frozenset(
         # logits factors lie outside the decoder layers.
         "GraniteForCausalLM",
         "GraniteMoeForCausalLM",
+        # Gemma 2 / 3 (and the text part of Gemma 3's multimodal checkpoints):
+        # four norms a layer, GeGLU, soft-capped scores (Gemma 2), local
+        # layers in a KV group of their own and, in Gemma 3, rotated by their
+        # own tables.
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "Gemma3ForConditionalGeneration",
         # LFM2 (dense and MoE): attention layers (q/k norms) and short
         # convolutions whose states the runner keeps (``build_hybrid``).
         "Lfm2ForCausalLM",
@@ -99,7 +106,7 @@ def why_not(model) -> str | None:
     for i, layer in enumerate(model.model.layers):
         kinds = ((layer, (layer_type,)), (layer.self_attn, (attn_type,)), (layer.mlp, mlp_types))
         if any(type(part) not in kind for part, kind in kinds):
-            return f"layer {i} is not the Llama layer the fused stack implements"
+            return f"layer {i} is not the {layer_type.__name__} the fused stack implements"
         attn, mlp = layer.self_attn, layer.mlp
         reason = _mlp_why_not(mlp)
         if reason is not None:
@@ -110,9 +117,29 @@ def why_not(model) -> str | None:
         reason = _attention_why_not(attn, dtype)
         if reason is not None:
             return f"layer {i}'s {reason}"
-        if layer.post_attention_layernorm.weight.dtype != dtype:
+        norms = [n for n in _layer_norms(layer).values() if n is not None]
+        if any(n.weight.dtype != dtype for n in norms):
             return f"layer {i}'s norm weights are not all in one dtype ({dtype})"
     return None
+
+
+def _layer_norms(layer) -> dict:
+    """A Llama-family layer's norms by the stack's names: Llama's two, or
+    Gemma's four (its norm before the MLP is the stack's ``post_norm``; its
+    norms of the attention and MLP outputs the ``*_out_norm``)."""
+    if hasattr(layer, "pre_feedforward_layernorm"):
+        return {
+            "input_norm": layer.input_layernorm,
+            "post_norm": layer.pre_feedforward_layernorm,
+            "mixer_out_norm": layer.post_attention_layernorm,
+            "mlp_out_norm": layer.post_feedforward_layernorm,
+        }
+    return {
+        "input_norm": layer.input_layernorm,
+        "post_norm": layer.post_attention_layernorm,
+        "mixer_out_norm": None,
+        "mlp_out_norm": None,
+    }
 
 
 def _attention_why_not(attn, dtype: torch.dtype) -> str | None:
@@ -123,8 +150,6 @@ def _attention_why_not(attn, dtype: torch.dtype) -> str | None:
         return "attention has a linear layer that is not packed"
     if attn.attn.k_cache is None or attn.attn.v_cache is None:
         return "attention has no KV cache"
-    if attn.attn.kv_group != 0:
-        return "attention keeps its own block table (windowed and full layers mixed)"
     if attn.attn.sinks is not None:
         return "attention has sinks, which the fused stack does not implement"
     cache_dtype = attn.attn.k_cache.dtype
@@ -222,8 +247,8 @@ def _mlp_why_not(mlp) -> str | None:
         return "experts are not packed" if mlp.packed_kernel() is None else None
     if any(_packed(lin) is None for lin in (mlp.gate_up_proj, mlp.down_proj)):
         return "MLP has a linear layer that is not packed"
-    if not mlp.act.fused_silu:
-        return "activation is not SiLU"
+    if not (mlp.act.fused_silu or mlp.act.fused_gelu_tanh):
+        return "activation is neither SiLU nor the tanh GELU"
     return None
 
 
@@ -231,12 +256,21 @@ def _mlp_entries(mlp) -> dict:
     """A layer dict's MLP entries: ``gate_up`` / ``down``, or ``moe``."""
     if isinstance(mlp, SparseMoeBlock):
         return {"gate_up": None, "down": None, "moe": mlp.packed_kernel()}
-    return {"gate_up": _packed(mlp.gate_up_proj), "down": _packed(mlp.down_proj), "moe": None}
-
-
-def _attention_entries(attn) -> dict:
-    """A layer dict's attention entries."""
     return {
+        "gate_up": _packed(mlp.gate_up_proj),
+        "down": _packed(mlp.down_proj),
+        "moe": None,
+        "mlp_act": "silu" if mlp.act.fused_silu else "gelu_tanh",
+    }
+
+
+def _attention_entries(attn, local_rotary: bool = False) -> dict:
+    """A layer dict's attention entries (``local_rotary``: the layer turns by
+    the model's local tables, Gemma 3's local layers)."""
+    return {
+        "logit_softcap": attn.attn.logit_softcap or 0.0,
+        "kv_group": attn.attn.kv_group,
+        "local_rotary": local_rotary,
         "q_norm": None if attn.q_norm is None else attn.q_norm.weight.detach(),
         "k_norm": None if attn.k_norm is None else attn.k_norm.weight.detach(),
         "qkv": _packed(attn.qkv_proj),
@@ -330,26 +364,40 @@ def build(model) -> _core.DecoderStack | None:
     if model.config.architecture in _HYBRID:
         return build_hybrid(model)
     layers = []
-    for layer in model.model.layers:
+    local = _local_layers(model)
+    for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        layers.append(
-            {
-                "input_norm": layer.input_layernorm.weight.detach(),
-                "post_norm": layer.post_attention_layernorm.weight.detach(),
-                **_attention_entries(attn),
-                **_mlp_entries(mlp),
-            }
-        )
+        norms = {
+            k: None if n is None else n.weight.detach() for k, n in _layer_norms(layer).items()
+        }
+        layers.append({**norms, **_attention_entries(attn, local[i]), **_mlp_entries(mlp)})
     first = model.model.layers[0]
     mlps = [layer.mlp for layer in model.model.layers]
     return _stack(model, layers, first.self_attn, first.input_layernorm, mlps)
 
 
-def run(stack: _core.DecoderStack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def _local_layers(model) -> list[bool]:
+    """Which layers turn by the model's local rotary tables (Gemma 3's local
+    layers; none in a model with one pair of tables)."""
+    n = len(model.model.layers)
+    if getattr(model, "rotary_local", None) is None:
+        return [False] * n
+    return list(model.local_layers)
+
+
+def run(
+    stack: _core.DecoderStack,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    local: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     """Runs every decoder layer on ``x`` [tokens, hidden] in place, with the
-    step's rotary tables and attention metadata."""
+    step's rotary tables (``local``: the local layers' own, Gemma 3) and
+    attention metadata (its KV groups' tables too)."""
     meta = get_context()
     n = x.shape[0]
+    cos_local, sin_local = (None, None) if local is None else (t.view(n, -1) for t in local)
     stack.forward(
         x,
         cos.view(n, -1),
@@ -359,4 +407,8 @@ def run(stack: _core.DecoderStack, x: torch.Tensor, cos: torch.Tensor, sin: torc
         meta.seq_lens,
         meta.query_start_loc,
         meta.state_slots,
+        cos_local,
+        sin_local,
+        meta.group_slot_mappings,
+        meta.group_block_tables,
     )
