@@ -116,7 +116,7 @@ def test_greedy_matches_transformers_while_blocks_are_freed(gemma3, prefix_cachi
         folder, enable_prefix_caching=prefix_caching, max_num_batched_tokens=24, max_num_seqs=4
     )
     assert llm.llm_engine.runner.layout.num_groups == 4  # 1 full + 3 windowed groups of 2
-    assert not llm.llm_engine.runner.fused_layers  # two kinds of tables: layer by layer
+    assert llm.llm_engine.runner.fused_layers  # the fused stack reads each group's tables
     prompts = _prompts(1, [37, 9, 61])  # 61 tokens take three 24-token chunks
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(20), use_tqdm=False)
     for p, o in zip(prompts, outs, strict=True):
