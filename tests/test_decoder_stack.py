@@ -199,19 +199,7 @@ def test_engine_uses_the_stack_and_the_switch_turns_it_off(folders, monkeypatch)
     folder = folders["qwen2"]
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=3, ignore_eos=True)
     prompts = [{"prompt_token_ids": s} for s in _sequences([9, 4, 21], seed=8)]
-    results = {}
-    for value in ("1", "0"):
-        monkeypatch.setenv("FASTLLM_CPU_FUSED", value)
-        llm = LLM(folder, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=64)
-        assert llm.llm_engine.runner.fused_layers == (value == "1")
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        results[value] = [
-            (
-                o.outputs[0].token_ids,
-                [{k: v.logprob for k, v in lp.items()} for lp in o.outputs[0].logprobs],
-            )
-            for o in outs
-        ]
+    results = _fused_and_layers(folder, prompts, params, monkeypatch)
     assert results["1"] == results["0"]
     monkeypatch.setenv("FASTLLM_CPU_FUSED", "maybe")
     with pytest.raises(ValueError, match="FASTLLM_CPU_FUSED"):
@@ -225,19 +213,29 @@ def test_engine_stack_with_kv_groups_matches_the_layers(name, folders, monkeypat
     with the global layers at other blocks; the stack reads each group's
     tables and gives the tokens and logprobs of the layers run one by one,
     over prompts and outputs several windows long."""
-    folder = folders[name]
     params = SamplingParams(max_tokens=16, temperature=0, logprobs=3, ignore_eos=True)
     prompts = [{"prompt_token_ids": s} for s in _sequences([9, 4, 27], seed=4)]
+
+    def check(runner) -> None:
+        groups = {layer.kv_group for layer in runner.model.attention_layers()}
+        assert len(groups) > 1, groups  # the local layers' blocks apart from the global ones
+
+    results = _fused_and_layers(folders[name], prompts, params, monkeypatch, check, block_size=4)
+    assert results["1"] == results["0"]
+
+
+def _fused_and_layers(folder, prompts, params, monkeypatch, check=None, **kw) -> dict:
+    """``{"1": ..., "0": ...}``: each prompt's greedy tokens and logprobs from
+    an ``LLM`` of ``folder`` with ``FASTLLM_CPU_FUSED`` 1 (the stack) and 0
+    (the layers), each runner checked by ``check``."""
     results = {}
     for value in ("1", "0"):
         monkeypatch.setenv("FASTLLM_CPU_FUSED", value)
-        llm = LLM(
-            folder, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=64, block_size=4
-        )
+        llm = LLM(folder, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=64, **kw)
         runner = llm.llm_engine.runner
         assert runner.fused_layers == (value == "1")
-        groups = {layer.kv_group for layer in runner.model.attention_layers()}
-        assert len(groups) > 1, groups  # the local layers' blocks apart from the global ones
+        if check is not None:
+            check(runner)
         outs = llm.generate(prompts, params, use_tqdm=False)
         results[value] = [
             (
@@ -246,7 +244,7 @@ def test_engine_stack_with_kv_groups_matches_the_layers(name, folders, monkeypat
             )
             for o in outs
         ]
-    assert results["1"] == results["0"]
+    return results
 
 
 def _layer_dict(model: torch.nn.Module, i: int) -> dict:

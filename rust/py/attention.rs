@@ -238,12 +238,7 @@ fn paged_attention(
     }
     o.check(&[DType::F32, DType::BF16], 3)?;
     expect_same_dtype(&o, &q)?;
-    if o.shape != q.shape {
-        return Err(PyValueError::new_err(format!(
-            "out: shape {:?} must match query {:?}",
-            o.shape, q.shape
-        )));
-    }
+    o.expect_shape_of(&q)?;
     for t in [&q, &kc, &vc] {
         expect_disjoint(&o, t)?;
     }

@@ -107,12 +107,7 @@ fn gelu(py: Python<'_>, out: &Bound<'_, PyAny>, x: &Bound<'_, PyAny>) -> PyResul
     x.check(&[DType::BF16, DType::F32], x.shape.len())?;
     let out = TensorArg::extract("out", out)?;
     out.check(&[x.dtype], x.shape.len())?;
-    if out.shape != x.shape {
-        return Err(PyValueError::new_err(format!(
-            "out: shape {:?} must match x {:?}",
-            out.shape, x.shape
-        )));
-    }
+    out.expect_shape_of(&x)?;
     check_no_overlap(&out, &x)?;
     // SAFETY: both were checked (dtype, CPU, contiguity, shape) and share no
     // memory; the caller keeps them alive.
@@ -183,12 +178,7 @@ fn sigmoid_mul(
     for (name, obj) in [("gate", gate), ("out", out)] {
         let t = TensorArg::extract(name, obj)?;
         t.check(&[x.dtype], x.shape.len())?;
-        if t.shape != x.shape {
-            return Err(PyValueError::new_err(format!(
-                "{name}: shape {:?} must match x {:?}",
-                t.shape, x.shape
-            )));
-        }
+        t.expect_shape_of(&x)?;
         args.push(t);
     }
     let (gate, out) = (&args[0], &args[1]);
@@ -219,12 +209,7 @@ fn gated_rms_norm(
     let (x, weight, out, dim) = norm_args(x, weight, out)?;
     let z = TensorArg::extract("z", z)?;
     z.check(&[x.dtype], 2)?;
-    if z.shape != x.shape {
-        return Err(PyValueError::new_err(format!(
-            "z: shape {:?} must match x {:?}",
-            z.shape, x.shape
-        )));
-    }
+    z.expect_shape_of(&x)?;
     check_no_overlap(&out, &z)?;
     // SAFETY: all four were checked (dtype, CPU, contiguity, shape) and out
     // shares no memory with the inputs; the caller keeps them alive.

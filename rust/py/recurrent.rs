@@ -130,12 +130,7 @@ fn gated_delta_rule(
     let dt = [q.dtype];
     let k = TensorArg::extract("k", k)?;
     k.check(&dt, 3)?;
-    if k.shape != q.shape {
-        return Err(PyValueError::new_err(format!(
-            "k: shape {:?} must match q {:?}",
-            k.shape, q.shape
-        )));
-    }
+    k.expect_shape_of(&q)?;
     let v = TensorArg::extract("v", v)?;
     v.check(&dt, 3)?;
     v.expect_dim(0, tokens, "rows of q")?;
@@ -223,12 +218,7 @@ fn delta_gates(
     a.check(&[DType::BF16, DType::F32], 2)?;
     let b = TensorArg::extract("b", b)?;
     b.check(&[a.dtype], 2)?;
-    if b.shape != a.shape {
-        return Err(PyValueError::new_err(format!(
-            "b: shape {:?} must match a {:?}",
-            b.shape, a.shape
-        )));
-    }
+    b.expect_shape_of(&a)?;
     let heads = a.shape[1];
     let mut params = Vec::with_capacity(2);
     for (name, obj) in [("A_log", a_log), ("dt_bias", dt_bias)] {

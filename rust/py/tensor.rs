@@ -272,6 +272,17 @@ impl TensorArg {
         Ok(self)
     }
 
+    /// Checks that this tensor has `other`'s shape.
+    pub fn expect_shape_of(&self, other: &TensorArg) -> PyResult<()> {
+        if self.shape == other.shape {
+            return Ok(());
+        }
+        Err(PyValueError::new_err(format!(
+            "{}: shape {:?} must match {} {:?}",
+            self.name, self.shape, other.name, other.shape
+        )))
+    }
+
     /// Checks the size of one dimension.
     pub fn expect_dim(&self, dim: usize, size: usize, what: &str) -> PyResult<()> {
         if self.shape[dim] != size {

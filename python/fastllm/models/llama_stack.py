@@ -40,46 +40,11 @@ def _packed(linear) -> object | None:
 # ``tests/test_decoder_stack.py`` checks each against the layer-by-layer path.
 # A family added to ``models/llama.py`` runs layer by layer until it is added
 # here and there.
-FUSED_ARCHITECTURES = frozenset(
-    {
-        "LlamaForCausalLM",
-        "MistralForCausalLM",
-        "Qwen2ForCausalLM",
-        "Qwen3ForCausalLM",
-        # Phi-3 / Phi-4-mini: the Llama layers with partial rotary (the stack's
-        # rotary_dim) and LongRoPE (in the cos/sin tables the model makes).
-        "Phi3ForCausalLM",
-        # Mixtures of experts with Llama / Qwen3 attention: a layer's MLP is
-        # the dense one or a sparse block (router, routing, grouped experts).
-        "Qwen3MoeForCausalLM",
-        "Qwen2MoeForCausalLM",
-        "MixtralForCausalLM",
-        # Granite 3.x (dense and MoE): the residual multiplier in the stack;
-        # the attention multiplier is its score scale, and the embedding and
-        # logits factors lie outside the decoder layers.
-        "GraniteForCausalLM",
-        "GraniteMoeForCausalLM",
-        # Gemma 2 / 3 (and the text part of Gemma 3's multimodal checkpoints):
-        # four norms a layer, GeGLU, soft-capped scores (Gemma 2), local
-        # layers in a KV group of their own and, in Gemma 3, rotated by their
-        # own tables.
-        "Gemma2ForCausalLM",
-        "Gemma3ForCausalLM",
-        "Gemma3ForConditionalGeneration",
-        # LFM2 (dense and MoE): attention layers (q/k norms) and short
-        # convolutions whose states the runner keeps (``build_hybrid``).
-        "Lfm2ForCausalLM",
-        "Lfm2MoeForCausalLM",
-        # Qwen3.5 (dense and MoE, and the text part of their multimodal
-        # checkpoints): gated attention with float32 ``1 + w`` norms, and Gated
-        # DeltaNet layers with their two states (``build_hybrid``).
-        "Qwen3_5ForCausalLM",
-        "Qwen3_5ForConditionalGeneration",
-        "Qwen3_5MoeForCausalLM",
-        "Qwen3_5MoeForConditionalGeneration",
-    }
-)
-# The hybrid families among them, built by ``build_hybrid``.
+# The hybrid families, built by ``build_hybrid``: LFM2 (dense and MoE:
+# attention layers with q/k norms, and short convolutions whose states the
+# runner keeps) and Qwen3.5 (dense and MoE, and the text part of their
+# multimodal checkpoints: gated attention with float32 ``1 + w`` norms, and
+# Gated DeltaNet layers with their two states).
 _HYBRID = frozenset(
     {
         "Lfm2ForCausalLM",
@@ -89,6 +54,37 @@ _HYBRID = frozenset(
         "Qwen3_5MoeForCausalLM",
         "Qwen3_5MoeForConditionalGeneration",
     }
+)
+FUSED_ARCHITECTURES = (
+    frozenset(
+        {
+            "LlamaForCausalLM",
+            "MistralForCausalLM",
+            "Qwen2ForCausalLM",
+            "Qwen3ForCausalLM",
+            # Phi-3 / Phi-4-mini: the Llama layers with partial rotary (the stack's
+            # rotary_dim) and LongRoPE (in the cos/sin tables the model makes).
+            "Phi3ForCausalLM",
+            # Mixtures of experts with Llama / Qwen3 attention: a layer's MLP is
+            # the dense one or a sparse block (router, routing, grouped experts).
+            "Qwen3MoeForCausalLM",
+            "Qwen2MoeForCausalLM",
+            "MixtralForCausalLM",
+            # Granite 3.x (dense and MoE): the residual multiplier in the stack;
+            # the attention multiplier is its score scale, and the embedding and
+            # logits factors lie outside the decoder layers.
+            "GraniteForCausalLM",
+            "GraniteMoeForCausalLM",
+            # Gemma 2 / 3 (and the text part of Gemma 3's multimodal checkpoints):
+            # four norms a layer, GeGLU, soft-capped scores (Gemma 2), local
+            # layers in a KV group of their own and, in Gemma 3, rotated by their
+            # own tables.
+            "Gemma2ForCausalLM",
+            "Gemma3ForCausalLM",
+            "Gemma3ForConditionalGeneration",
+        }
+    )
+    | _HYBRID
 )
 
 
