@@ -311,14 +311,15 @@ def test_qwen3_5_gates_and_gated_norm_match_transformers(rows, heads, dim, dtype
     _core.delta_gates(gate, beta, a, b, a_log, dt_bias)
     want_beta = b.sigmoid().float()
     want_g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
-    assert _ulps(beta, want_beta, dt) <= 1.0
+    step = 1.0 if dt == torch.bfloat16 else 4.0  # float32: a few steps (another exp)
+    assert _ulps(beta, want_beta, dt) <= step
     assert torch.allclose(gate, want_g, rtol=2e-6, atol=1e-6)
 
     gate_x = (torch.randn(rows, heads * dim, generator=g) * 5).to(dt)
     out = torch.empty_like(gate_x)
     _core.sigmoid_mul(out, x.reshape(rows, -1), gate_x)
     want = x.reshape(rows, -1) * torch.sigmoid(gate_x)
-    assert _ulps(out, want, dt) <= (1.0 if dt == torch.bfloat16 else 4.0)
+    assert _ulps(out, want, dt) <= step
 
 
 def test_qwen3_5_elementwise_ops_reject_bad_arguments():
