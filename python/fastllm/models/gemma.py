@@ -16,6 +16,11 @@
   local layers with their own base frequency (``rope_local_base_freq``)
   while only the global layers take the rope scaling.
 
+On the CPU, once packed, every layer runs in one ``_core.DecoderStack`` call
+per step (``llama_stack``: the four norms, GeGLU, the soft-caps, the local
+layers' rotary tables and their KV group's block tables), bit-identical to
+the layers run one by one.
+
 ``Gemma3ForConditionalGeneration`` checkpoints run as their text model: the
 config's ``text_config`` is read (``config.TEXT_PART_ARCHITECTURES``) and the
 weights are found under the language model's prefix; the vision tower is not

@@ -1,5 +1,5 @@
-"""The Llama family's (and the hybrids': LFM2, Qwen3.5) decoder layers in one
-Rust call per step.
+"""The Llama family's (and Gemma's, and the hybrids': LFM2, Qwen3.5) decoder
+layers in one Rust call per step.
 
 On the CPU, once a model is packed and its KV caches exist, the model runner
 asks the model to fuse its layers (``LlamaForCausalLM.fuse_decoder_layers``).
