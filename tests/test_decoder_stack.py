@@ -55,6 +55,7 @@ NAMES = [
     "qwen3",
     "phi3",
     "granite",
+    "smollm3",  # NoPE layers, a windowed layer
     # Gemma: four norms, GeGLU, soft-capped scores (Gemma 2), local layers
     # in their own KV group, with their own rotary tables (Gemma 3).
     "gemma2",

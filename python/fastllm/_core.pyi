@@ -510,7 +510,8 @@ class DecoderStack:
     ``sliding_window`` (0: none); optionally ``logit_softcap`` (0: none),
     ``kv_group`` (its slots and block tables: the step's ``group_*`` entry;
     layers of different groups may share a cache tensor), ``local_rotary``
-    (turned by the step's local tables), ``mixer_out_norm`` / ``mlp_out_norm``
+    (turned by the step's local tables), ``rotary`` (default True; False: no rotation,
+    SmolLM3's NoPE layers), ``mixer_out_norm`` / ``mlp_out_norm``
     (Gemma's norms of the attention and MLP outputs before the residual add)
     and ``mlp_act`` ("silu" or "gelu_tanh"). Norms and caches share one dtype (bf16 or
     f32); the stack keeps every tensor alive and checks them all here. A

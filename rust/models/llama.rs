@@ -181,6 +181,9 @@ pub struct Attention<'a, T> {
     /// Rotated by the step's local tables (`cos_local`, `sin_local`: Gemma
     /// 3's local layers) instead of `cos`, `sin`.
     pub local_rotary: bool,
+    /// Whether q and k rotate at all (false: SmolLM3's NoPE layers, whose
+    /// positions come from the causal mask alone).
+    pub rotary: bool,
 }
 
 /// LFM2's short-convolution mixer: `in_proj` [3H, H] (b, c and v rows),
@@ -792,7 +795,7 @@ fn attention<T: Element>(
         heads: s.heads,
         kv_heads: s.kv_heads,
         head_dim: d,
-        half: s.rotary_half,
+        half: if a.rotary { s.rotary_half } else { 0 },
     };
     let width = s.qkv_width();
     let (qw, kw) = (s.heads * d, s.kv_heads * d);
@@ -844,7 +847,9 @@ fn attention<T: Element>(
         sized(&mut b.k, tokens * kw),
         sized(&mut b.v, tokens * kw),
     );
-    let (cos, sin) = if a.local_rotary {
+    let (cos, sin) = if !a.rotary {
+        (&[][..], &[][..])
+    } else if a.local_rotary {
         (step.cos_local, step.sin_local)
     } else {
         (step.cos, step.sin)
@@ -1295,6 +1300,7 @@ mod tests {
                             softcap: 0.0,
                             group: 0,
                             local_rotary: false,
+                            rotary: true,
                         }),
                         mlp: Mlp::Dense {
                             gate_up: &weights[l][2],
@@ -1379,6 +1385,7 @@ mod tests {
                 softcap: 0.0,
                 group: 0,
                 local_rotary: false,
+                rotary: true,
             }),
             mlp: Mlp::Dense {
                 gate_up: &gu,

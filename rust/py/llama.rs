@@ -108,6 +108,7 @@ enum LayerMixer {
         softcap: f32,
         group: usize,
         local_rotary: bool,
+        rotary: bool,
     },
     ShortConv {
         in_proj: LinearWeight,
@@ -202,7 +203,8 @@ impl PyDecoderStack {
     /// `sliding_window` (0: none); optionally `logit_softcap` (0: none),
     /// `kv_group` (0: the step's own tables; layers of different groups may
     /// share a cache tensor, at their own blocks), `local_rotary` (the step's
-    /// local tables), `mixer_out_norm` / `mlp_out_norm` (Gemma's norms of the
+    /// local tables), `rotary` (default True; False: no rotation, SmolLM3's
+    /// NoPE layers), `mixer_out_norm` / `mlp_out_norm` (Gemma's norms of the
     /// attention and MLP outputs) and `mlp_act` ("silu", "gelu_tanh"). Norms and caches share the model's dtype
     /// (bf16 or f32). A short-convolution layer (LFM2) gives instead of the
     /// attention keys `conv_in_proj` [3H, H], `conv_weight` ([H, taps], the
@@ -647,6 +649,7 @@ impl PyDecoderStack {
         }
         let group: usize = optional("kv_group")?.map_or(Ok(0), |v| v.extract())?;
         let local_rotary: bool = optional("local_rotary")?.map_or(Ok(false), |v| v.extract())?;
+        let rotary: bool = optional("rotary")?.map_or(Ok(true), |v| v.extract())?;
         let mixer = LayerMixer::Attention {
             qk_norm,
             gate,
@@ -658,6 +661,7 @@ impl PyDecoderStack {
             softcap,
             group,
             local_rotary,
+            rotary,
         };
         tensors.push(kc_obj.unbind());
         tensors.push(vc_obj.unbind());
@@ -792,6 +796,7 @@ impl PyDecoderStack {
                 softcap,
                 group,
                 local_rotary,
+                rotary,
             } => Mixer::Attention(Attention {
                 qk_norm: qk_norm.map(|(q, k)| (q.view(), k.view())),
                 gate: *gate,
@@ -803,6 +808,7 @@ impl PyDecoderStack {
                 softcap: *softcap,
                 group: *group,
                 local_rotary: *local_rotary,
+                rotary: *rotary,
             }),
             LayerMixer::ShortConv {
                 in_proj,

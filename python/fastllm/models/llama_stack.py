@@ -75,6 +75,9 @@ FUSED_ARCHITECTURES = (
             # logits factors lie outside the decoder layers.
             "GraniteForCausalLM",
             "GraniteMoeForCausalLM",
+            # SmolLM3: the Llama layers, some without rotary (NoPE), some
+            # windowed (their own KV group).
+            "SmolLM3ForCausalLM",
             # Gemma 2 / 3 (and the text part of Gemma 3's multimodal checkpoints):
             # four norms a layer, GeGLU, soft-capped scores (Gemma 2), local
             # layers in a KV group of their own and, in Gemma 3, rotated by their
@@ -267,6 +270,7 @@ def _attention_entries(attn, local_rotary: bool = False) -> dict:
         "logit_softcap": attn.attn.logit_softcap or 0.0,
         "kv_group": attn.attn.kv_group,
         "local_rotary": local_rotary,
+        "rotary": attn.use_rope,
         "q_norm": None if attn.q_norm is None else attn.q_norm.weight.detach(),
         "k_norm": None if attn.k_norm is None else attn.k_norm.weight.detach(),
         "qkv": _packed(attn.qkv_proj),
