@@ -56,6 +56,7 @@ NAMES = [
     "phi3",
     "granite",
     "smollm3",  # NoPE layers, a windowed layer
+    "olmo2",  # output norms only, q/k norms over the whole projections
     # Gemma: four norms, GeGLU, soft-capped scores (Gemma 2), local layers
     # in their own KV group, with their own rotary tables (Gemma 3).
     "gemma2",

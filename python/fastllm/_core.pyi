@@ -502,7 +502,8 @@ class DecoderStack:
     per step.
 
     ``layers``: one dict per layer with ``input_norm``, ``post_norm``
-    ([hidden]), ``q_norm``, ``k_norm`` ([head_dim] or None, both or neither),
+    ([hidden], or None: no norm), ``q_norm``, ``k_norm`` ([head_dim], or the whole
+    projection's width, or None; both or neither),
     ``qkv``, ``o``, ``gate_up``, ``down`` (``PackedLinear`` or
     ``QuantizedLinear``, biases inside; shared, not copied), or instead of
     ``gate_up`` / ``down`` a ``moe`` (a ``MoeBlock``), ``key_cache``,

@@ -88,8 +88,10 @@ impl DecoderShape {
 
 /// One decoder layer's weights, and its KV cache or recurrent state.
 pub struct DecoderLayer<'a, T> {
-    pub input_norm: NormWeight<'a, T>,
-    pub post_norm: NormWeight<'a, T>,
+    /// The norms before the mixer and before the MLP (None: OLMo 2's
+    /// layers, which normalise only their outputs).
+    pub input_norm: Option<NormWeight<'a, T>>,
+    pub post_norm: Option<NormWeight<'a, T>>,
     /// Gemma's norms of the mixer's and the MLP's outputs, before each is
     /// added to the residual.
     pub mixer_out_norm: Option<NormWeight<'a, T>>,
@@ -160,7 +162,9 @@ pub enum Mixer<'a, T> {
 
 /// An attention mixer's weights and KV cache.
 pub struct Attention<'a, T> {
-    /// Qwen3's per-head RMSNorm of q and k (both or neither).
+    /// Qwen3's per-head RMSNorm of q and k (both or neither): weights of
+    /// `head_dim`, or of the whole projection (`heads * head_dim`, and
+    /// `kv_heads * head_dim` for k: OLMo 2's).
     pub qk_norm: Option<(NormWeight<'a, T>, NormWeight<'a, T>)>,
     /// Qwen3.5's output gate: `qkv` projects each query head followed by
     /// its gate (`2 * heads * head_dim` rows, then k and v), and the
@@ -438,8 +442,8 @@ pub fn check_layer<T>(
         }
     }
     let norms = [
-        ("input_norm", Some(layer.input_norm.len()), s.hidden),
-        ("post_norm", Some(layer.post_norm.len()), s.hidden),
+        ("input_norm", layer.input_norm.map(|n| n.len()), s.hidden),
+        ("post_norm", layer.post_norm.map(|n| n.len()), s.hidden),
         (
             "mixer_out_norm",
             layer.mixer_out_norm.map(|n| n.len()),
@@ -450,8 +454,17 @@ pub fn check_layer<T>(
             layer.mlp_out_norm.map(|n| n.len()),
             s.hidden,
         ),
-        ("q_norm", q, s.head_dim),
-        ("k_norm", k, s.head_dim),
+        // Per head, or over the whole projection.
+        (
+            "q_norm",
+            q.filter(|&n| n != s.heads * s.head_dim),
+            s.head_dim,
+        ),
+        (
+            "k_norm",
+            k.filter(|&n| n != s.kv_heads * s.head_dim),
+            s.head_dim,
+        ),
     ];
     for (name, got, want) in norms {
         if let Some(got) = got.filter(|&g| g != want) {
@@ -654,31 +667,14 @@ fn run_layer<T: Element>(
     step: &StepInputs<'_, T>,
     tokens: usize,
 ) -> CoreResult<()> {
-    let normed = sized(&mut b.normed, tokens * s.hidden);
-    norm_rows(
-        normed,
-        x,
-        layer.input_norm,
-        s.eps,
-        s.hidden,
-        &mut b.wide,
-        &mut b.wide_out,
-    )?;
+    pre_norm(b, x, layer.input_norm, s)?;
     match &mut layer.mixer {
         Mixer::Attention(a) => attention(a, b, s, step, tokens)?,
         Mixer::ShortConv(c) => short_conv(c, b, s, step, tokens)?,
         Mixer::DeltaNet(n) => delta_net(n, b, s, step, tokens)?,
     }
     add_output(x, b, layer.mixer_out_norm, s)?;
-    norm_rows(
-        &mut b.normed,
-        x,
-        layer.post_norm,
-        s.eps,
-        s.hidden,
-        &mut b.wide,
-        &mut b.wide_out,
-    )?;
+    pre_norm(b, x, layer.post_norm, s)?;
     let proj = sized(&mut b.proj, tokens * s.hidden);
     match layer.mlp {
         Mlp::Dense { gate_up, down, act } => {
@@ -692,6 +688,24 @@ fn run_layer<T: Element>(
         Mlp::Sparse(moe) => moe.forward(proj, &b.normed, tokens)?,
     }
     add_output(x, b, layer.mlp_out_norm, s)
+}
+
+/// `b.normed` = the norm of `x`'s rows, or `x` itself for a layer without
+/// that norm.
+fn pre_norm<T: Element>(
+    b: &mut Scratch<T>,
+    x: &[T],
+    norm: Option<NormWeight<'_, T>>,
+    s: &DecoderShape,
+) -> CoreResult<()> {
+    let normed = sized(&mut b.normed, x.len());
+    match norm {
+        Some(w) => norm_rows(normed, x, w, s.eps, s.hidden, &mut b.wide, &mut b.wide_out),
+        None => {
+            normed.copy_from_slice(x);
+            Ok(())
+        }
+    }
 }
 
 /// `x += branch`, the branch (`b.proj`) normalised first when the layer has
@@ -835,8 +849,8 @@ fn attention<T: Element>(
                 let (dq, rest) = dst.split_at_mut(qw);
                 let (dk, dv) = rest.split_at_mut(kw);
                 let (wide, out) = (&mut b.wide, &mut b.wide_out);
-                norm_rows(dq, &src[..qw], qn, s.eps, d, wide, out)?;
-                norm_rows(dk, &src[qw..qw + kw], kn, s.eps, d, wide, out)?;
+                norm_rows(dq, &src[..qw], qn, s.eps, qn.len(), wide, out)?;
+                norm_rows(dk, &src[qw..qw + kw], kn, s.eps, kn.len(), wide, out)?;
                 dv.copy_from_slice(&src[qw + kw..]);
             }
             &b.qkv_normed
@@ -1280,8 +1294,8 @@ mod tests {
                     .iter_mut()
                     .enumerate()
                     .map(|(l, (kc, vc))| DecoderLayer {
-                        input_norm: NormWeight::Model(&r.norms[l][0]),
-                        post_norm: NormWeight::Model(&r.norms[l][1]),
+                        input_norm: Some(NormWeight::Model(&r.norms[l][0])),
+                        post_norm: Some(NormWeight::Model(&r.norms[l][1])),
                         mixer_out_norm: None,
                         mlp_out_norm: None,
                         mixer: Mixer::Attention(Attention {
@@ -1370,8 +1384,8 @@ mod tests {
         };
         let (mut kc, mut vc) = (vec![0f32; cache.numel()], vec![0f32; cache.numel()]);
         let mut layers = [DecoderLayer {
-            input_norm: NormWeight::Model(&norm),
-            post_norm: NormWeight::Model(&norm),
+            input_norm: Some(NormWeight::Model(&norm)),
+            post_norm: Some(NormWeight::Model(&norm)),
             mixer_out_norm: None,
             mlp_out_norm: None,
             mixer: Mixer::Attention(Attention {

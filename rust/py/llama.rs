@@ -67,8 +67,8 @@ impl Span {
 }
 
 struct Layer {
-    input_norm: Norm,
-    post_norm: Norm,
+    input_norm: Option<Norm>,
+    post_norm: Option<Norm>,
     mixer_out_norm: Option<Norm>,
     mlp_out_norm: Option<Norm>,
     mixer: LayerMixer,
@@ -196,7 +196,8 @@ fn item<'py>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Bound<'py, PyAny>> {
 #[pymethods]
 impl PyDecoderStack {
     /// `layers`: one dict per layer with the keys `input_norm`, `post_norm`
-    /// (weights [hidden]), `q_norm` and `k_norm` ([head_dim] or None),
+    /// (weights [hidden], or None: no norm), `q_norm` and `k_norm`
+    /// ([head_dim], the whole projection's width, or None),
     /// `qkv`, `o`, `gate_up`, `down` (PackedLinear or QuantizedLinear, biases
     /// inside; or, for a mixture of experts, `moe`: a MoeBlock), `key_cache`,
     /// `value_cache` ([blocks, kv_heads, block_size, head_dim]) and
@@ -280,7 +281,13 @@ impl PyDecoderStack {
                 }
             }
             _ => {
-                TensorArg::extract("input_norm", &item(layer0, "input_norm")?)
+                let norm = item(layer0, "input_norm")?;
+                if norm.is_none() {
+                    return Err(PyValueError::new_err(
+                        "dtype: required when layer 0 has no input_norm",
+                    ));
+                }
+                TensorArg::extract("input_norm", &norm)
                     .map_err(|e| in_layer(py, 0, e))?
                     .dtype
             }
@@ -512,7 +519,8 @@ impl PyDecoderStack {
         first: &mut Option<(CacheShape, DType)>,
         tensors: &mut Vec<Py<PyAny>>,
     ) -> PyResult<Layer> {
-        // A 1-D tensor of `dim` elements in one of `dtypes`, kept alive; None if None.
+        // A 1-D tensor of `dim` elements (0: any) in one of `dtypes`, kept
+        // alive; None if None.
         let mut vector =
             |key: &'static str, dim: usize, dtypes: &[DType]| -> PyResult<Option<(Span, DType)>> {
                 let obj = item(d, key)?;
@@ -521,7 +529,9 @@ impl PyDecoderStack {
                 }
                 let t = TensorArg::extract(key, &obj)?;
                 t.check(dtypes, 1)?;
-                t.expect_dim(0, dim, "its layer's width")?;
+                if dim > 0 {
+                    t.expect_dim(0, dim, "its layer's width")?;
+                }
                 tensors.push(obj.unbind());
                 Ok(Some((Span::of(&t), t.dtype)))
             };
@@ -534,11 +544,8 @@ impl PyDecoderStack {
                 }),
             )
         };
-        let required = |s: Option<Norm>, key: &str| {
-            s.ok_or_else(|| PyValueError::new_err(format!("{key}: must not be None")))
-        };
-        let input_norm = required(norm("input_norm", shape.hidden)?, "input_norm")?;
-        let post_norm = required(norm("post_norm", shape.hidden)?, "post_norm")?;
+        let input_norm = norm("input_norm", shape.hidden)?;
+        let post_norm = norm("post_norm", shape.hidden)?;
         let present = |key: &str| -> PyResult<Option<Bound<'_, PyAny>>> {
             Ok(d.get_item(key)?.filter(|v| !v.is_none()))
         };
@@ -556,8 +563,9 @@ impl PyDecoderStack {
             Self::delta_net(d, &in_proj, dtype, tensors)?
         } else {
             let qk_norm = match (
-                norm("q_norm", shape.head_dim)?,
-                norm("k_norm", shape.head_dim)?,
+                // Per head or over the whole projection: `check_layer` checks.
+                norm("q_norm", 0)?,
+                norm("k_norm", 0)?,
             ) {
                 (Some(q), Some(k)) => Some((q, k)),
                 (None, None) => None,
@@ -848,8 +856,8 @@ impl PyDecoderStack {
             }),
         };
         DecoderLayer {
-            input_norm: l.input_norm.view(),
-            post_norm: l.post_norm.view(),
+            input_norm: l.input_norm.map(|n| n.view()),
+            post_norm: l.post_norm.map(|n| n.view()),
             mixer_out_norm: l.mixer_out_norm.map(|n| n.view()),
             mlp_out_norm: l.mlp_out_norm.map(|n| n.view()),
             mixer,

@@ -390,6 +390,7 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     """OLMo 2: post-norm blocks with RMSNorm over the whole q and k projections."""
 
     LAYER_CLASS = Olmo2DecoderLayer
+    FUSED_LAYER_TYPES = (Olmo2DecoderLayer, Olmo2Attention, (LlamaMLP,))
 
     @staticmethod
     def _flags(config: ModelConfig) -> dict[str, Any]:

@@ -78,6 +78,9 @@ FUSED_ARCHITECTURES = (
             # SmolLM3: the Llama layers, some without rotary (NoPE), some
             # windowed (their own KV group).
             "SmolLM3ForCausalLM",
+            # OLMo 2: no norms before attention and MLP, norms of their
+            # outputs, and q/k norms over the whole projections.
+            "Olmo2ForCausalLM",
             # Gemma 2 / 3 (and the text part of Gemma 3's multimodal checkpoints):
             # four norms a layer, GeGLU, soft-capped scores (Gemma 2), local
             # layers in a KV group of their own and, in Gemma 3, rotated by their
@@ -112,20 +115,28 @@ def why_not(model) -> str | None:
             return f"layer {i}'s {reason}"
         if _residual_multiplier(layer) != _residual_multiplier(model.model.layers[0]):
             return f"layer {i}'s residual multiplier differs from layer 0's"
-        dtype = layer.input_layernorm.weight.dtype
+        norms = [n for n in _layer_norms(layer).values() if n is not None]
+        dtype = norms[0].weight.dtype
         reason = _attention_why_not(attn, dtype)
         if reason is not None:
             return f"layer {i}'s {reason}"
-        norms = [n for n in _layer_norms(layer).values() if n is not None]
         if any(n.weight.dtype != dtype for n in norms):
             return f"layer {i}'s norm weights are not all in one dtype ({dtype})"
     return None
 
 
 def _layer_norms(layer) -> dict:
-    """A Llama-family layer's norms by the stack's names: Llama's two, or
+    """A Llama-family layer's norms by the stack's names: Llama's two,
     Gemma's four (its norm before the MLP is the stack's ``post_norm``; its
-    norms of the attention and MLP outputs the ``*_out_norm``)."""
+    norms of the attention and MLP outputs the ``*_out_norm``) or OLMo 2's
+    two output norms (None: no such norm)."""
+    if not hasattr(layer, "input_layernorm"):
+        return {
+            "input_norm": None,
+            "post_norm": None,
+            "mixer_out_norm": layer.post_attention_layernorm,
+            "mlp_out_norm": layer.post_feedforward_layernorm,
+        }
     if hasattr(layer, "pre_feedforward_layernorm"):
         return {
             "input_norm": layer.input_layernorm,
@@ -373,7 +384,8 @@ def build(model) -> _core.DecoderStack | None:
         layers.append({**norms, **_attention_entries(attn, local[i]), **_mlp_entries(mlp)})
     first = model.model.layers[0]
     mlps = [layer.mlp for layer in model.model.layers]
-    return _stack(model, layers, first.self_attn, first.input_layernorm, mlps)
+    norm = next(n for n in _layer_norms(first).values() if n is not None)
+    return _stack(model, layers, first.self_attn, norm, mlps)
 
 
 def _local_layers(model) -> list[bool]:
