@@ -399,6 +399,18 @@ def _hybrid_stack_arguments(folder: str) -> tuple:
     return model, captured["layers"], captured["kw"]
 
 
+def _one_token_step(model, hidden: int) -> tuple:
+    """Hidden states, rotary table and attention metadata of a one-token step
+    of one sequence at slot 4 (block 1)."""
+    meta = (
+        torch.tensor([4]),
+        torch.tensor([[1]], dtype=torch.int32),
+        torch.tensor([1], dtype=torch.int32),
+        torch.tensor([0, 1], dtype=torch.int32),
+    )
+    return torch.zeros(1, hidden), torch.zeros(1, model.rotary.rotary_dim // 2), meta
+
+
 def test_bad_convolution_layers_are_clear_errors(folders) -> None:
     """LFM2's convolution layers in the stack: a misshapen weight or state,
     states sharing memory, a stack of convolutions alone, and a step without
@@ -426,14 +438,7 @@ def test_bad_convolution_layers_are_clear_errors(folders) -> None:
     convs = [d for d in layers if d.get("conv_in_proj") is not None]
     with pytest.raises(ValueError, match="expected at least one attention layer"):
         _core.DecoderStack(convs, **kw)
-    x = torch.zeros(1, h)
-    cos = torch.zeros(1, model.rotary.rotary_dim // 2)
-    meta = (
-        torch.tensor([4]),
-        torch.tensor([[1]], dtype=torch.int32),
-        torch.tensor([1], dtype=torch.int32),
-        torch.tensor([0, 1], dtype=torch.int32),
-    )
+    x, cos, meta = _one_token_step(model, h)
     with pytest.raises(ValueError, match="state_slots: required by the recurrent"):
         stack.forward(x, cos, cos, *meta)
     with pytest.raises(ValueError, match="state_slots: slot 99 of sequence 0 is outside"):
@@ -477,14 +482,7 @@ def test_bad_delta_net_layers_are_clear_errors(folders) -> None:
     with pytest.raises(ValueError, match="its KV cache or state shares memory"):
         _core.DecoderStack(shared, **kw)
     h = kw["hidden_size"]
-    x = torch.zeros(1, h)
-    cos = torch.zeros(1, model.rotary.rotary_dim // 2)
-    meta = (
-        torch.tensor([4]),
-        torch.tensor([[1]], dtype=torch.int32),
-        torch.tensor([1], dtype=torch.int32),
-        torch.tensor([0, 1], dtype=torch.int32),
-    )
+    x, cos, meta = _one_token_step(model, h)
     stack = model.decoder_stack
     with pytest.raises(ValueError, match="state_slots: required by the recurrent"):
         stack.forward(x, cos, cos, *meta)
