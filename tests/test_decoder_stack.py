@@ -5,11 +5,14 @@ Both paths run the same kernels with the same roundings, so the contract is
 bit-identity: every logit of every step equal (``torch.equal``), for float32,
 bfloat16 and quantized weights, on Llama, Llama 3 rope, Mistral (sliding
 window), Qwen2 (q/k/v biases), Qwen3 (q/k norms, tied head), Granite (its
-multipliers), Qwen3-MoE, Qwen2-MoE, Mixtral and Granite MoE
-(mixture-of-experts layers, a dense one between them, a shared expert), over
-prefill,
-chunked prefill beside decode, and decode of several sequences with shuffled
-block tables. The layer-by-layer path is itself checked against transformers
+multipliers), SmolLM3 (NoPE layers), OLMo 2 (output norms only, q/k norms
+over the whole projections), Gemma 2 and 3 (four norms, GeGLU, soft-caps,
+local rotary tables), Qwen3-MoE, Qwen2-MoE, Mixtral and Granite MoE
+(mixture-of-experts layers, a dense one between them, a shared expert), and
+the hybrids LFM2 (short convolutions) and Qwen3.5 (Gated DeltaNet, gated
+attention), over prefill, chunked prefill beside decode, and decode of
+several sequences with shuffled block tables; and in the engine, over the
+block tables of KV groups whose layers share cache tensors. The layer-by-layer path is itself checked against transformers
 in ``test_models.py`` (which runs the stack too, as the engine does).
 """
 
