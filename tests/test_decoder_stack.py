@@ -296,6 +296,9 @@ def test_bad_stacks_and_steps_are_clear_errors(folders) -> None:
             r"layers\[1\]: input_norm: expected dtype",
         ),
         ({"q_norm": torch.ones(c.head_dim)}, r"q_norm, k_norm: give both or neither"),
+        ({"mlp_act": "swiglu_oai"}, r"mlp_act: expected 'silu' or 'gelu_tanh', got swiglu_oai"),
+        ({"mlp_act": "relu"}, r"mlp_act: expected 'silu' or 'gelu_tanh', got relu"),
+        ({"logit_softcap": -1.0}, r"logit_softcap: must be a positive number or 0"),
         (
             {"key_cache": good[0]["key_cache"]},
             r"layers\[1\]: its KV cache or state shares memory with layer 0",

@@ -10,7 +10,7 @@ use half::bf16;
 use crate::error::{CoreError, CoreResult};
 
 /// An element type the kernels read and write: f32 or bf16.
-pub trait Element: Copy + Send + Sync + 'static {
+pub trait Element: Copy + Default + Send + Sync + 'static {
     /// Widens to f32 (exact).
     fn to_f32(self) -> f32;
     /// Rounds an f32 to this type (nearest even; a NaN stays a quiet NaN).

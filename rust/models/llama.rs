@@ -478,6 +478,7 @@ pub fn check_layer<T>(
 
 /// Scratch rows of one step, reused by every layer: each buffer is sized
 /// by the first layer that uses it ([`sized`]).
+#[derive(Default)]
 struct Scratch<T> {
     normed: Vec<T>,
     qkv: Vec<T>,
@@ -511,40 +512,6 @@ struct Scratch<T> {
     /// Rows widened to f32 for a norm with f32 weights, and its output.
     wide: Vec<f32>,
     wide_out: Vec<f32>,
-}
-
-impl<T: Element> Scratch<T> {
-    fn new() -> Self {
-        Scratch {
-            normed: Vec::new(),
-            qkv: Vec::new(),
-            qkv_plain: Vec::new(),
-            gate: Vec::new(),
-            qkv_normed: Vec::new(),
-            q: Vec::new(),
-            k: Vec::new(),
-            v: Vec::new(),
-            attn: Vec::new(),
-            attn_gated: Vec::new(),
-            proj: Vec::new(),
-            proj_normed: Vec::new(),
-            gate_up: Vec::new(),
-            act: Vec::new(),
-            bcv: Vec::new(),
-            conv_in: Vec::new(),
-            conv_out: Vec::new(),
-            mix: Vec::new(),
-            z: Vec::new(),
-            a: Vec::new(),
-            b: Vec::new(),
-            delta_out: Vec::new(),
-            delta_normed: Vec::new(),
-            g: Vec::new(),
-            beta: Vec::new(),
-            wide: Vec::new(),
-            wide_out: Vec::new(),
-        }
-    }
 }
 
 /// `buf` as exactly `n` elements (zeros where it grows).
@@ -625,14 +592,9 @@ pub fn decoder_stack<T: Element, L: Layers<T> + ?Sized>(
     for i in 0..layers.count() {
         layers.with(i, |layer| {
             check_layer(layer, &s, i)?;
-            match &layer.mixer {
-                Mixer::ShortConv(c) => {
-                    state_slots =
-                        Some(state_slots.map_or(c.slots(s.hidden), |m| m.min(c.slots(s.hidden))));
-                }
-                Mixer::DeltaNet(n) => {
-                    state_slots = Some(state_slots.map_or(n.slots(), |m| m.min(n.slots())));
-                }
+            let slots = match &layer.mixer {
+                Mixer::ShortConv(c) => c.slots(s.hidden),
+                Mixer::DeltaNet(n) => n.slots(),
                 Mixer::Attention(a) if a.group > step.groups.len() => {
                     return Err(CoreError::invalid(format!(
                         "layers[{i}]: KV group {} but the step gives {} groups",
@@ -640,8 +602,9 @@ pub fn decoder_stack<T: Element, L: Layers<T> + ?Sized>(
                         step.groups.len() + 1
                     )));
                 }
-                Mixer::Attention(_) => {}
-            }
+                Mixer::Attention(_) => return Ok(()),
+            };
+            state_slots = Some(state_slots.map_or(slots, |m| m.min(slots)));
             Ok(())
         })?;
     }
@@ -651,7 +614,7 @@ pub fn decoder_stack<T: Element, L: Layers<T> + ?Sized>(
     if tokens == 0 {
         return Ok(());
     }
-    let mut b = Scratch::<T>::new();
+    let mut b = Scratch::<T>::default();
     for i in 0..layers.count() {
         layers.with(i, |layer| run_layer(x, layer, &mut b, &s, step, tokens))?;
     }

@@ -586,14 +586,13 @@ impl PyDecoderStack {
             _ => {
                 let act = match present("mlp_act")? {
                     None => GatedAct::Silu,
-                    Some(a) => match a.extract::<String>()?.as_str() {
-                        "silu" => GatedAct::Silu,
-                        "gelu_tanh" => GatedAct::GeluTanh,
-                        other => {
+                    Some(a) => match super::moe::parse_act(&a.extract::<String>()?, 0.0, 0.0) {
+                        Ok(GatedAct::SwigluOai { .. }) | Err(_) => {
                             return Err(PyValueError::new_err(format!(
-                                "mlp_act: expected 'silu' or 'gelu_tanh', got {other:?}"
+                                "mlp_act: expected 'silu' or 'gelu_tanh', got {a}"
                             )))
                         }
+                        Ok(act) => act,
                     },
                 };
                 LayerMlp::Dense(

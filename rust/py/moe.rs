@@ -97,7 +97,8 @@ pub(super) fn experts_of(obj: &Bound<'_, PyAny>) -> PyResult<Arc<Experts>> {
     Ok(experts.get().experts.clone())
 }
 
-fn parse_act(activation: &str, alpha: f32, limit: f32) -> PyResult<ExpertAct> {
+/// The gated activation called `activation` (`alpha`, `limit`: gpt-oss's).
+pub(super) fn parse_act(activation: &str, alpha: f32, limit: f32) -> PyResult<ExpertAct> {
     match activation.trim().to_ascii_lowercase().as_str() {
         "silu" => Ok(ExpertAct::Silu),
         "gelu_tanh" => Ok(ExpertAct::GeluTanh),
