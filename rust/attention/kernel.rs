@@ -652,6 +652,58 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
     key_hi: usize,
     state: &mut PartialState,
 ) {
+    // Taken and put back (not borrowed in a closure: the body must compile
+    // with the entry point's target features).
+    let mut scratch = SCRATCH.take();
+    attend_with::<T, C, S>(p, item, key_lo, key_hi, state, &mut scratch);
+    SCRATCH.set(scratch);
+}
+
+/// The body's buffers, kept per thread from call to call: allocated and
+/// zeroed per call they cost more than a short item's work (with head size
+/// 256, 128 KB of widened rows a call, which the allocator returned to the
+/// system and took back as fresh pages each time). Every element the body
+/// reads it has written in the same call (see [`attend_with`]).
+#[derive(Default)]
+struct BodyScratch {
+    q: Vec<f32>,
+    qt: Vec<f32>,
+    kbuf: Vec<f32>,
+    vbuf: Vec<f32>,
+    krow: Vec<f32>,
+    kt: Vec<f32>,
+    scores: Vec<[f32; LANES_PER_ROW]>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<BodyScratch> = std::cell::RefCell::default();
+}
+
+/// `buf` as `n` elements: grown (with `fill`) when short, its contents
+/// otherwise left as the last call wrote them.
+fn reuse<E: Copy>(buf: &mut Vec<E>, n: usize, fill: E) -> &mut [E] {
+    if buf.len() < n {
+        buf.resize(n, fill);
+    }
+    &mut buf[..n]
+}
+
+/// [`attend_body`] with its buffers. Reads of reused buffers stay inside
+/// what this call wrote: every query vector (and its transpose); the
+/// widened key and value rows of the block runs that cover a chunk's seen
+/// lanes (`first..seen_hi`), which are all that scoring and the weighted
+/// sum read; each score lane in `first..seen_hi`, and the softmax masks
+/// every lane outside a row's visible ones (inside those) before it reads
+/// them; a transposed tile's every lane (its lanes past `m` zeroed).
+#[inline(always)]
+fn attend_with<T: Element, C: KvElem<T>, S: Simd>(
+    p: &Problem<'_, T, C>,
+    item: &Item,
+    key_lo: usize,
+    key_hi: usize,
+    state: &mut PartialState,
+    scratch: &mut BodyScratch,
+) {
     let d = p.shape.head_size;
     // Elements of one stored row (an 8-bit row carries its scale).
     let stride = d + C::EXTRA;
@@ -666,7 +718,7 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
     let int8 = C::i8_rows(&p.key_cache[..0]).is_some();
     // Queries of the item, pre-scaled, as f32: vector (r, head) at (r * g +
     // head) * d; for an 8-bit cache, the values its bytes stand for.
-    let mut q = vec![0.0f32; nq * d];
+    let q = reuse(&mut scratch.q, nq * d, 0.0);
     let mut q8 = QueryBytes::new(if int8 { nq } else { 0 }, d);
     for r in 0..nrows {
         let token = item.seq.q_start + item.row_lo + r;
@@ -692,17 +744,15 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
     let tiled = p.keys_tiled;
     let transpose = !int_scores && (tiled || nq >= TRANSPOSE_MIN_VECTORS);
     // The transposed route reads the queries dimension-major (`qk_tile`).
-    let qt: Vec<f32> = if transpose {
-        let mut qt = vec![0.0f32; d * nq];
+    let qt = reuse(&mut scratch.qt, if transpose { d * nq } else { 0 }, 0.0);
+    if transpose {
         for (u, row) in q.chunks_exact(d).enumerate() {
             for (i, &x) in row.iter().enumerate() {
                 qt[i * nq + u] = x;
             }
         }
-        qt
-    } else {
-        Vec::new()
-    };
+    }
+    let (q, qt) = (&*q, &*qt);
     // Visible key range [lo, hi) of each query row.
     let vis: Vec<(usize, usize)> = (0..nrows)
         .map(|r| p.mask.keys(ctx_start + item.row_lo + r, item.seq.seq_len))
@@ -710,18 +760,16 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
 
     // Caches of f32 rows are read in place; others are widened per chunk.
     let widen = C::f32_rows(&p.key_cache[..0]).is_none();
-    let mut vbuf = vec![0.0f32; if widen { CHUNK * d } else { 0 }];
-    let mut kbuf = vec![
-        0.0f32;
-        if widen && !transpose && !int_scores {
-            CHUNK * d
-        } else {
-            0
-        }
-    ];
-    let mut krow = vec![0.0f32; d];
-    let mut kt = vec![0.0f32; d * TILE];
-    let mut scores = vec![[0.0f32; LANES_PER_ROW]; nq];
+    let vbuf = reuse(&mut scratch.vbuf, if widen { CHUNK * d } else { 0 }, 0.0);
+    let kbuf_len = if widen && !transpose && !int_scores {
+        CHUNK * d
+    } else {
+        0
+    };
+    let kbuf = reuse(&mut scratch.kbuf, kbuf_len, 0.0);
+    let krow = reuse(&mut scratch.krow, d, 0.0);
+    let kt = reuse(&mut scratch.kt, d * TILE, 0.0);
+    let scores = reuse(&mut scratch.scores, nq, [0.0; LANES_PER_ROW]);
     let table = &p.block_tables[item.seq.seq * p.max_blocks..][..p.max_blocks];
     // Element offset of the stored row of key position `t` (validated: the
     // block id is in range for every block below seq_len).
@@ -803,7 +851,7 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
                         d,
                         queries,
                         tile: &mut ktile,
-                        scores: &mut scores,
+                        scores,
                         at: lane0,
                     },
                 );
@@ -825,14 +873,7 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
                     let m = (n - k0).min(TILE);
                     let jt = lane0 + k0;
                     if let Some(keys) = stored {
-                        scores_as_stored::<S>(
-                            &q,
-                            &keys[k0 * d..(k0 + m) * d],
-                            m,
-                            d,
-                            &mut scores,
-                            jt,
-                        );
+                        scores_as_stored::<S>(&q, &keys[k0 * d..(k0 + m) * d], m, d, scores, jt);
                     } else if let Some(tiles) = tiles {
                         by_vector_groups!(nq, S::LANES >= TILE, |r, U| qk_tile::<S, U>(
                             (&qt[r..], nq),
@@ -845,7 +886,7 @@ fn attend_body<T: Element, C: KvElem<T>, S: Simd>(
                         // The tile's keys, widened and transposed (lanes past `m` zero).
                         for jj in 0..m {
                             let raw = &kraw[(k0 + jj) * stride..(k0 + jj + 1) * stride];
-                            C::widen_rows(raw, d, &mut krow);
+                            C::widen_rows(raw, d, krow);
                             for (i, &x) in krow.iter().enumerate() {
                                 kt[i * TILE + jj] = x;
                             }

@@ -208,8 +208,9 @@ fn check_cache_len(k: usize, v: usize, shape: CacheShape, extra: usize) -> CoreR
 pub(crate) struct Plan {
     /// Target number of (query row x query head) pairs per item.
     rows_target: usize,
-    /// Smallest key partition, in tokens, when an item's keys are split.
-    min_partition: usize,
+    /// Smallest key partition when an item's keys are split, as work: its
+    /// query vectors x keys x head size (a partition is at least a block).
+    min_partition_work: usize,
     /// Aim for at least this many tasks per thread.
     tasks_per_thread: usize,
     /// Thread count the split aims at.
@@ -220,7 +221,10 @@ impl Plan {
     fn production() -> Plan {
         Plan {
             rows_target: 32,
-            min_partition: 256,
+            // 128 keys for Gemma's 4 query heads of 256 a KV head, 292 for
+            // Qwen2.5's 7 of 64: below that, a task's setup and the merge
+            // cost more than the split saves (measured on decode).
+            min_partition_work: 1 << 17,
             tasks_per_thread: 4,
             threads: crate::cpu::threads::num_threads(),
         }
@@ -245,7 +249,7 @@ fn plans() -> Vec<Plan> {
         Plan::production(),
         Plan {
             rows_target: 1,
-            min_partition: 8,
+            min_partition_work: 8,
             tasks_per_thread: 16,
             threads: 8,
         },
@@ -674,7 +678,9 @@ fn plan_items(
         let max_parts = want.div_ceil(items.len().max(1));
         for item in &mut items {
             let keys = item.key_hi - item.key_lo;
-            let by_size = keys / plan.min_partition.max(shape.block_size);
+            let per_key = item.rows(group) * shape.head_size;
+            let min_keys = (plan.min_partition_work / per_key.max(1)).max(shape.block_size);
+            let by_size = keys / min_keys;
             item.parts = by_size.clamp(1, max_parts);
         }
     }
