@@ -873,7 +873,7 @@ fn attend_with<T: Element, C: KvElem<T>, S: Simd>(
                     let m = (n - k0).min(TILE);
                     let jt = lane0 + k0;
                     if let Some(keys) = stored {
-                        scores_as_stored::<S>(&q, &keys[k0 * d..(k0 + m) * d], m, d, scores, jt);
+                        scores_as_stored::<S>(q, &keys[k0 * d..(k0 + m) * d], m, d, scores, jt);
                     } else if let Some(tiles) = tiles {
                         by_vector_groups!(nq, S::LANES >= TILE, |r, U| qk_tile::<S, U>(
                             (&qt[r..], nq),
@@ -899,7 +899,7 @@ fn attend_with<T: Element, C: KvElem<T>, S: Simd>(
                         // One vector per tile row on AVX-512: twice the query vectors fit.
                         by_vector_groups!(nq, S::LANES >= TILE, |r, U| qk_tile::<S, U>(
                             (&qt[r..], nq),
-                            &kt,
+                            kt,
                             d,
                             &mut scores[r..],
                             jt
