@@ -194,6 +194,33 @@ def test_gelu_matches_torch(shape, dtype, seed):
         torch.testing.assert_close(out.float(), ref.float(), rtol=2.0**-7, atol=1e-6)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    d=st.integers(1, 300),
+    dtype=st.sampled_from(["bf16", "f32"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_gelu_and_mul_matches_torch(rows, d, dtype, seed):
+    """``_core.gelu_and_mul`` equals ``F.gelu(x[:, :d]) * x[:, d:]`` in torch
+    (ModernBERT's GeGLU): the GELU rounded to the dtype before the product."""
+    g = torch.Generator().manual_seed(seed)
+    dt = DTYPES[dtype]
+    x = (4 * torch.randn(rows, 2 * d, generator=g)).to(dt)
+    out = torch.empty(rows, d, dtype=dt)
+    _core.gelu_and_mul(out, x)
+    ref = torch.nn.functional.gelu(x[:, :d]) * x[:, d:]
+    if dt == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=3e-5)
+    else:
+        # The GELU's erf differs from torch's in the last f32 bits, which can
+        # round the GELU one bf16 step apart (2^-7 of it at most), and the
+        # product is rounded once more: two steps.
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2.0**-6, atol=1e-6)
+    with pytest.raises(ValueError, match="out"):
+        _core.gelu_and_mul(torch.empty(rows, d + 1, dtype=dt), x)
+
+
 def test_layer_norm_and_gelu_reject_bad_arguments():
     x = torch.zeros(3, 8)
     with pytest.raises(ValueError, match="weight"):

@@ -631,6 +631,10 @@ def gelu_tanh_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
     """``out = round(gelu_tanh(x[:, :d])) * x[:, d:]`` (GeGLU, the GELU's tanh
     approximation): x [rows, 2d], out [rows, d], one dtype (bf16 or f32). Releases the GIL."""
 
+def gelu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
+    """``out = round(gelu(x[:, :d])) * x[:, d:]`` (GeGLU with the exact, erf
+    GELU): x [rows, 2d], out [rows, d], one dtype (bf16 or f32). Releases the GIL."""
+
 def qkv_rotary(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -384,6 +384,8 @@ fn act_body<T: Element>(out: &mut [T], x: &[T], d: usize, act: GatedAct) {
         GatedAct::Silu => gated_rows(out, x, d, |g, u| T::round(silu(g)) * u),
         // round(gelu(g)) * u, as `F.gelu(gate, approximate="tanh") * up`.
         GatedAct::GeluTanh => gated_rows(out, x, d, |g, u| T::round(gelu_tanh(g)) * u),
+        // round(gelu(g)) * u, as `F.gelu(gate) * up`.
+        GatedAct::Gelu => gated_rows(out, x, d, |g, u| T::round(gelu_erf(g)) * u),
         // gpt-oss: g = gate.clamp(max=limit); u = up.clamp(-limit, limit);
         // (u + 1) * (g * sigmoid(g * alpha)), every op rounded.
         GatedAct::SwigluOai { alpha, limit } => gated_rows(out, x, d, |g, u| {

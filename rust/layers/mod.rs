@@ -338,17 +338,20 @@ pub enum GatedAct {
     Silu,
     /// `round(gelu_tanh(gate)) * up` (GELU, tanh approximation).
     GeluTanh,
+    /// `round(gelu(gate)) * up` (GELU exact, erf: ModernBERT's GeGLU).
+    Gelu,
     /// gpt-oss: `g = min(gate, limit)`, `u = clamp(up, -limit, limit)`,
     /// `(u + 1) * g * sigmoid(alpha * g)`, each op rounded as torch does.
     SwigluOai { alpha: f32, limit: f32 },
 }
 
 impl GatedAct {
-    /// The name the bindings use: "silu", "gelu_tanh" or "swiglu_oai".
+    /// The name the bindings use: "silu", "gelu_tanh", "gelu" or "swiglu_oai".
     pub fn name(self) -> &'static str {
         match self {
             GatedAct::Silu => "silu",
             GatedAct::GeluTanh => "gelu_tanh",
+            GatedAct::Gelu => "gelu",
             GatedAct::SwigluOai { .. } => "swiglu_oai",
         }
     }
@@ -785,12 +788,13 @@ mod tests {
                 let z = (2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g.powi(3));
                 0.5 * g * (1.0 + z.tanh()) * u
             }
+            GatedAct::Gelu => 0.5 * g * (1.0 + erf64(g / 2f64.sqrt())) * u,
             GatedAct::SwigluOai { alpha, limit } => {
                 let (g, u) = (g.min(limit as f64), u.clamp(-limit as f64, limit as f64));
                 (u + 1.0) * g / (1.0 + (-(alpha as f64) * g).exp())
             }
         };
-        for act in [GatedAct::Silu, GatedAct::GeluTanh, swiglu] {
+        for act in [GatedAct::Silu, GatedAct::GeluTanh, GatedAct::Gelu, swiglu] {
             let mut out = vec![0f32; d];
             gated_act(Dst::F32(&mut out), Src::F32(&x), d, act).unwrap();
             let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();

@@ -132,6 +132,13 @@ fn gelu_tanh_and_mul(py: Python<'_>, out: &Bound<'_, PyAny>, x: &Bound<'_, PyAny
     gated(py, out, x, GatedAct::GeluTanh)
 }
 
+/// out [rows, d] = gelu(x[:, :d]) * x[:, d:] for x [rows, 2d] (GeGLU with
+/// the exact, erf GELU, rounded before the product); one dtype.
+#[pyfunction]
+fn gelu_and_mul(py: Python<'_>, out: &Bound<'_, PyAny>, x: &Bound<'_, PyAny>) -> PyResult<()> {
+    gated(py, out, x, GatedAct::Gelu)
+}
+
 /// A gated activation of a fused gate/up projection x [rows, 2d] into out [rows, d].
 fn gated(
     py: Python<'_>,
@@ -300,6 +307,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gelu, m)?)?;
     m.add_function(wrap_pyfunction!(silu_and_mul, m)?)?;
     m.add_function(wrap_pyfunction!(gelu_tanh_and_mul, m)?)?;
+    m.add_function(wrap_pyfunction!(gelu_and_mul, m)?)?;
     m.add_function(wrap_pyfunction!(qkv_rotary, m)?)?;
     m.add_function(wrap_pyfunction!(sigmoid_mul, m)?)?;
     m.add_function(wrap_pyfunction!(gated_rms_norm, m)?)?;

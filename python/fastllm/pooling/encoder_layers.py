@@ -185,6 +185,26 @@ def encoder_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return gelu
 
 
+def encoder_gated_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x [T, 2d] -> act(x[:, :d]) * x[:, d:]`` (a GLU over a fused input/gate
+    projection, ModernBERT's MLP), the activation rounded before the
+    product as torch rounds it; the exact GELU on the Rust kernel for
+    float32 / bfloat16 rows on the CPU."""
+    act = encoder_activation(name)
+    fused = get_activation(name) is F.gelu
+
+    def gated(x: torch.Tensor) -> torch.Tensor:
+        if fused and x.device.type == "cpu" and x.dim() == 2 and x.dtype in _KERNEL_DTYPES:
+            x = x.contiguous()
+            out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
+            _core.gelu_and_mul(out, x)
+            return out
+        d = x.shape[-1] // 2
+        return act(x[..., :d]) * x[..., d:]
+
+    return gated
+
+
 def rotary_tables(
     positions: torch.Tensor, head_dim: int, theta: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,6 +27,7 @@ from fastllm.pooling.encoder_layers import (
     PackedInputs,
     apply_rotary,
     encoder_activation,
+    encoder_gated_activation,
     rotary_tables,
 )
 
@@ -87,10 +88,9 @@ class ModernBertLayer(Module):
         self.mlp_norm = EncoderLayerNorm(hidden, eps, norm_bias)
         self.Wi = Linear(hidden, 2 * inter, bias=mlp_bias)
         self.mlp_Wo = Linear(inter, hidden, bias=mlp_bias)
-        self.act = encoder_activation(hf.get("hidden_activation", "gelu"))
+        self.gated_act = encoder_gated_activation(hf.get("hidden_activation", "gelu"))
         self.attention = EncoderAttention(heads, hidden // heads, window)
         self.theta = theta
-        self.inter = inter
 
     def forward(
         self, x: torch.Tensor, inputs: PackedInputs, rotary: tuple[torch.Tensor, torch.Tensor]
@@ -103,7 +103,7 @@ class ModernBertLayer(Module):
         q, k = apply_rotary(qkv[:, 0], cos, sin), apply_rotary(qkv[:, 1], cos, sin)
         x = x + self.Wo(self.attention(q, k, qkv[:, 2], inputs))
         gate_in = self.Wi(self.mlp_norm(x))
-        return x + self.mlp_Wo(self.act(gate_in[:, : self.inter]) * gate_in[:, self.inter :])
+        return x + self.mlp_Wo(self.gated_act(gate_in))
 
 
 class ModernBertEncoder(Module):
