@@ -391,6 +391,27 @@ def test_f32_file_matches_transformers(case, saved, tmp_path):
         _close(ours, expected, f"{case} sequence {i}")
 
 
+def test_expert_bias_stays_float32_in_a_bfloat16_model(saved, tmp_path):
+    """LFM2-MoE's ``exp_probs_b.bias`` (float32 in the file) loads bit for bit
+    into a bfloat16 model, as the folder's does (transformers keeps it float32)."""
+    from fastllm.layers.moe import SparseMoeBlock
+
+    _, ref_model = saved["lfm2_moe"]
+    path = write_hybrid_gguf(ref_model, str(tmp_path / "m.gguf"), "lfm2_moe")
+    model, _ = _load_gguf(path, torch.bfloat16)
+    theirs = [b for n, b in ref_model.named_buffers() if n.endswith("expert_bias")]
+    ours = [
+        m.selection_bias
+        for m in model.modules()
+        if isinstance(m, SparseMoeBlock) and m.selection_bias is not None
+    ]
+    assert theirs and len(ours) == len(theirs)
+    # Values bfloat16 would round: the check is not met by zeros.
+    assert any(not torch.equal(b, b.bfloat16().float()) for b in theirs)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.dtype == torch.float32 and torch.equal(a, b.float())
+
+
 def test_config_from_the_file(saved, tmp_path):
     """The keys as the folder's config.json fields, or the fields that mean
     the same (LFM2's MLP width as adjusted, no longer adjusted)."""

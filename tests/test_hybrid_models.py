@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 from fastllm.config import ModelConfig  # noqa: E402
 from fastllm.layers.linear import pack_linears  # noqa: E402
+from fastllm.layers.moe import SparseMoeBlock  # noqa: E402
 from fastllm.layers.ops import RUST_OPS, TORCH_OPS, bind_ops  # noqa: E402
 from fastllm.models.loader import load_model  # noqa: E402
 from paged_helpers import PagedRunner  # noqa: E402
@@ -431,7 +432,6 @@ def test_quantized_experts_run_the_integer_kernels(name: str, saved: dict) -> No
     every projection of these tiny models; a near-tied expert choice may
     flip at some positions, moving them further)."""
     from fastllm import _core
-    from fastllm.layers.moe import SparseMoeBlock
     from fastllm.layers.quantization import QUANTIZATION_FORMATS, quantize_model
 
     folder, ref_model = saved[name]
@@ -468,6 +468,17 @@ def test_bfloat16_close_to_float32_reference(name: str, rust: bool, saved: dict)
     seqs = _sequences(4, [9, 16, 3])
     expected = torch.cat(_reference(ref_model, seqs))
     model = load_model(ModelConfig.from_pretrained(folder), folder, torch.bfloat16, "cpu")
+    # LFM2-MoE's expert_bias stays float32 in a bfloat16 model, bit for bit
+    # the checkpoint's (transformers keeps that buffer in float32).
+    theirs = [b for n, b in ref_model.named_buffers() if n.endswith("expert_bias")]
+    ours_bias = [
+        m.selection_bias
+        for m in model.modules()
+        if isinstance(m, SparseMoeBlock) and m.selection_bias is not None
+    ]
+    assert len(ours_bias) == len(theirs)
+    for a, b in zip(ours_bias, theirs, strict=True):
+        assert a.dtype == torch.float32 and torch.equal(a, b.float()), (a, b)
     if rust:
         pack_linears(model)
     else:

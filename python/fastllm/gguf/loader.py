@@ -61,6 +61,7 @@ from fastllm import _core
 from fastllm.config import ModelConfig
 from fastllm.gguf.cache import PanelCache, cache_dir
 from fastllm.gguf.reader import GGUFError, GGUFFile, TensorInfo, readonly_tensor
+from fastllm.layers import load_dtype
 from fastllm.layers.linear import Embedding, Linear, adopt_packed_head
 from fastllm.layers.moe import Router, SparseMoeBlock
 from fastllm.layers.norm import ZeroCenteredRMSNorm
@@ -722,7 +723,8 @@ def load_gguf_model(
         t = parts[0] if len(parts) == 1 else torch.cat(parts)
         if p.transform is not None:
             t = p.transform(t)
-        state[p.name] = t.reshape(p.shape).to(device=device, dtype=dtype).contiguous()
+        pdtype = load_dtype(model, p.name, dtype)
+        state[p.name] = t.reshape(p.shape).to(device=device, dtype=pdtype).contiguous()
     directory = cache_dir() if quantized else None
     cache = PanelCache(gguf.path, directory) if directory is not None else None
     tables: dict[str, object] = {}

@@ -8,6 +8,25 @@ from torch import nn
 CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
+# Marks a parameter the loaders keep in float32 whatever the model's dtype.
+_FLOAT32 = "_fastllm_float32"
+
+
+def float32_parameter(t: torch.Tensor) -> nn.Parameter:
+    """A frozen parameter that the loaders (folder, GGUF, dummy) keep in
+    float32 in a model of any dtype, as the model's reference implementation
+    keeps it (LFM2-MoE's ``expert_bias`` buffer)."""
+    p = nn.Parameter(t.float(), requires_grad=False)
+    setattr(p, _FLOAT32, True)
+    return p
+
+
+def load_dtype(model: nn.Module, name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a loader gives parameter ``name`` of ``model`` (built, not
+    yet loaded) in a model of ``dtype``."""
+    return torch.float32 if getattr(model.get_parameter(name), _FLOAT32, False) else dtype
+
+
 class Module(nn.Module):
     """An ``nn.Module`` whose call is its ``forward``.
 

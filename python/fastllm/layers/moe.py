@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastllm import _core
-from fastllm.layers import CPU_KERNEL_DTYPES, Module
+from fastllm.layers import CPU_KERNEL_DTYPES, Module, float32_parameter
 from fastllm.layers.activation import get_activation
 from fastllm.layers.linear import Linear, packed_linear
 
@@ -156,9 +156,7 @@ class SparseMoeBlock(Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.renormalize, self.scoring = renormalize, scoring
         self.renorm_eps, self.scale = float(renorm_eps), float(scale)
-        self.selection_bias = (
-            nn.Parameter(torch.zeros(num_experts), requires_grad=False) if selection_bias else None
-        )
+        self.selection_bias = float32_parameter(torch.zeros(num_experts)) if selection_bias else None
         self.gate = Router(hidden, num_experts, router_bias)
         self.experts = nn.ModuleList(
             ExpertMLP(hidden, intermediate, act, expert_bias, alpha, limit)

@@ -20,6 +20,7 @@ from torch import nn
 
 from fastllm.config import ModelConfig
 from fastllm.engine.model_runner import torch_threads
+from fastllm.layers import load_dtype
 from fastllm.layers.norm import LayerNorm, RMSNorm
 from fastllm.layers.ops import bind_ops, select_ops
 from fastllm.models import get_model_class
@@ -272,15 +273,16 @@ def _checkpoint_state(
     ``streaming``, which may quantize it, when given); nothing is assigned here."""
     state: dict[str, torch.Tensor] = {}
     for pname, shape, spec, names in _plan(model, ckpt):
+        pdtype = load_dtype(model, pname, dtype)
         if len(names) == 1:
             t = _source_tensor(ckpt, names[0], spec)
-            moved = t.to(device=device, dtype=dtype).contiguous()
+            moved = t.to(device=device, dtype=pdtype).contiguous()
             # A tensor read from a safetensors file views the file's memory
             # map, and any one such tensor kept keeps the whole file mapped
             # (and counted in the process RSS): own a copy instead.
             out = moved.clone() if moved.data_ptr() == t.data_ptr() else moved
         else:
-            out = torch.empty(shape, dtype=dtype, device=device)
+            out = torch.empty(shape, dtype=pdtype, device=device)
             offset = 0
             for name in names:
                 t = _source_tensor(ckpt, name, spec)
@@ -304,14 +306,15 @@ def _dummy_state(
     gen = torch.Generator(device="cpu").manual_seed(DUMMY_SEED)
     state: dict[str, torch.Tensor] = {}
     for pname, param in model.named_parameters():
+        pdtype = load_dtype(model, pname, dtype)
         if pname in norm_params:
-            t = torch.ones(param.shape, dtype=dtype, device=device)
+            t = torch.ones(param.shape, dtype=pdtype, device=device)
         elif pname.endswith("bias"):
-            t = torch.zeros(param.shape, dtype=dtype, device=device)
+            t = torch.zeros(param.shape, dtype=pdtype, device=device)
         else:
             t = torch.empty(param.shape, dtype=torch.float32, device="cpu")
             t.normal_(0.0, DUMMY_STD, generator=gen)
-            t = t.to(device=device, dtype=dtype)
+            t = t.to(device=device, dtype=pdtype)
         if streaming is None:
             state[pname] = t
         else:
