@@ -156,7 +156,9 @@ class SparseMoeBlock(Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.renormalize, self.scoring = renormalize, scoring
         self.renorm_eps, self.scale = float(renorm_eps), float(scale)
-        self.selection_bias = float32_parameter(torch.zeros(num_experts)) if selection_bias else None
+        self.selection_bias = (
+            float32_parameter(torch.zeros(num_experts)) if selection_bias else None
+        )
         self.gate = Router(hidden, num_experts, router_bias)
         self.experts = nn.ModuleList(
             ExpertMLP(hidden, intermediate, act, expert_bias, alpha, limit)
