@@ -444,6 +444,7 @@ mod tests {
                 let z = (2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g * g * g);
                 0.5 * g * (1.0 + z.tanh()) * u
             }
+            ExpertAct::Gelu => 0.5 * g * (1.0 + crate::layers::tests::erf64(g / 2f64.sqrt())) * u,
             ExpertAct::SwigluOai { alpha, limit } => {
                 let (a, l) = (alpha as f64, limit as f64);
                 let g = g.min(l);
@@ -503,9 +504,10 @@ mod tests {
         vec![(6, 2, every), (11, 3, spread), (1, 3, decode)]
     }
 
-    const ACTS: [ExpertAct; 3] = [
+    const ACTS: [ExpertAct; 4] = [
         ExpertAct::Silu,
         ExpertAct::GeluTanh,
+        ExpertAct::Gelu,
         ExpertAct::SwigluOai {
             alpha: 1.702,
             limit: 0.8,
