@@ -205,9 +205,16 @@ unsafe fn pass<S: IntSimd, const R: usize, const V: usize, const MIN: bool>(
     let table = S::table(if offset { &t.tables.1 } else { &t.tables.0 });
     let (panel, i) = (t.panel, t.i);
     let tile = &mut *t.tile;
-    for row in tile.iter_mut().take(R) {
-        for v in 0..V {
-            S::store_f32(row.as_mut_ptr().add((v0 + v) * lanes), S::splat_f32(0.0));
+    // One row (batch-1 decode): its sums stay in registers across the
+    // groups, stored once after the last. More rows keep them in the tile
+    // (the registers hold the integer sums; AVX2 has 16).
+    let mut sums = [[S::splat_f32(0.0); V]; R];
+    let in_registers = R == 1;
+    if !in_registers {
+        for row in tile.iter_mut().take(R) {
+            for v in 0..V {
+                S::store_f32(row.as_mut_ptr().add((v0 + v) * lanes), S::splat_f32(0.0));
+            }
         }
     }
     let at = |r: usize, g: usize, off: usize| (i + r) * kp + g * GROUP + off;
@@ -311,11 +318,27 @@ unsafe fn pass<S: IntSimd, const R: usize, const V: usize, const MIN: bool>(
             let sx = S::splat_f32(if MIN { x.d[rg] * x.sum[rg] as f32 } else { 0.0 });
             for v in 0..V {
                 let p = row.as_mut_ptr().add((v0 + v) * lanes);
-                let mut scaled = S::fmadd(S::to_f32(a[v]), S::mul(dw[v], dx), S::load_f32(p));
+                let before = if in_registers {
+                    sums[r][v]
+                } else {
+                    S::load_f32(p)
+                };
+                let mut scaled = S::fmadd(S::to_f32(a[v]), S::mul(dw[v], dx), before);
                 if MIN {
                     scaled = S::fmadd(mw[v], sx, scaled);
                 }
-                S::store_f32(p, scaled);
+                if in_registers {
+                    sums[r][v] = scaled;
+                } else {
+                    S::store_f32(p, scaled);
+                }
+            }
+        }
+    }
+    if in_registers {
+        for (row, s) in tile.iter_mut().zip(&sums) {
+            for v in 0..V {
+                S::store_f32(row.as_mut_ptr().add((v0 + v) * lanes), s[v]);
             }
         }
     }
