@@ -337,8 +337,8 @@ unsafe fn pass<S: IntSimd, const R: usize, const V: usize, const MIN: bool>(
     }
     if in_registers {
         for (row, s) in tile.iter_mut().zip(&sums) {
-            for v in 0..V {
-                S::store_f32(row.as_mut_ptr().add((v0 + v) * lanes), s[v]);
+            for (v, &sv) in s.iter().enumerate() {
+                S::store_f32(row.as_mut_ptr().add((v0 + v) * lanes), sv);
             }
         }
     }
