@@ -190,11 +190,10 @@ def encoder_gated_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor
     projection, ModernBERT's MLP), the activation rounded before the
     product as torch rounds it; the exact GELU on the Rust kernel for
     float32 / bfloat16 rows on the CPU."""
-    act = encoder_activation(name)
-    fused = get_activation(name) is F.gelu
+    act = get_activation(name)
 
     def gated(x: torch.Tensor) -> torch.Tensor:
-        if fused and x.device.type == "cpu" and x.dim() == 2 and x.dtype in _KERNEL_DTYPES:
+        if act is F.gelu and x.device.type == "cpu" and x.dim() == 2 and x.dtype in _KERNEL_DTYPES:
             x = x.contiguous()
             out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
             _core.gelu_and_mul(out, x)
