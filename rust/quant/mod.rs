@@ -335,6 +335,36 @@ mod tests {
     }
 
     #[test]
+    fn extreme_nibbles_and_activations_stay_exact() {
+        // Every 4-bit weight at its largest index (15) against activations
+        // at +-127: the largest pair sums `vpmaddubsw` meets on the paths
+        // without VNNI (2 x 15 x 127, within i16), for tiles of 1 to 3 rows.
+        let (n, k) = (40, 96);
+        let wf: Vec<f32> = (0..n * k)
+            .map(|i| if i % 32 == 0 { -1.0 } else { 0.875 })
+            .collect();
+        for m in 1..=3 {
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| if (i / k) % 2 == 0 { 1.0 } else { -1.0 })
+                .collect();
+            for format in [QuantFormat::Q4_0, QuantFormat::Q4_1] {
+                let w = QuantWeight::quantize(format, Src::F32(&wf), None, n, k).unwrap();
+                let want = reference(&w, &x, m);
+                for path in IntPath::available() {
+                    let mut out = vec![0f32; m * n];
+                    gemm_with_path(path, Dst::F32(&mut out), Src::F32(&x), &w, m).unwrap();
+                    for (idx, (&o, &r)) in out.iter().zip(&want).enumerate() {
+                        assert!(
+                            (o as f64 - r).abs() <= 1e-5 * (1.0 + r.abs()),
+                            "{path:?} {format:?} m={m} at {idx}: {o} vs {r}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn quantized_product_is_close_to_the_float_product() {
         // The end-to-end error of both quantizations against f64 floats.
         let (m, n, k) = (4, 64, 512);
