@@ -548,11 +548,24 @@ impl IntKernel for ScoresI8<'_> {
             let m = (n - t0).min(lanes);
             assert!(at + t0 + lanes <= LANES_PER_ROW);
             let mut ks = [0.0f32; 16];
+            // A whole tile transposes `LANES` dimensions' quads at a time in
+            // registers; what is left (a head size that is not a multiple
+            // of 4 * LANES, a tile's missing keys) byte by byte.
+            let whole = if m == lanes { d4 / lanes * lanes } else { 0 };
+            for i in (0..whole).step_by(lanes) {
+                // SAFETY: inside S's entry point; rows t0..t0 + LANES hold
+                // dwords i..i + LANES (i + LANES <= d4) at stride `stride`,
+                // and tile rows i..i + LANES exist (64-byte aligned).
+                unsafe {
+                    let src = rows.as_ptr().add(t0 * stride + 4 * i) as *const u8;
+                    S::transpose_dwords(src, stride, tile[i..].as_mut_ptr() as *mut u8, flip);
+                }
+            }
             for l in 0..lanes {
                 if l < m {
                     let row = &rows[(t0 + l) * stride..(t0 + l + 1) * stride];
                     ks[l] = row_scale(row, d);
-                    for (i, four) in row[..d].chunks_exact(4).enumerate() {
+                    for (i, four) in row[..d].chunks_exact(4).enumerate().skip(whole) {
                         let b = [four[0] as u8, four[1] as u8, four[2] as u8, four[3] as u8];
                         tile[i].0[l] = u32::from_le_bytes(b) ^ flip;
                     }

@@ -213,6 +213,32 @@ impl<const V: bool> IntSimd for Avx2Int<V> {
     unsafe fn prefetch(p: *const u8) {
         _mm_prefetch::<_MM_HINT_T0>(p as *const i8)
     }
+    #[inline(always)]
+    unsafe fn transpose_dwords(src: *const u8, stride: usize, dst: *mut u8, xor: u32) {
+        // As the AVX-512 one, with two 128-bit lanes to gather.
+        let r: [__m256i; 8] =
+            std::array::from_fn(|l| _mm256_loadu_si256(src.add(l * stride) as *const __m256i));
+        let mut a = [_mm256_setzero_si256(); 8];
+        for i in 0..4 {
+            a[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+            a[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+        }
+        let mut b = [_mm256_setzero_si256(); 8];
+        for j in 0..2 {
+            b[4 * j] = _mm256_unpacklo_epi64(a[4 * j], a[4 * j + 2]);
+            b[4 * j + 1] = _mm256_unpackhi_epi64(a[4 * j], a[4 * j + 2]);
+            b[4 * j + 2] = _mm256_unpacklo_epi64(a[4 * j + 1], a[4 * j + 3]);
+            b[4 * j + 3] = _mm256_unpackhi_epi64(a[4 * j + 1], a[4 * j + 3]);
+        }
+        let x = _mm256_set1_epi32(xor as i32);
+        let out = |col: usize, v: __m256i| {
+            _mm256_store_si256(dst.add(col * 64) as *mut __m256i, _mm256_xor_si256(v, x))
+        };
+        for c in 0..4 {
+            out(c, _mm256_permute2x128_si256::<0x20>(b[c], b[4 + c]));
+            out(4 + c, _mm256_permute2x128_si256::<0x31>(b[c], b[4 + c]));
+        }
+    }
 }
 
 /// The AVX2 entry point of the integer kernels.

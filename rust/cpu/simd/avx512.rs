@@ -187,6 +187,40 @@ impl<const V: bool> IntSimd for Avx512Int<V> {
     unsafe fn prefetch(p: *const u8) {
         _mm_prefetch::<_MM_HINT_T0>(p as *const i8)
     }
+    #[inline(always)]
+    unsafe fn transpose_dwords(src: *const u8, stride: usize, dst: *mut u8, xor: u32) {
+        // Dwords, then pairs of dwords within each 128-bit lane; `b[4j + c]`
+        // then holds, in lane L, column 4L + c of rows 4j..4j + 4, and two
+        // rounds of 128-bit shuffles gather a column's four lanes.
+        let r: [__m512i; 16] =
+            std::array::from_fn(|l| _mm512_loadu_si512(src.add(l * stride) as *const _));
+        let mut a = [_mm512_setzero_si512(); 16];
+        for i in 0..8 {
+            a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+            a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+        }
+        let mut b = [_mm512_setzero_si512(); 16];
+        for j in 0..4 {
+            b[4 * j] = _mm512_unpacklo_epi64(a[4 * j], a[4 * j + 2]);
+            b[4 * j + 1] = _mm512_unpackhi_epi64(a[4 * j], a[4 * j + 2]);
+            b[4 * j + 2] = _mm512_unpacklo_epi64(a[4 * j + 1], a[4 * j + 3]);
+            b[4 * j + 3] = _mm512_unpackhi_epi64(a[4 * j + 1], a[4 * j + 3]);
+        }
+        let x = _mm512_set1_epi32(xor as i32);
+        let out = |col: usize, v: __m512i| {
+            _mm512_store_si512(dst.add(col * 64) as *mut _, _mm512_xor_si512(v, x))
+        };
+        for c in 0..4 {
+            let e0 = _mm512_shuffle_i32x4::<0x44>(b[c], b[4 + c]);
+            let e1 = _mm512_shuffle_i32x4::<0xEE>(b[c], b[4 + c]);
+            let f0 = _mm512_shuffle_i32x4::<0x44>(b[8 + c], b[12 + c]);
+            let f1 = _mm512_shuffle_i32x4::<0xEE>(b[8 + c], b[12 + c]);
+            out(c, _mm512_shuffle_i32x4::<0x88>(e0, f0));
+            out(4 + c, _mm512_shuffle_i32x4::<0xDD>(e0, f0));
+            out(8 + c, _mm512_shuffle_i32x4::<0x88>(e1, f1));
+            out(12 + c, _mm512_shuffle_i32x4::<0xDD>(e1, f1));
+        }
+    }
 }
 
 /// The AVX-512BW entry point of the integer kernels.

@@ -68,6 +68,11 @@ pub trait IntSimd: Copy + 'static {
     unsafe fn store_f32(p: *mut f32, v: Self::F);
     /// Asks the CPU to bring the line at `p` into L1 (never faults).
     unsafe fn prefetch(p: *const u8);
+    /// `LANES` rows of `LANES` dwords transposed, each dword XOR `xor`:
+    /// row `l` is read at `src + l * stride` (any alignment), and dword `i`
+    /// of every row goes to lane `l` of the `i`-th 64-byte aligned line at
+    /// `dst` (lines 64 bytes apart; lanes past `LANES` left alone).
+    unsafe fn transpose_dwords(src: *const u8, stride: usize, dst: *mut u8, xor: u32);
 }
 
 /// A quantized kernel body to run on one integer path; `run` must be
@@ -170,6 +175,45 @@ mod tests {
 
     #[repr(C, align(64))]
     struct Aligned([u8; 64]);
+
+    /// `transpose_dwords` on rows of 68 bytes (an 8-bit cache row of 64
+    /// and its scale), the lines read back as `LANES` dwords each.
+    struct Transpose<'a>(&'a [u8], u32);
+
+    impl IntKernel for Transpose<'_> {
+        type Output = Vec<Vec<u32>>;
+        #[inline(always)]
+        fn run<S: IntSimd>(self) -> Vec<Vec<u32>> {
+            #[repr(C, align(64))]
+            struct Line([u32; 16]);
+            let mut lines: Vec<Line> = (0..S::LANES).map(|_| Line([7; 16])).collect();
+            // SAFETY: inside the path's entry point; `LANES` rows of 68
+            // bytes (>= 4 * LANES) and `LANES` aligned lines of 64 bytes.
+            unsafe {
+                S::transpose_dwords(self.0.as_ptr(), 68, lines.as_mut_ptr() as *mut u8, self.1)
+            };
+            lines.iter().map(|l| l.0[..S::LANES].to_vec()).collect()
+        }
+    }
+
+    #[test]
+    fn every_int_path_transposes_dwords() {
+        let bytes: Vec<u8> = (0..16 * 68).map(|i| (i * 37 % 251) as u8).collect();
+        let dword = |row: usize, i: usize| {
+            let b = &bytes[row * 68 + 4 * i..row * 68 + 4 * i + 4];
+            u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+        };
+        for path in IntPath::available() {
+            for xor in [0, 0x8080_8080] {
+                let lines = dispatch_int(path, Transpose(&bytes, xor));
+                let lanes = lines.len();
+                for (i, line) in lines.iter().enumerate() {
+                    let want: Vec<u32> = (0..lanes).map(|l| dword(l, i) ^ xor).collect();
+                    assert_eq!(line, &want, "{path:?} line {i} xor {xor:x}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn every_int_path_computes_the_same_lanes() {

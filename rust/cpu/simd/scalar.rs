@@ -206,6 +206,15 @@ impl IntSimd for ScalarInt {
     }
     #[inline(always)]
     unsafe fn prefetch(_p: *const u8) {}
+    #[inline(always)]
+    unsafe fn transpose_dwords(src: *const u8, stride: usize, dst: *mut u8, xor: u32) {
+        for l in 0..8 {
+            let row = std::ptr::read_unaligned(src.add(l * stride) as *const [u32; 8]);
+            for (i, &w) in row.iter().enumerate() {
+                (dst.add(i * 64 + l * 4) as *mut u32).write(w ^ xor);
+            }
+        }
+    }
 }
 
 /// The portable entry point of the integer kernels.
