@@ -228,6 +228,7 @@ fn run<T: Element>(
     let shared = SharedOut(out.as_mut_ptr());
     let tables = pack::iq4_nl_tables();
     let serial = m * n * w.k < SERIAL_MACS;
+    let offsets = kernel::group_offsets(w.format, path.has_vnni(), x);
     // A block of rows keeps its int8 activations in L2.
     let rows_in_l2 = crate::gemm::ROW_BLOCK_BYTES / x.kp.max(1);
     crate::gemm::for_each_task(
@@ -250,6 +251,7 @@ fn run<T: Element>(
                         rows,
                         tables: &tables,
                         tile: &mut tile,
+                        offsets: &offsets,
                     };
                     dispatch_int(path, op);
                     // SAFETY: rows i..i + rows x features of panel p belong to
