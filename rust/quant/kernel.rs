@@ -214,7 +214,10 @@ unsafe fn pass<S: IntSimd, const R: usize, const V: usize, const MIN: bool>(
     let offset = S::VNNI;
     let table = S::table(if offset { &t.tables.1 } else { &t.tables.0 });
     let (panel, i) = (t.panel, t.i);
-    assert!(t.offsets.len() >= (i + R) * groups, "offsets: one per row and group");
+    assert!(
+        t.offsets.len() >= (i + R) * groups,
+        "offsets: one per row and group"
+    );
     let tile = &mut *t.tile;
     // The f32 sums are locals across the groups, stored into the tile once
     // after the last: at one row they stay in registers; taller tiles leave
