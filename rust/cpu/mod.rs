@@ -189,17 +189,6 @@ impl IntPath {
         }
     }
 
-    /// Whether the code that runs for this path ([`simd::dispatch_int`]: the
-    /// portable code where the CPU lacks the path) has an exact `u8 x i8`
-    /// dot product (`IntSimd::VNNI`).
-    pub fn has_vnni(self) -> bool {
-        !self.is_available()
-            || matches!(
-                self,
-                IntPath::Scalar | IntPath::AvxVnni | IntPath::Avx512Vnni
-            )
-    }
-
     /// The paths this CPU can run, in the order of `ALL`.
     pub fn available() -> Vec<IntPath> {
         IntPath::ALL

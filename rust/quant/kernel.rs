@@ -125,22 +125,33 @@ pub(super) struct QuantTile<'a> {
     pub(super) rows: usize,
     pub(super) tables: &'a ([u8; 16], [u8; 16]),
     pub(super) tile: &'a mut [[f32; NR]; MAX_ROWS],
-    /// `corr * sum(q)` per row and group ([`group_offsets`]).
+    /// `corr * sum(q)` per row and group ([`GroupOffsets`]).
     pub(super) offsets: &'a [i32],
 }
 
 /// The offset of each row and group that the integer sums start from:
 /// `corr * sum(q)`, where `corr` undoes the weights' unsigned form (`q4_0`
-/// nibbles as stored, `-8`; int8 weights as `w + 128` on the VNNI paths,
-/// `-128`), so the tiles broadcast it from memory.
-pub(super) fn group_offsets(format: QuantFormat, vnni: bool, x: &QuantRows) -> Vec<i32> {
-    let corr = match format {
-        QuantFormat::Q4_0 => -8,
-        QuantFormat::Q4_1 => 0, // its minimum comes in after the group
-        _ if vnni => -128,
-        _ => 0,
-    };
-    x.sum.iter().map(|&s| corr * s).collect()
+/// nibbles as stored, `-8`; int8 weights as `w + 128` where the dot product
+/// is exact, `-128`), so the tiles broadcast it from memory. Run on the
+/// GEMM's path, so that `corr` is that of the code the tiles run.
+pub(super) struct GroupOffsets<'a> {
+    pub(super) format: QuantFormat,
+    pub(super) x: &'a QuantRows,
+}
+
+impl IntKernel for GroupOffsets<'_> {
+    type Output = Vec<i32>;
+
+    #[inline(always)]
+    fn run<S: IntSimd>(self) -> Vec<i32> {
+        let corr = match self.format {
+            QuantFormat::Q4_0 => -8,
+            QuantFormat::Q4_1 => 0, // its minimum comes in after the group
+            _ if S::VNNI => -128,
+            _ => 0,
+        };
+        self.x.sum.iter().map(|&s| corr * s).collect()
+    }
 }
 
 impl IntKernel for QuantTile<'_> {

@@ -228,7 +228,13 @@ fn run<T: Element>(
     let shared = SharedOut(out.as_mut_ptr());
     let tables = pack::iq4_nl_tables();
     let serial = m * n * w.k < SERIAL_MACS;
-    let offsets = kernel::group_offsets(w.format, path.has_vnni(), x);
+    let offsets = dispatch_int(
+        path,
+        kernel::GroupOffsets {
+            format: w.format,
+            x,
+        },
+    );
     // A block of rows keeps its int8 activations in L2.
     let rows_in_l2 = crate::gemm::ROW_BLOCK_BYTES / x.kp.max(1);
     crate::gemm::for_each_task(
