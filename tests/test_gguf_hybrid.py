@@ -59,7 +59,12 @@ from fastllm.layers.quantization import quantize_model  # noqa: E402
 from fastllm.models.loader import load_model  # noqa: E402
 from gguf_models import K_QUANTS, random_k_blocks  # noqa: E402
 from test_gguf import _load_gguf  # noqa: E402
-from test_hybrid_models import CONFIGS, _chunked_then_decode, _close  # noqa: E402
+from test_hybrid_models import (  # noqa: E402
+    CONFIGS,
+    _chunked_then_decode,
+    _close,
+    _expert_biases,
+)
 from test_models import (  # noqa: E402
     _build,
     _one_thread,  # noqa: F401 - the autouse fixture: one torch thread for tiny models
@@ -394,17 +399,10 @@ def test_f32_file_matches_transformers(case, saved, tmp_path):
 def test_expert_bias_stays_float32_in_a_bfloat16_model(saved, tmp_path):
     """LFM2-MoE's ``exp_probs_b.bias`` (float32 in the file) loads bit for bit
     into a bfloat16 model, as the folder's does (transformers keeps it float32)."""
-    from fastllm.layers.moe import SparseMoeBlock
-
     _, ref_model = saved["lfm2_moe"]
     path = write_hybrid_gguf(ref_model, str(tmp_path / "m.gguf"), "lfm2_moe")
     model, _ = _load_gguf(path, torch.bfloat16)
-    theirs = [b for n, b in ref_model.named_buffers() if n.endswith("expert_bias")]
-    ours = [
-        m.selection_bias
-        for m in model.modules()
-        if isinstance(m, SparseMoeBlock) and m.selection_bias is not None
-    ]
+    ours, theirs = _expert_biases(model, ref_model)
     assert theirs and len(ours) == len(theirs)
     # Values bfloat16 would round: the check is not met by zeros.
     assert any(not torch.equal(b, b.bfloat16().float()) for b in theirs)

@@ -179,6 +179,18 @@ def _load(folder: str, rust: bool) -> torch.nn.Module:
     return model
 
 
+def _expert_biases(model, ref_model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The expert-selection biases of a loaded model and of its transformers
+    reference (LFM2-MoE's ``expert_bias`` buffers), in layer order."""
+    ours = [
+        m.selection_bias
+        for m in model.modules()
+        if isinstance(m, SparseMoeBlock) and m.selection_bias is not None
+    ]
+    theirs = [b for n, b in ref_model.named_buffers() if n.endswith("expert_bias")]
+    return ours, theirs
+
+
 def _chunked_then_decode(
     model: torch.nn.Module, seqs: list[list[int]], dtype: torch.dtype = torch.float32
 ) -> list[torch.Tensor]:
@@ -470,12 +482,7 @@ def test_bfloat16_close_to_float32_reference(name: str, rust: bool, saved: dict)
     model = load_model(ModelConfig.from_pretrained(folder), folder, torch.bfloat16, "cpu")
     # LFM2-MoE's expert_bias stays float32 in a bfloat16 model, bit for bit
     # the checkpoint's (transformers keeps that buffer in float32).
-    theirs = [b for n, b in ref_model.named_buffers() if n.endswith("expert_bias")]
-    ours_bias = [
-        m.selection_bias
-        for m in model.modules()
-        if isinstance(m, SparseMoeBlock) and m.selection_bias is not None
-    ]
+    ours_bias, theirs = _expert_biases(model, ref_model)
     assert len(ours_bias) == len(theirs)
     for a, b in zip(ours_bias, theirs, strict=True):
         assert a.dtype == torch.float32 and torch.equal(a, b.float()), (a, b)
