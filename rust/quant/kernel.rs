@@ -14,6 +14,7 @@
 
 use super::{QuantFormat, GROUP, NR};
 use crate::cpu::simd::{IntKernel, IntSimd};
+use crate::cpu::Element;
 
 /// Register tile rows of the integer paths: every path keeps `2 * R`
 /// accumulator vectors (two vectors of features per pass).
@@ -50,10 +51,13 @@ impl QuantRows {
     }
 }
 
-/// Quantizes rows `r0..r1` of `x` (`k` wide, read through `get`) into
-/// `rows`. Plain loops, vectorised by the entry point's features.
-pub(super) struct QuantizeRows<'a, F: Fn(usize) -> f32> {
-    pub(super) get: F,
+/// Quantizes rows `r0..r1` of `x` (`k` wide) into `rows`: per group of 32,
+/// `scale = max|x| / 127` and `q = round_ties_even(x / scale)`. Written as
+/// plain loops over whole groups that the entry point's features vectorise:
+/// bf16 widened by a shift, the maximum taken over the magnitudes' bits
+/// (ordered as the floats are; a NaN counts as 0, as `f32::max` skips it).
+pub(super) struct QuantizeRows<'a, T: Element> {
+    pub(super) x: &'a [T],
     pub(super) k: usize,
     pub(super) r0: usize,
     pub(super) r1: usize,
@@ -63,13 +67,13 @@ pub(super) struct QuantizeRows<'a, F: Fn(usize) -> f32> {
     pub(super) sum: &'a mut [i32],
 }
 
-impl<F: Fn(usize) -> f32> IntKernel for QuantizeRows<'_, F> {
+impl<T: Element> IntKernel for QuantizeRows<'_, T> {
     type Output = ();
 
     #[inline(always)]
     fn run<S: IntSimd>(self) {
         let QuantizeRows {
-            get,
+            x,
             k,
             r0,
             r1,
@@ -80,36 +84,56 @@ impl<F: Fn(usize) -> f32> IntKernel for QuantizeRows<'_, F> {
         } = self;
         let groups = k.div_ceil(GROUP);
         let kp = groups * GROUP;
-        let mut vals = [0f32; GROUP];
+        // A row widened to f32 at once (a loop of run-time length, which
+        // vectorises), zero past `k`.
+        let mut wide = vec![0f32; kp];
         for r in 0..r1 - r0 {
+            let row = &x[(r0 + r) * k..(r0 + r + 1) * k];
+            for (w, e) in wide.iter_mut().zip(row) {
+                *w = e.to_f32();
+            }
             for g in 0..groups {
                 let c0 = g * GROUP;
-                let width = GROUP.min(k - c0);
-                for (c, v) in vals.iter_mut().enumerate() {
-                    *v = if c < width {
-                        get((r0 + r) * k + c0 + c)
-                    } else {
-                        0.0
-                    };
+                let vals: &[f32; GROUP] = wide[c0..c0 + GROUP].try_into().expect("a group");
+                // Lane-wise maxima of the two halves, then across the lanes.
+                let mut lanes = [0u32; GROUP / 2];
+                for half in vals.chunks_exact(GROUP / 2) {
+                    for (m, v) in lanes.iter_mut().zip(half) {
+                        let a = v.to_bits() & 0x7fff_ffff;
+                        *m = (*m).max(if a > 0x7f80_0000 { 0 } else { a });
+                    }
                 }
-                let amax = vals.iter().fold(0f32, |m, v| m.max(v.abs()));
-                let scale = amax / 127.0;
+                let amax_bits = lanes.iter().fold(0u32, |m, &a| m.max(a));
+                let scale = f32::from_bits(amax_bits) / 127.0;
                 let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-                let qs = &mut q[r * kp + c0..r * kp + c0 + GROUP];
-                let ab = &mut abs[r * kp + c0..r * kp + c0 + GROUP];
-                let mut total = 0i32;
-                for (qv, &v) in qs.iter_mut().zip(&vals) {
-                    let i = (v * inv).round_ties_even() as i32;
+                let qs: &mut [i8; GROUP] = (&mut q[r * kp + c0..r * kp + c0 + GROUP])
+                    .try_into()
+                    .expect("a whole group");
+                let mut ints = [0i32; GROUP];
+                for (i, &v) in ints.iter_mut().zip(vals) {
+                    // A NaN becomes 0 and the rest stays in i8's range (a
+                    // subnormal scale can make `inv` infinite), so the
+                    // conversion needs no saturation and vectorises.
+                    let y = (v * inv).round_ties_even();
+                    let y = if y.is_nan() {
+                        0.0
+                    } else {
+                        y.clamp(-127.0, 127.0)
+                    };
+                    // SAFETY: `y` is finite and within i32's range.
+                    *i = unsafe { y.to_int_unchecked::<i32>() };
+                }
+                for (qv, &i) in qs.iter_mut().zip(&ints) {
                     *qv = i as i8;
-                    total += i;
                 }
                 if !S::VNNI {
+                    let ab = &mut abs[r * kp + c0..r * kp + c0 + GROUP];
                     for (av, &qv) in ab.iter_mut().zip(qs.iter()) {
                         *av = qv.unsigned_abs();
                     }
                 }
                 d[r * groups + g] = scale;
-                sum[r * groups + g] = total;
+                sum[r * groups + g] = ints.iter().sum();
             }
         }
     }

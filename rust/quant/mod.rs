@@ -184,7 +184,7 @@ fn quantize_activations(path: IntPath, x: Src<'_>, m: usize, k: usize) -> CoreRe
             Src::F32(s) => dispatch_int(
                 path,
                 QuantizeRows {
-                    get: |i| s[i],
+                    x: s,
                     k,
                     r0,
                     r1,
@@ -197,7 +197,7 @@ fn quantize_activations(path: IntPath, x: Src<'_>, m: usize, k: usize) -> CoreRe
             Src::Bf16(s) => dispatch_int(
                 path,
                 QuantizeRows {
-                    get: |i| s[i].to_f32(),
+                    x: s,
                     k,
                     r0,
                     r1,
@@ -336,6 +336,76 @@ mod tests {
                             (o as f64 - r).abs() <= tol,
                             "{path:?} {format:?} {m}x{n}x{k} at {idx}: {o} vs {r}"
                         );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn activations_quantize_per_group_on_every_path() {
+        // Per group of 32: scale = max|x| / 127 over the values that are not
+        // NaN (a NaN quantizes to 0), q = x / scale rounded to nearest even,
+        // |q| <= 127; bf16 rows as their f32 values; rows past 16 are
+        // quantized on the team.
+        let mut rng = Rng(33);
+        let special = [
+            f32::NAN,
+            f32::INFINITY,
+            -f32::INFINITY,
+            1e-40,
+            -3e-39,
+            0.0,
+            -0.0,
+        ];
+        for &(m, k) in &[(1, 1), (2, 31), (3, 32), (1, 33), (20, 100), (17, 257)] {
+            let mut x: Vec<f32> = (0..m * k).map(|_| rng.f32() * 8.0).collect();
+            for (i, v) in x.iter_mut().enumerate() {
+                if (i / k) % 3 == 1 {
+                    *v *= 1e-39; // subnormal rows: 1 / scale overflows
+                }
+                if i % 13 == 0 {
+                    *v = special[(i / 13) % special.len()];
+                }
+            }
+            let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+            let wide: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
+            for path in IntPath::available() {
+                for (src, vals) in [(Src::F32(&x), &x), (Src::Bf16(&xb), &wide)] {
+                    let rows = quantize_activations(path, src, m, k).unwrap();
+                    for i in 0..m {
+                        for g in 0..k.div_ceil(GROUP) {
+                            let group = &vals[i * k + g * GROUP..i * k + ((g + 1) * GROUP).min(k)];
+                            let amax = group.iter().fold(0f32, |a, v| a.max(v.abs()));
+                            let scale = amax / 127.0;
+                            let at = i * rows.groups + g;
+                            assert_eq!(rows.d[at].to_bits(), scale.to_bits(), "{path:?} scale");
+                            let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+                            let mut total = 0;
+                            for c in 0..GROUP {
+                                let got = rows.q[i * rows.kp + g * GROUP + c];
+                                let want = match group.get(c) {
+                                    Some(&v) if !(v * inv).is_nan() => {
+                                        (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8
+                                    }
+                                    _ => 0,
+                                };
+                                assert_eq!(
+                                    got,
+                                    want,
+                                    "{path:?} {m}x{k} row {i} col {}",
+                                    g * GROUP + c
+                                );
+                                if matches!(path, IntPath::Avx512 | IntPath::Avx2) {
+                                    assert_eq!(
+                                        rows.abs[i * rows.kp + g * GROUP + c],
+                                        got.unsigned_abs()
+                                    );
+                                }
+                                total += got as i32;
+                            }
+                            assert_eq!(rows.sum[at], total, "{path:?} sum");
+                        }
                     }
                 }
             }
