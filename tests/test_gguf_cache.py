@@ -236,3 +236,28 @@ def test_no_room_or_no_directory_skips_the_cache_not_the_load(
     model, report = _load(path)
     assert not report.from_cache
     _assert_equal(_logits(model), ref)
+
+
+def test_panel_file_writer_places_every_part_and_rejects_overlaps(tmp_path):
+    from fastllm import _core
+
+    torch.manual_seed(0)
+    a = _core.QuantizedLinear(torch.randn(64, 96), None, "q4_0")
+    b = _core.QuantizedLinear(torch.randn(40, 64), None, "q8_0")
+    head = b"head bytes"
+    path = tmp_path / "p.panels"
+    at_b = (2 << 20) - 4096  # b crosses the first 2 MiB chunk's end
+    with open(path, "wb") as f:
+        _core.write_panel_file(f.fileno(), head, [(a, 4096), (b, at_b)])
+    data = path.read_bytes()
+    assert len(data) == at_b + b.nbytes
+    assert data[: len(head)] == head and not any(data[len(head) : 4096])
+    assert not any(data[4096 + a.nbytes : at_b])
+    # The same bytes as each layer's own panels (written alone, one call each).
+    for t, at in ((a, 4096), (b, at_b)):
+        alone = tmp_path / "alone.panels"
+        with open(alone, "wb") as f:
+            _core.write_panel_file(f.fileno(), b"", [(t, 0)])
+        assert data[at : at + t.nbytes] == alone.read_bytes()
+    with open(path, "wb") as f, pytest.raises(ValueError, match="overlaps"):
+        _core.write_panel_file(f.fileno(), head, [(a, 4096), (b, 4096 + a.nbytes - 1)])

@@ -481,13 +481,10 @@ class QuantizedLinear:
         bias: torch.Tensor | None = None,
         path: str | None = None,
     ) -> QuantizedLinear:
-        """Adopts panels packed earlier (what ``write_panels`` wrote for a layer of
+        """Adopts panels packed earlier (what ``write_panel_file`` wrote for a layer of
         the same format and shape): a 64-byte aligned uint8 tensor, read where
         it lies (e.g. a view of a mapped file); the layer keeps it, and its
         memory must not change."""
-    def write_panels(self, fd: int, offset: int) -> None:
-        """Writes the layer's ``nbytes`` bytes of panels at ``offset`` of the open
-        file descriptor ``fd``. Releases the GIL."""
     def forward(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """Writes ``x @ weight.T + bias`` into ``out`` [M, out_features] (bf16 or f32);
         x [M, in_features] is quantized to int8 per group of 32. Releases the GIL."""
@@ -583,6 +580,13 @@ def quant_default_path() -> str:
 
 def quant_formats() -> list[str]:
     """Names of the quantized formats."""
+
+def write_panel_file(fd: int, head: bytes, tables: list[tuple[QuantizedLinear, int]]) -> None:
+    """Writes a packed-weight file to the open file descriptor ``fd``: ``head`` at
+    offset 0, then each layer's ``nbytes`` bytes of panels at its offset
+    (increasing, not overlapping; a ValueError otherwise), zeros between them,
+    in whole chunks of 2 MiB at multiples of 2 MiB (so that the page cache
+    keeps the file in huge folios). Releases the GIL."""
 
 def dequantize_gguf(blocks: torch.Tensor, block_type: str, out: torch.Tensor) -> None:
     """Dequantizes GGUF blocks of ``block_type`` (``gguf_block_types()``) from

@@ -106,7 +106,7 @@ linear_class!(PyQuantizedLinear, {
         Ok(PyQuantizedLinear::adopt(inner, path))
     }
 
-    /// Adopts panels packed earlier (`write_panels`' bytes for a layer of
+    /// Adopts panels packed earlier (`write_panel_file`'s bytes for a layer of
     /// the same format and shape): `panels` is a 64-byte aligned uint8
     /// tensor, typically a view of a mapped file, read where it lies. The
     /// layer keeps the tensor, whose memory must not change.
@@ -140,29 +140,6 @@ linear_class!(PyQuantizedLinear, {
             )
         }?;
         Ok(PyQuantizedLinear::adopt(inner, path))
-    }
-
-    /// Writes the layer's panels (`nbytes` bytes) at `offset` of the open
-    /// file `fd`, without the GIL: what `from_panels` adopts.
-    fn write_panels(&self, py: Python<'_>, fd: i32, offset: u64) -> PyResult<()> {
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::FileExt;
-            use std::os::unix::io::FromRawFd;
-            // SAFETY: the file is the caller's and stays open; ManuallyDrop
-            // keeps it from being closed here.
-            let file = std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(fd) });
-            let bytes = self.kernel.weight.panel_bytes();
-            py.detach(|| file.write_all_at(bytes, offset))
-                .map_err(|e| pyo3::exceptions::PyOSError::new_err(format!("write_panels: {e}")))
-        }
-        #[cfg(not(unix))]
-        {
-            let _ = (py, fd, offset);
-            Err(pyo3::exceptions::PyOSError::new_err(
-                "write_panels: needs a Unix system",
-            ))
-        }
     }
 
     /// out [T, in_features] = rows `ids` [T] (int64) of the weight,
@@ -322,11 +299,55 @@ fn quant_formats() -> Vec<&'static str> {
     QuantFormat::ALL.iter().map(|f| f.name()).collect()
 }
 
+/// Writes a packed-weight file to the open file `fd`: `head` at offset 0,
+/// then each layer's panels at its offset (increasing, past the head, not
+/// overlapping), zeros between them; in whole chunks of 2 MiB at multiples
+/// of 2 MiB (the last one cut at the end), without the GIL.
+#[pyfunction]
+fn write_panel_file(
+    py: Python<'_>,
+    fd: i32,
+    head: &[u8],
+    tables: Vec<(PyRef<'_, PyQuantizedLinear>, u64)>,
+) -> PyResult<()> {
+    let mut parts: Vec<(u64, &[u8])> = vec![(0, head)];
+    for (t, offset) in &tables {
+        parts.push((*offset, t.kernel.weight.panel_bytes()));
+    }
+    for w in parts.windows(2) {
+        let end = w[0].0 + w[0].1.len() as u64;
+        if w[1].0 < end {
+            return Err(PyValueError::new_err(format!(
+                "write_panel_file: the table at offset {} overlaps the bytes before it (up to {end})",
+                w[1].0
+            )));
+        }
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileExt;
+        use std::os::unix::io::FromRawFd;
+        // SAFETY: the file is the caller's and stays open; ManuallyDrop
+        // keeps it from being closed here.
+        let file = std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(fd) });
+        py.detach(|| crate::quant::write_chunked(&parts, |at, bytes| file.write_all_at(bytes, at)))
+            .map_err(|e| pyo3::exceptions::PyOSError::new_err(format!("write_panel_file: {e}")))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = (py, fd, parts);
+        Err(pyo3::exceptions::PyOSError::new_err(
+            "write_panel_file: needs a Unix system",
+        ))
+    }
+}
+
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyQuantizedLinear>()?;
     m.add_function(wrap_pyfunction!(quant_paths, m)?)?;
     m.add_function(wrap_pyfunction!(quant_default_path, m)?)?;
     m.add_function(wrap_pyfunction!(quant_formats, m)?)?;
+    m.add_function(wrap_pyfunction!(write_panel_file, m)?)?;
     m.add_function(wrap_pyfunction!(dequantize_gguf, m)?)?;
     m.add_function(wrap_pyfunction!(gguf_block_types, m)?)?;
     m.add_function(wrap_pyfunction!(gguf_strings, m)?)?;

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from fastllm import _core, envs
-from fastllm.gguf.reader import MAP_FLAGS, readonly_tensor
+from fastllm.gguf.reader import map_file, readonly_tensor
 
 logger = logging.getLogger("fastllm")
 
@@ -132,7 +132,7 @@ class PanelCache:
                     return
                 if not all(_entry_ok(e, size - data) for e in entries.values()):
                     return
-                self._map = mmap.mmap(f.fileno(), 0, flags=MAP_FLAGS, prot=mmap.PROT_READ)
+                self._map = map_file(f.fileno())
                 self._entries, self._data = entries, data
         except FileNotFoundError:
             return
@@ -239,10 +239,11 @@ class PanelCache:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 os.ftruncate(fd, total)
-                os.pwrite(fd, head, 0)
                 data = _aligned(len(head))
-                for name, t in tables.items():
-                    t.write_panels(fd, data + layout[name]["offset"])
+                # In whole 2 MiB chunks: the page cache keeps the file in huge
+                # folios, which the next load maps as huge pages.
+                places = [(t, data + layout[name]["offset"]) for name, t in tables.items()]
+                _core.write_panel_file(fd, head, places)
                 os.fsync(fd)
             finally:
                 os.close(fd)
