@@ -35,6 +35,7 @@ use crate::cpu::elem::SharedOut;
 use crate::cpu::simd::dispatch_int;
 use crate::cpu::{Dst, Element, IntPath, Src};
 use crate::error::CoreResult;
+use crate::gemm::StoreTile;
 use kernel::{QuantRows, QuantTile, QuantizeRows, MAX_ROWS};
 
 /// Input features per group (one scale each).
@@ -263,16 +264,10 @@ fn run<T: Element>(
                     // SAFETY: rows i..i + rows x features of panel p belong to
                     // this task only; out holds m * n elements (checked by the
                     // caller).
-                    unsafe {
-                        crate::gemm::store_tile(
-                            shared.ptr(),
-                            &tile[..rows],
-                            w.bias.as_deref(),
-                            i,
-                            n,
-                            p,
-                        )
+                    let store = unsafe {
+                        StoreTile::new(shared.ptr(), &tile[..rows], w.bias.as_deref(), i, n, p)
                     };
+                    dispatch_int(path, store);
                     i += rows;
                 }
             }
