@@ -193,11 +193,12 @@ fn rotate_body<T: Element>(out: &mut [T], x: &[T], cos: &[T], sin: &[T], d: usiz
         let (o2, o3) = o_rest.split_at_mut(half);
         let (x1, x_rest) = xh.split_at(half);
         let (x2, x3) = x_rest.split_at(half);
-        for i in 0..half {
-            let (a, b) = (x1[i].to_f32(), x2[i].to_f32());
-            let (c, s) = (cos[i].to_f32(), sin[i].to_f32());
-            o1[i] = T::from_f32(T::round(a * c) - T::round(b * s));
-            o2[i] = T::from_f32(T::round(b * c) + T::round(a * s));
+        // Zipped (no bounds checks) so that the loop vectorises.
+        let pairs = o1.iter_mut().zip(o2.iter_mut()).zip(x1.iter().zip(x2));
+        for (((p, q), (a, b)), (c, s)) in pairs.zip(cos.iter().zip(&sin[..half])) {
+            let (a, b, c, s) = (a.to_f32(), b.to_f32(), c.to_f32(), s.to_f32());
+            *p = T::from_f32(T::round(a * c) - T::round(b * s));
+            *q = T::from_f32(T::round(b * c) + T::round(a * s));
         }
         o3.copy_from_slice(x3);
     }
