@@ -29,7 +29,7 @@ pub mod gguf;
 mod kernel;
 mod pack;
 
-pub use pack::{write_chunked, QuantWeight, PANEL_FILE_CHUNK};
+pub use pack::{write_chunked, QuantWeight};
 
 use crate::cpu::elem::SharedOut;
 use crate::cpu::simd::dispatch_int;

@@ -483,7 +483,7 @@ pub(super) fn iq4_nl_tables() -> ([u8; 16], [u8; 16]) {
 /// cache keeps a file of panels in huge folios and a later mapping of it
 /// reads them through huge pages (far fewer TLB misses while decode streams
 /// them).
-pub const PANEL_FILE_CHUNK: usize = 2 << 20;
+pub(crate) const PANEL_FILE_CHUNK: usize = 2 << 20;
 
 /// Lays `parts` (offset, bytes; in order, not overlapping) out in chunks of
 /// [`PANEL_FILE_CHUNK`] bytes at multiples of that size, zeros between the
