@@ -559,6 +559,42 @@ mod tests {
     }
 
     #[test]
+    fn reused_activation_buffers_give_what_fresh_ones_give() {
+        // A thread reuses its last call's activation buffers: calls of
+        // other shapes and paths (VNNI or not: `abs` written or not) in
+        // turn on one thread give exactly what each gives on a new thread,
+        // which has no spare buffers.
+        let mut rng = Rng(9);
+        let n = 50;
+        let shapes = [(37, 300), (2, 40), (37, 300), (5, 100), (64, 257), (1, 33)];
+        let calls: Vec<_> = shapes
+            .iter()
+            .flat_map(|&(m, k)| {
+                let x: Vec<f32> = (0..m * k).map(|_| 3.0 * rng.f32()).collect();
+                let wf: Vec<f32> = (0..n * k).map(|_| rng.f32()).collect();
+                let w = QuantWeight::quantize(QuantFormat::Q4_0, Src::F32(&wf), None, n, k);
+                let w = std::sync::Arc::new(w.unwrap());
+                IntPath::available()
+                    .into_iter()
+                    .map(move |path| (path, m, x.clone(), w.clone()))
+            })
+            .collect();
+        let run = move |path: IntPath, m: usize, x: &[f32], w: &QuantWeight| {
+            let mut out = vec![0f32; m * n];
+            gemm_with_path(path, Dst::F32(&mut out), Src::F32(x), w, m).unwrap();
+            out
+        };
+        for (path, m, x, w) in &calls {
+            let here = run(*path, *m, x, w);
+            let (p, m, x, w) = (*path, *m, x.clone(), w.clone());
+            let fresh = std::thread::spawn(move || run(p, m, &x, &w))
+                .join()
+                .unwrap();
+            assert_eq!(here, fresh, "{path:?} m = {m}");
+        }
+    }
+
+    #[test]
     fn bf16_inputs_and_outputs_and_thread_split() {
         let (m, n, k) = (70, 300, 256);
         let mut rng = Rng(2);
