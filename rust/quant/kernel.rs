@@ -39,7 +39,7 @@ pub(super) struct QuantRows {
 
 /// Bytes of activation buffers a thread keeps for its next call: large
 /// calls (prefill, encoder batches) would otherwise fault in and zero fresh
-/// pages for every layer's quantized activations (about 4% of an int8
+/// pages for every layer's quantized activations (about 3% of an int8
 /// BERT-base embedding run in `clear_page` and page faults).
 const SPARE_ROWS_BYTES: usize = 64 << 20;
 
