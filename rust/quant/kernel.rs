@@ -20,17 +20,21 @@ use crate::cpu::Element;
 /// accumulator vectors (two vectors of features per pass).
 pub(super) const MAX_ROWS: usize = 8;
 
-/// The activations of a call, quantized per row in groups of 32.
+/// The activations of a call, quantized per row in groups of 32. The
+/// buffers may be longer than this call's rows (a thread's buffers only
+/// grow, see [`QuantRows::new`]); what lies past them is an earlier call's.
 pub(super) struct QuantRows {
     /// `m` rows of `kp` int8 (zero past `k`).
     pub(super) q: Vec<i8>,
-    /// `|q|` as u8, for the sign trick of `vpmaddubsw` (left zero on the
-    /// paths with an exact dot product, which do not read it).
+    /// `|q|` as u8, for the sign trick of `vpmaddubsw` (left as it was on
+    /// the paths with an exact dot product, which do not read it).
     pub(super) abs: Vec<u8>,
     /// One scale per row and group.
     pub(super) d: Vec<f32>,
     /// `sum(q)` per row and group.
     pub(super) sum: Vec<i32>,
+    /// Rows of this call.
+    pub(super) m: usize,
     /// Bytes per row of `q` and `abs`.
     pub(super) kp: usize,
     /// Groups per row.
@@ -50,57 +54,45 @@ thread_local! {
 
 impl QuantRows {
     /// Buffers for `m` rows of `groups` groups: this thread's spare ones
-    /// when it has them (their old contents stay: every element a call
-    /// reads, `QuantizeRows` writes first), else new ones.
+    /// ([`QuantRows::keep`]) when it has them, else new ones. They only
+    /// grow, so calls of other sizes in turn (a layer's two projections,
+    /// decode after prefill) zero nothing; their old contents stay, and
+    /// every element a call reads `QuantizeRows` writes first.
     pub(super) fn new(m: usize, groups: usize) -> Self {
         let kp = groups * GROUP;
-        let spare = SPARE_ROWS.with(|s| s.borrow_mut().take());
-        let mut rows = spare.unwrap_or(QuantRows {
-            q: Vec::new(),
-            abs: Vec::new(),
-            d: Vec::new(),
-            sum: Vec::new(),
-            kp,
-            groups,
-        });
-        rows.q.resize(m * kp, 0);
-        rows.abs.resize(m * kp, 0);
-        rows.d.resize(m * groups, 0.0);
-        rows.sum.resize(m * groups, 0);
-        rows.kp = kp;
-        rows.groups = groups;
+        let mut rows = SPARE_ROWS
+            .with(|s| s.borrow_mut().take())
+            .unwrap_or(QuantRows {
+                q: Vec::new(),
+                abs: Vec::new(),
+                d: Vec::new(),
+                sum: Vec::new(),
+                m,
+                kp,
+                groups,
+            });
+        grow(&mut rows.q, m * kp, 0);
+        grow(&mut rows.abs, m * kp, 0);
+        grow(&mut rows.d, m * groups, 0.0);
+        grow(&mut rows.sum, m * groups, 0);
+        (rows.m, rows.kp, rows.groups) = (m, kp, groups);
         rows
     }
 
-    fn capacity_bytes(&self) -> usize {
-        self.q.capacity() + self.abs.capacity() + 8 * self.d.capacity().max(self.sum.capacity())
+    /// Keeps the buffers as this thread's spare for its next call, unless
+    /// they are larger than `SPARE_ROWS_BYTES`.
+    pub(super) fn keep(self) {
+        let bytes = self.q.capacity() + self.abs.capacity() + 8 * self.d.capacity();
+        if bytes <= SPARE_ROWS_BYTES {
+            SPARE_ROWS.with(|s| *s.borrow_mut() = Some(self));
+        }
     }
 }
 
-impl Drop for QuantRows {
-    /// Keeps the buffers as this thread's spare when it has none and they
-    /// are at most `SPARE_ROWS_BYTES`.
-    fn drop(&mut self) {
-        if self.q.capacity() == 0 || self.capacity_bytes() > SPARE_ROWS_BYTES {
-            return;
-        }
-        // `try_with`: at a thread's exit the slot may be gone already. The
-        // buffers move only into an empty slot, so a spare dropped later
-        // (at exit) finds its fields empty and stops here.
-        let _ = SPARE_ROWS.try_with(|s| {
-            if let Ok(mut slot) = s.try_borrow_mut() {
-                if slot.is_none() {
-                    *slot = Some(QuantRows {
-                        q: std::mem::take(&mut self.q),
-                        abs: std::mem::take(&mut self.abs),
-                        d: std::mem::take(&mut self.d),
-                        sum: std::mem::take(&mut self.sum),
-                        kp: self.kp,
-                        groups: self.groups,
-                    });
-                }
-            }
-        });
+/// `v` at least `len` long, new elements `fill`.
+fn grow<E: Copy>(v: &mut Vec<E>, len: usize, fill: E) {
+    if v.len() < len {
+        v.resize(len, fill);
     }
 }
 
@@ -227,7 +219,8 @@ impl IntKernel for GroupOffsets<'_> {
             _ if S::VNNI => -128,
             _ => 0,
         };
-        self.x.sum.iter().map(|&s| corr * s).collect()
+        let x = self.x;
+        x.sum[..x.m * x.groups].iter().map(|&s| corr * s).collect()
     }
 }
 

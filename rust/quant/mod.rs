@@ -148,10 +148,12 @@ pub fn gemm_with_path(
         return Ok(());
     }
     let rows = quantize_activations(path, x, m, k)?;
-    match out {
+    let done = match out {
         Dst::Bf16(o) => run(path, o, &rows, w, m),
         Dst::F32(o) => run(path, o, &rows, w, m),
-    }
+    };
+    rows.keep();
+    done
 }
 
 /// The activations as int8 groups, quantized on the team for large calls.
