@@ -17,7 +17,10 @@
 5. Pooling models (with --models naming them): bert-base-random, BertModel
    with BERT-base's shape (12 layers of 768, 12 heads, FFN 3072, 512
    positions; the tokenizer's <|im_start|> / <|im_end|> as CLS / SEP;
-   sentence-transformers files: mean pooling, normalised); qwen3-embed-random,
+   sentence-transformers files: mean pooling, normalised); nomic-embed-random,
+   NomicBertModel with nomic-embed-text-v1.5's shape (12 layers of 768, 12
+   heads, SwiGLU FFN 3072, rotary base 1000, 2048 positions; the same
+   tokenizer and pooling); qwen3-embed-random,
    a Qwen3 base model with Qwen3-Embedding-0.6B's shape (28 layers of 1024,
    16 heads and 8 KV heads of 128, FFN 3072; last-token pooling, normalised),
    saved without a head as Qwen3-Embedding is (config: Qwen3Model). float32 weights.
@@ -64,7 +67,7 @@
    1e-5, tied head, 131072 positions; random bf16 weights, the tokenizer's
    vocabulary. 0.99B parameters: MLPs 0.81B, attention 0.17B (the real
    128256-token embedding would make it 1.24B).
-Usage: python benches/make_bench_model.py [OUT_DIR] [--models=qwen2,tiny,gemma3-1b,phi4-mini,bert-base,qwen3-embed,qwen3-moe,qwen3.5-2b,lfm2-1.2b,llama3.2-1b,qwen3.5-moe,lfm2-moe]
+Usage: python benches/make_bench_model.py [OUT_DIR] [--models=qwen2,tiny,gemma3-1b,phi4-mini,bert-base,nomic-embed,qwen3-embed,qwen3-moe,qwen3.5-2b,lfm2-1.2b,llama3.2-1b,qwen3.5-moe,lfm2-moe]
 (default qwen2,tiny; needs torch, transformers, tokenizers; `pip install "fastllm[bench]"`
 has them)
 """
@@ -105,6 +108,7 @@ TINY_DIR = os.path.join(ROOT, "llama-tiny-random")
 GEMMA3_DIR = os.path.join(ROOT, "gemma3-1b-random")
 PHI4_DIR = os.path.join(ROOT, "phi4-mini-random")
 BERT_DIR = os.path.join(ROOT, "bert-base-random")
+NOMIC_DIR = os.path.join(ROOT, "nomic-embed-random")
 QWEN3_EMBED_DIR = os.path.join(ROOT, "qwen3-embed-random")
 QWEN3_MOE_DIR = os.path.join(ROOT, "qwen3-moe-random")
 QWEN3_5_MOE_DIR = os.path.join(ROOT, "qwen3.5-moe-random")
@@ -437,10 +441,18 @@ def write_sentence_transformers(folder, pooling, dim):
 
 
 def pooling_models(tok, V, eos):
-    """The BERT-base-shaped and Qwen3-Embedding-0.6B-shaped pooling models."""
-    from transformers import BertConfig, BertModel, Qwen3Config, Qwen3Model
+    """The BERT-base-, nomic-embed-text- and Qwen3-Embedding-0.6B-shaped pooling models."""
+    from transformers import (
+        BertConfig,
+        BertModel,
+        NomicBertConfig,
+        NomicBertModel,
+        Qwen3Config,
+        Qwen3Model,
+    )
 
-    if "bert-base" in MODELS:
+    def save_bert_tokenizer(folder, max_len):
+        """The tokenizer with BERT's [CLS] A [SEP] B [SEP] template and token types."""
         cls, sep = (
             tok.convert_tokens_to_ids("<|im_start|>"),
             tok.convert_tokens_to_ids("<|im_end|>"),
@@ -451,6 +463,15 @@ def pooling_models(tok, V, eos):
             pair="<|im_start|> $A <|im_end|> $B:1 <|im_end|>:1",
             special_tokens=[("<|im_start|>", cls), ("<|im_end|>", sep)],
         )
+        PreTrainedTokenizerFast(
+            tokenizer_object=btok,
+            pad_token="<|endoftext|>",
+            cls_token="<|im_start|>",
+            sep_token="<|im_end|>",
+            model_max_length=max_len,
+        ).save_pretrained(folder)
+
+    if "bert-base" in MODELS:
         cfg = BertConfig(
             vocab_size=V,
             hidden_size=768,
@@ -464,14 +485,24 @@ def pooling_models(tok, V, eos):
         model = BertModel(cfg, add_pooling_layer=False)
         print("bert-base params", sum(p.numel() for p in model.parameters()))
         model.save_pretrained(BERT_DIR, safe_serialization=True)
-        PreTrainedTokenizerFast(
-            tokenizer_object=btok,
-            pad_token="<|endoftext|>",
-            cls_token="<|im_start|>",
-            sep_token="<|im_end|>",
-            model_max_length=512,
-        ).save_pretrained(BERT_DIR)
+        save_bert_tokenizer(BERT_DIR, 512)
         write_sentence_transformers(BERT_DIR, "mean", 768)
+    if "nomic-embed" in MODELS:
+        cfg = NomicBertConfig(
+            vocab_size=V,
+            hidden_size=768,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            intermediate_size=3072,
+            max_position_embeddings=2048,
+            pad_token_id=eos,
+        )
+        torch.manual_seed(0)
+        model = NomicBertModel(cfg)
+        print("nomic-embed params", sum(p.numel() for p in model.parameters()))
+        model.save_pretrained(NOMIC_DIR, safe_serialization=True)
+        save_bert_tokenizer(NOMIC_DIR, 2048)
+        write_sentence_transformers(NOMIC_DIR, "mean", 768)
     if "qwen3-embed" in MODELS:
         cfg = Qwen3Config(
             vocab_size=V,

@@ -1,4 +1,4 @@
-"""Encoder models (BERT, RoBERTa, XLM-RoBERTa, ModernBERT) as pooling runners,
+"""Encoder models (BERT, RoBERTa, XLM-RoBERTa, ModernBERT, Nomic BERT) as pooling runners,
 against independent references: sentence-transformers' ``encode`` for
 embeddings (CLS and MEAN pooling, Dense, Normalize), transformers'
 ``*ForSequenceClassification`` for cross-encoder logits on text pairs (its
@@ -160,6 +160,9 @@ def _config(arch: str, ids: dict[str, int], num_labels: int, **extra):
         )
         common.update(extra)
         return transformers.ModernBertConfig(**common)
+    if arch.startswith("NomicBert"):
+        common.update(max_position_embeddings=MAX_LEN, type_vocab_size=2, **extra)
+        return transformers.NomicBertConfig(**common)
     if arch.startswith("Bert"):
         common.update(max_position_embeddings=MAX_LEN, type_vocab_size=2, **extra)
         return transformers.BertConfig(**common)
@@ -170,7 +173,7 @@ def _config(arch: str, ids: dict[str, int], num_labels: int, **extra):
 
 
 def _tokenizer_for(arch: str, out) -> None:
-    if arch.startswith("Bert"):
+    if arch.startswith(("Bert", "NomicBert")):
         _wordpiece(out)
     else:
         _bpe(out, roberta=not arch.startswith("ModernBert"))
@@ -266,6 +269,21 @@ EMBEDDERS = {
         None,
         {"norm_bias": True, "attention_bias": True, "mlp_bias": True},
     ),
+    # nomic-embed-text's shape: mean pooling, normalised; the default rotary base (1000)
+    "nomic-mean-normalize": ("NomicBertModel", {"pooling_mode": "mean"}, True, None, {}),
+    # a masked-LM checkpoint: heads wider than hidden / heads, another rotary base,
+    # a GELU gate
+    "nomic-mlm-cls": (
+        "NomicBertForMaskedLM",
+        _legacy_modes("cls_token"),
+        False,
+        None,
+        {
+            "head_dim": 16,
+            "hidden_act": "gelu",
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+    ),
 }
 
 
@@ -344,6 +362,108 @@ def test_legacy_modernbert_config(tmp_path_factory):
     assert _cosines(got, _reference(folder, texts)).min() >= 0.9999
 
 
+def _release_layout(folder: str, dst) -> str:
+    """``folder`` (a transformers ``NomicBertModel``) rewritten in the layout of
+    nomic-embed-text's original release: its config field names and its
+    tensor names, with q/k/v stacked into ``Wqkv``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    release = {
+        "architectures": ["NomicBertModel"],
+        "model_type": "nomic_bert",
+        "vocab_size": cfg["vocab_size"],
+        "n_embd": cfg["hidden_size"],
+        "n_head": cfg["num_attention_heads"],
+        "n_layer": cfg["num_hidden_layers"],
+        "n_inner": cfg["intermediate_size"],
+        "n_positions": cfg["max_position_embeddings"],
+        "layer_norm_epsilon": cfg["layer_norm_eps"],
+        "type_vocab_size": cfg["type_vocab_size"],
+        "rotary_emb_base": cfg["rope_parameters"]["rope_theta"],
+        "rotary_emb_fraction": 1.0,
+        "rotary_emb_interleaved": False,
+        "rotary_scaling_factor": None,
+        "activation_function": "swiglu",
+        "prenorm": False,
+        "causal": False,
+        "qkv_proj_bias": False,
+        "mlp_fc1_bias": False,
+        "mlp_fc2_bias": False,
+        "pad_token_id": cfg["pad_token_id"],
+    }
+    out = str(dst)
+    for name in os.listdir(folder):
+        if name not in ("config.json", "model.safetensors"):
+            src = os.path.join(folder, name)
+            (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, os.path.join(out, name))
+    json.dump(release, open(os.path.join(out, "config.json"), "w"))
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    renamed = {}
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if parts[0] == "layers":
+            i, rest = parts[1], ".".join(parts[2:])
+            if rest.startswith("self_attn.") and rest[10] in "kv":
+                continue  # stacked with q
+            stem = f"encoder.layers.{i}."
+            if rest.startswith("self_attn.q_proj"):
+                qkv = [tensors[f"layers.{i}.self_attn.{n}_proj.weight"] for n in "qkv"]
+                renamed[stem + "attn.Wqkv.weight"] = torch.cat(qkv)
+                continue
+            for old, new in (
+                ("self_attn.o_proj", "attn.out_proj"),
+                ("mlp.up_proj", "mlp.fc11"),
+                ("mlp.gate_proj", "mlp.fc12"),
+                ("mlp.down_proj", "mlp.fc2"),
+                ("post_attention_layernorm", "norm1"),
+                ("post_mlp_layernorm", "norm2"),
+            ):
+                rest = rest.replace(old, new)
+            renamed[stem + rest] = t
+        else:
+            renamed[name.replace("embeddings.LayerNorm", "emb_ln")] = t
+    save_file(
+        {k: v.contiguous() for k, v in renamed.items()}, os.path.join(out, "model.safetensors")
+    )
+    return out
+
+
+def test_nomic_release_layout(tmp_path_factory):
+    """A checkpoint in the original release's layout (GPT-2-style config
+    names, ``Wqkv``, ``fc11`` / ``fc12`` / ``fc2``, ``norm1`` / ``norm2``,
+    ``emb_ln``) embeds as transformers' model of the same weights; the
+    release's options fastllm does not run are named."""
+    folder = _make(
+        tmp_path_factory,
+        "NomicBertModel",
+        seed=9,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+    )
+    _write_st(folder, {"pooling_mode": "mean"}, normalize=True)
+    release = _release_layout(folder, tmp_path_factory.mktemp("nomic-release"))
+    runner = load_encoder(EngineConfig(model=release))
+    assert runner.encoder.theta == 500.0 and runner.pooler.normalize
+    texts = [*TEXTS, _long_text(runner, MAX_LEN)]
+    got = torch.nn.functional.normalize(
+        torch.stack(runner.pool([runner.tokenize(t) for t in texts])), dim=-1
+    )
+    assert _cosines(got, _reference(folder, texts)).min() >= 0.9999
+    path = os.path.join(release, "config.json")
+    good = json.load(open(path))
+    for key, value in (
+        ("prenorm", True),
+        ("rotary_emb_fraction", 0.5),
+        ("activation_function", "gelu"),
+        ("qkv_proj_bias", True),
+    ):
+        json.dump({**good, key: value}, open(path, "w"))
+        with pytest.raises(ValueError, match=key):
+            load_encoder(EngineConfig(model=release))
+
+
 # ---- cross-encoders ------------------------------------------------------------------
 
 CROSS_ENCODERS = [
@@ -357,6 +477,8 @@ CROSS_ENCODERS = [
         3,
         {"classifier_pooling": "mean", "classifier_bias": True},
     ),
+    ("NomicBertForSequenceClassification", 1, {}),
+    ("NomicBertForSequenceClassification", 3, {"head_dim": 8, "hidden_act": "gelu_pytorch_tanh"}),
 ]
 
 
@@ -372,7 +494,7 @@ def test_cross_encoder_logits_match_transformers(tmp_path_factory, arch, labels,
 
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     firsts, seconds = [a for a, _ in pairs], [b for _, b in pairs]
-    bert = arch.startswith("Bert")
+    bert = arch.startswith(("Bert", "NomicBert"))  # the token-type readers
     enc = tok(firsts, seconds, padding=True, return_tensors="pt", return_token_type_ids=bert)
     for i, (ids, types) in enumerate(batch):  # fastllm's pair encoding is the tokenizer's
         n = int(enc["attention_mask"][i].sum())
@@ -396,7 +518,7 @@ def test_a_model_without_a_head_does_not_classify(tmp_path_factory):
 # ---- quantization and dtypes ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["BertModel", "ModernBertModel"])
+@pytest.mark.parametrize("arch", ["BertModel", "ModernBertModel", "NomicBertModel"])
 def test_int8_weights_stay_close(tmp_path_factory, arch):
     folder = _make(tmp_path_factory, arch, seed=11)
     _write_st(folder, {"pooling_mode": "mean"}, normalize=False, dense=16)
@@ -433,7 +555,12 @@ def test_bfloat16_runs_close(tmp_path_factory):
 
 
 def test_is_encoder_architecture():
-    for arch in ("BertModel", "XLMRobertaForSequenceClassification", "ModernBertModel"):
+    for arch in (
+        "BertModel",
+        "XLMRobertaForSequenceClassification",
+        "ModernBertModel",
+        "NomicBertModel",
+    ):
         assert is_encoder_architecture([arch])
     assert not is_encoder_architecture(["Qwen3ForCausalLM"])
     assert not is_encoder_architecture([])

@@ -243,9 +243,11 @@ class ModelConfig:
         if not isinstance(model_type, str):
             raise ValueError(f"{path}: field 'model_type' is missing or not a string")
         is_gpt2 = model_type == "gpt2"
+        # GPT-2's field names, which the original Nomic BERT release uses too
+        gpt2_names = is_gpt2 or (model_type == "nomic_bert" and "n_embd" in hf)
 
         def get(name: str, default: Any = None, required: bool = True) -> Any:
-            key = _GPT2_NAMES.get(name, name) if is_gpt2 else name
+            key = _GPT2_NAMES.get(name, name) if gpt2_names else name
             value = hf.get(key)
             if value is None and is_gpt2 and name == "max_position_embeddings":
                 value = hf.get("n_ctx")
@@ -283,10 +285,8 @@ class ModelConfig:
                 )
             head_dim = hidden_size // num_heads
         head_dim = positive_int("head_dim", head_dim)
-        default_inner = 4 * hidden_size if is_gpt2 else None
-        intermediate_size = positive_int(
-            "intermediate_size", get("intermediate_size", default=default_inner)
-        )
+        inner = get("intermediate_size", default=4 * hidden_size if gpt2_names else None)
+        intermediate_size = positive_int("intermediate_size", inner)
         max_pos = positive_int("max_position_embeddings", get("max_position_embeddings"))
 
         sliding_window = hf.get("sliding_window")

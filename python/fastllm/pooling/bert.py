@@ -120,9 +120,10 @@ class BertEncoder(Module):
             return self.classifier(torch.tanh(self.pooler(cls)))
         return self.classifier(torch.tanh(self.head_dense(cls)))
 
-    def checkpoint_sources(self, prefix: str) -> dict[str, list[str]]:
+    def checkpoint_sources(self, prefix: str, names: set[str]) -> dict[str, list[str]]:
         """Each parameter's checkpoint tensors (concatenated in order), the
-        encoder's under ``prefix`` (``bert.``, ``roberta.`` or none)."""
+        encoder's under ``prefix`` (``bert.``, ``roberta.`` or none); ``names``: the checkpoint's
+        tensor names (one layout only: not read)."""
         src: dict[str, list[str]] = {}
         emb = f"{prefix}embeddings."
         for name in ("word_embeddings", "position_embeddings", "token_type_embeddings"):

@@ -1,7 +1,7 @@
 """Encoder models as pooling runners: embeddings and cross-encoder scores.
 
-``load_encoder(config)`` builds a BERT, RoBERTa / XLM-RoBERTa or ModernBERT
-encoder (``bert.py``, ``modernbert.py``) from a folder's safetensors, reads
+``load_encoder(config)`` builds a BERT, RoBERTa / XLM-RoBERTa, ModernBERT or
+Nomic BERT encoder (``bert.py``, ``modernbert.py``, ``nomic.py``) from a folder's safetensors, reads
 how it pools (``st_config.py``), and packs or quantizes its linear layers
 for the CPU kernels as ``loading.prepare_for_kernels`` does for decoders.
 ``EncoderRunner`` runs batches packed into one row per token, with no
@@ -25,6 +25,7 @@ from fastllm.models.loader import Checkpoint
 from fastllm.pooling.bert import BERT_ARCHITECTURES, BertEncoder
 from fastllm.pooling.encoder_layers import PackedInputs
 from fastllm.pooling.modernbert import MODERNBERT_ARCHITECTURES, ModernBertEncoder
+from fastllm.pooling.nomic import NOMIC_ARCHITECTURES, NomicBertEncoder
 from fastllm.pooling.runner import PoolerConfig
 from fastllm.pooling.st_config import DenseLayer, read_json, read_st_pooling
 from fastllm.tokenizer import Tokenizer
@@ -32,9 +33,15 @@ from fastllm.tokenizer import Tokenizer
 logger = logging.getLogger("fastllm")
 
 #: every architecture ``load_encoder`` runs
-ENCODER_ARCHITECTURES: tuple[str, ...] = (*BERT_ARCHITECTURES, *MODERNBERT_ARCHITECTURES)
+ENCODER_ARCHITECTURES: tuple[str, ...] = (
+    *BERT_ARCHITECTURES,
+    *MODERNBERT_ARCHITECTURES,
+    *NOMIC_ARCHITECTURES,
+)
 #: checkpoint prefixes of the encoder part (``BertFor*``: ``bert.``, ...)
-_PREFIXES = ("", "bert.", "roberta.", "model.")
+_PREFIXES = ("", "bert.", "roberta.", "model.", "nomic_bert.")
+#: an encoder module of any family
+Encoder = BertEncoder | ModernBertEncoder | NomicBertEncoder
 #: rows per forward pass at most (whole inputs; a longer input runs alone)
 MAX_BATCH_TOKENS = 8192
 #: Forwards of at most this many tokens run with one torch thread
@@ -51,7 +58,7 @@ class EncoderModel(Module):
     """The encoder and the Dense layers after its pooling: one module, so one
     ``prepare_for_kernels`` call packs or quantizes all their linear layers."""
 
-    def __init__(self, encoder: BertEncoder | ModernBertEncoder, dense: list[DenseLayer]) -> None:
+    def __init__(self, encoder: Encoder, dense: list[DenseLayer]) -> None:
         super().__init__()
         self.encoder = encoder
         self.dense = torch.nn.ModuleList(dense)
@@ -224,11 +231,13 @@ def encoder_dtype(dtype: Any, device: str, config_dtype: str | None) -> torch.dt
     return resolve_dtype(dtype, device, config_dtype)
 
 
-def build_encoder(hf: dict[str, Any], architecture: str) -> BertEncoder | ModernBertEncoder:
+def build_encoder(hf: dict[str, Any], architecture: str) -> Encoder:
     """The encoder module of ``architecture``, its parameters on the meta device."""
     with torch.device("meta"):
         if architecture in BERT_ARCHITECTURES:
             return BertEncoder(hf, architecture)
+        if architecture in NOMIC_ARCHITECTURES:
+            return NomicBertEncoder(hf, architecture)
         return ModernBertEncoder(hf, architecture)
 
 
@@ -249,9 +258,7 @@ def encoder_max_len(folder: str, positions: int, requested: int | None) -> int:
     return positions
 
 
-def load_encoder_weights(
-    encoder: BertEncoder | ModernBertEncoder, folder: str, dtype: torch.dtype, device: str
-) -> None:
+def load_encoder_weights(encoder: Encoder, folder: str, dtype: torch.dtype, device: str) -> None:
     """Reads every parameter of ``encoder`` from the folder's safetensors (the
     encoder's tensors under whichever prefix the checkpoint uses; fused
     parameters concatenated), checks every shape first, and assigns them all."""
@@ -260,7 +267,7 @@ def load_encoder_weights(
         prefix = next((p for p in _PREFIXES if p + probe in tensors.location), None)
         if prefix is None:
             raise ValueError(f"{folder}: no tensor {probe!r} (under any of {_PREFIXES})")
-        sources = encoder.checkpoint_sources(prefix)
+        sources = encoder.checkpoint_sources(prefix, set(tensors.location))
         plan = []
         for pname, param in encoder.named_parameters():
             names = [_stored_name(tensors, n) for n in sources[pname]]

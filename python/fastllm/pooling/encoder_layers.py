@@ -187,16 +187,21 @@ def encoder_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def encoder_gated_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """``x [T, 2d] -> act(x[:, :d]) * x[:, d:]`` (a GLU over a fused input/gate
-    projection, ModernBERT's MLP), the activation rounded before the
-    product as torch rounds it; the exact GELU on the Rust kernel for
-    float32 / bfloat16 rows on the CPU."""
+    projection: ModernBERT's GeGLU, Nomic BERT's SwiGLU), the activation
+    rounded before the product as torch rounds it; the exact GELU, SiLU and
+    tanh GELU on the Rust kernels for float32 / bfloat16 rows on the CPU."""
     act = get_activation(name)
+    kernel = {
+        F.gelu: _core.gelu_and_mul,
+        F.silu: _core.silu_and_mul,
+        get_activation("gelu_pytorch_tanh"): _core.gelu_tanh_and_mul,
+    }.get(act)
 
     def gated(x: torch.Tensor) -> torch.Tensor:
-        if act is F.gelu and x.device.type == "cpu" and x.dim() == 2 and x.dtype in _KERNEL_DTYPES:
+        if kernel and x.device.type == "cpu" and x.dim() == 2 and x.dtype in _KERNEL_DTYPES:
             x = x.contiguous()
             out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
-            _core.gelu_and_mul(out, x)
+            kernel(out, x)
             return out
         d = x.shape[-1] // 2
         return act(x[..., :d]) * x[..., d:]

@@ -166,9 +166,10 @@ class ModernBertEncoder(Module):
             pooled = inputs.mean_rows(hidden).to(hidden.dtype)
         return self.classifier(self.head_norm(self.head_act(self.head_dense(pooled))))
 
-    def checkpoint_sources(self, prefix: str) -> dict[str, list[str]]:
+    def checkpoint_sources(self, prefix: str, names: set[str]) -> dict[str, list[str]]:
         """Each parameter's checkpoint tensor, the encoder's under ``prefix``
-        (``model.`` or none)."""
+        (``model.`` or none); ``names``: the checkpoint's tensor names
+        (one layout only: not read)."""
         src = {"tok_embeddings.weight": [f"{prefix}embeddings.tok_embeddings.weight"]}
         for p in ("weight", "bias"):
             src[f"embedding_norm.{p}"] = [f"{prefix}embeddings.norm.{p}"]
