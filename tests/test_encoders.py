@@ -1,4 +1,4 @@
-"""Encoder models (BERT, RoBERTa, XLM-RoBERTa, ModernBERT, Nomic BERT) as pooling runners,
+"""Encoder models (BERT, RoBERTa, XLM-RoBERTa, ModernBERT, Nomic BERT, GTE) as pooling runners,
 against independent references: sentence-transformers' ``encode`` for
 embeddings (CLS and MEAN pooling, Dense, Normalize), transformers'
 ``*ForSequenceClassification`` for cross-encoder logits on text pairs (its
@@ -163,6 +163,9 @@ def _config(arch: str, ids: dict[str, int], num_labels: int, **extra):
     if arch.startswith("NomicBert"):
         common.update(max_position_embeddings=MAX_LEN, type_vocab_size=2, **extra)
         return transformers.NomicBertConfig(**common)
+    if arch.startswith("Gte"):
+        common.update(max_position_embeddings=MAX_LEN, **extra)
+        return transformers.GteConfig(**common)
     if arch.startswith("Bert"):
         common.update(max_position_embeddings=MAX_LEN, type_vocab_size=2, **extra)
         return transformers.BertConfig(**common)
@@ -271,6 +274,16 @@ EMBEDDERS = {
     ),
     # nomic-embed-text's shape: mean pooling, normalised; the default rotary base (1000)
     "nomic-mean-normalize": ("NomicBertModel", {"pooling_mode": "mean"}, True, None, {}),
+    # GTE (gte-multilingual-base's shape): biased attention and down projection,
+    # CLS pooling, one token type; and without token types (gte-base-en-v1.5)
+    "gte-cls-normalize": ("GteModel", _legacy_modes("cls_token"), True, None, {}),
+    "gte-mlm-mean-no-types": (
+        "GteForMaskedLM",
+        {"pooling_mode": "mean"},
+        False,
+        None,
+        {"type_vocab_size": 0, "hidden_act": "silu", "head_dim": 16},
+    ),
     # a masked-LM checkpoint: heads wider than hidden / heads, another rotary base,
     # a GELU gate
     "nomic-mlm-cls": (
@@ -362,106 +375,124 @@ def test_legacy_modernbert_config(tmp_path_factory):
     assert _cosines(got, _reference(folder, texts)).min() >= 0.9999
 
 
-def _release_layout(folder: str, dst) -> str:
-    """``folder`` (a transformers ``NomicBertModel``) rewritten in the layout of
-    nomic-embed-text's original release: its config field names and its
-    tensor names, with q/k/v stacked into ``Wqkv``."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
+def _original_config(folder: str, family: str) -> dict:
+    """``folder``'s config.json (transformers' ``NomicBertModel`` or ``GteModel``)
+    written as the family's original release writes it: nomic-embed-text's
+    GPT-2-style names, or gte-multilingual-base's ``NewModel`` fields."""
     cfg = json.load(open(os.path.join(folder, "config.json")))
-    release = {
-        "architectures": ["NomicBertModel"],
-        "model_type": "nomic_bert",
-        "vocab_size": cfg["vocab_size"],
-        "n_embd": cfg["hidden_size"],
-        "n_head": cfg["num_attention_heads"],
-        "n_layer": cfg["num_hidden_layers"],
-        "n_inner": cfg["intermediate_size"],
-        "n_positions": cfg["max_position_embeddings"],
-        "layer_norm_epsilon": cfg["layer_norm_eps"],
+    theta = cfg["rope_parameters"]["rope_theta"]
+    if family == "nomic":
+        return {
+            "architectures": ["NomicBertModel"],
+            "model_type": "nomic_bert",
+            "vocab_size": cfg["vocab_size"],
+            "n_embd": cfg["hidden_size"],
+            "n_head": cfg["num_attention_heads"],
+            "n_layer": cfg["num_hidden_layers"],
+            "n_inner": cfg["intermediate_size"],
+            "n_positions": cfg["max_position_embeddings"],
+            "layer_norm_epsilon": cfg["layer_norm_eps"],
+            "type_vocab_size": cfg["type_vocab_size"],
+            "rotary_emb_base": theta,
+            "rotary_emb_fraction": 1.0,
+            "rotary_emb_interleaved": False,
+            "rotary_scaling_factor": None,
+            "activation_function": "swiglu",
+            "prenorm": False,
+            "causal": False,
+            "qkv_proj_bias": False,
+            "mlp_fc1_bias": False,
+            "mlp_fc2_bias": False,
+            "pad_token_id": cfg["pad_token_id"],
+        }
+    keep = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+    return {
+        **{k: cfg[k] for k in keep},
+        "architectures": ["NewModel"],
+        "model_type": "new",
+        "intermediate_size": cfg["intermediate_size"],
+        "hidden_act": cfg["hidden_act"],
+        "max_position_embeddings": cfg["max_position_embeddings"],
         "type_vocab_size": cfg["type_vocab_size"],
-        "rotary_emb_base": cfg["rope_parameters"]["rope_theta"],
-        "rotary_emb_fraction": 1.0,
-        "rotary_emb_interleaved": False,
-        "rotary_scaling_factor": None,
-        "activation_function": "swiglu",
-        "prenorm": False,
-        "causal": False,
-        "qkv_proj_bias": False,
-        "mlp_fc1_bias": False,
-        "mlp_fc2_bias": False,
+        "layer_norm_eps": cfg["layer_norm_eps"],
+        "layer_norm_type": "layer_norm",
+        "position_embedding_type": "rope",
+        "rope_theta": theta,
+        "rope_scaling": None,
+        "logn_attention_scale": False,
+        "logn_attention_clip1": False,
+        "pack_qkv": True,
+        "unpad_inputs": False,
         "pad_token_id": cfg["pad_token_id"],
     }
-    out = str(dst)
-    for name in os.listdir(folder):
-        if name not in ("config.json", "model.safetensors"):
-            src = os.path.join(folder, name)
-            (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, os.path.join(out, name))
-    json.dump(release, open(os.path.join(out, "config.json"), "w"))
-    tensors = load_file(os.path.join(folder, "model.safetensors"))
-    renamed = {}
-    for name, t in tensors.items():
-        parts = name.split(".")
-        if parts[0] == "layers":
-            i, rest = parts[1], ".".join(parts[2:])
-            if rest.startswith("self_attn.") and rest[10] in "kv":
-                continue  # stacked with q
-            stem = f"encoder.layers.{i}."
-            if rest.startswith("self_attn.q_proj"):
-                qkv = [tensors[f"layers.{i}.self_attn.{n}_proj.weight"] for n in "qkv"]
-                renamed[stem + "attn.Wqkv.weight"] = torch.cat(qkv)
-                continue
-            for old, new in (
-                ("self_attn.o_proj", "attn.out_proj"),
-                ("mlp.up_proj", "mlp.fc11"),
-                ("mlp.gate_proj", "mlp.fc12"),
-                ("mlp.down_proj", "mlp.fc2"),
-                ("post_attention_layernorm", "norm1"),
-                ("post_mlp_layernorm", "norm2"),
-            ):
-                rest = rest.replace(old, new)
-            renamed[stem + rest] = t
-        else:
-            renamed[name.replace("embeddings.LayerNorm", "emb_ln")] = t
-    save_file(
-        {k: v.contiguous() for k, v in renamed.items()}, os.path.join(out, "model.safetensors")
-    )
-    return out
 
 
-def test_nomic_release_layout(tmp_path_factory):
-    """A checkpoint in the original release's layout (GPT-2-style config
-    names, ``Wqkv``, ``fc11`` / ``fc12`` / ``fc2``, ``norm1`` / ``norm2``,
-    ``emb_ln``) embeds as transformers' model of the same weights; the
-    release's options fastllm does not run are named."""
-    folder = _make(
-        tmp_path_factory,
-        "NomicBertModel",
-        seed=9,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-    )
+@pytest.mark.parametrize(
+    ("arch", "family", "unsupported"),
+    [
+        (
+            "NomicBertModel",
+            "nomic",
+            [
+                ("prenorm", True),
+                ("rotary_emb_fraction", 0.5),
+                ("activation_function", "gelu"),
+                ("qkv_proj_bias", True),
+                ("rotary_scaling_factor", 2.0),
+            ],
+        ),
+        (
+            "GteModel",
+            "gte",
+            [
+                ("rope_scaling", {"type": "ntk", "factor": 2.0}),
+                ("logn_attention_scale", True),
+                ("position_embedding_type", "absolute"),
+            ],
+        ),
+    ],
+)
+def test_rotary_encoders_in_every_layout(tmp_path_factory, arch, family, unsupported):
+    """Nomic BERT and GTE as transformers saves them (the original releases'
+    tensor names), with the original releases' config.json, and as a state
+    dict saved under transformers' module names, all embed as transformers'
+    model of the same weights; the releases' options fastllm does not run
+    are named."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    rope = {"rope_type": "default", "rope_theta": 500.0}
+    folder = _make(tmp_path_factory, arch, seed=9, rope_parameters=rope)
     _write_st(folder, {"pooling_mode": "mean"}, normalize=True)
-    release = _release_layout(folder, tmp_path_factory.mktemp("nomic-release"))
-    runner = load_encoder(EngineConfig(model=release))
-    assert runner.encoder.theta == 500.0 and runner.pooler.normalize
-    texts = [*TEXTS, _long_text(runner, MAX_LEN)]
-    got = torch.nn.functional.normalize(
-        torch.stack(runner.pool([runner.tokenize(t) for t in texts])), dim=-1
-    )
-    assert _cosines(got, _reference(folder, texts)).min() >= 0.9999
-    path = os.path.join(release, "config.json")
-    good = json.load(open(path))
-    for key, value in (
-        ("prenorm", True),
-        ("rotary_emb_fraction", 0.5),
-        ("activation_function", "gelu"),
-        ("qkv_proj_bias", True),
-    ):
-        json.dump({**good, key: value}, open(path, "w"))
+    texts = [*TEXTS[1:4], "a longer text " * 4]
+    want = _reference(folder, texts)
+
+    def check(path: str) -> None:
+        runner = load_encoder(EngineConfig(model=path))
+        assert runner.encoder.theta == 500.0 and runner.pooler.normalize
+        got = torch.stack(runner.pool([runner.tokenize(t) for t in texts]))
+        got = torch.nn.functional.normalize(got, dim=-1)
+        assert _cosines(got, want).min() >= 0.9999, path
+
+    check(folder)
+    original = str(tmp_path_factory.mktemp(f"{family}-original"))
+    shutil.copytree(folder, original, dirs_exist_ok=True)
+    config = os.path.join(original, "config.json")
+    json.dump(_original_config(folder, family), open(config, "w"))
+    check(original)
+    named = str(tmp_path_factory.mktemp(f"{family}-module-names"))
+    shutil.copytree(folder, named, dirs_exist_ok=True)
+    model = getattr(transformers, arch).from_pretrained(folder)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert any(".self_attn.q_proj." in k for k in state)
+    save_file(state, os.path.join(named, "model.safetensors"))
+    check(named)
+    good = json.load(open(config))
+    for key, value in unsupported:
+        json.dump({**good, key: value}, open(config, "w"))
         with pytest.raises(ValueError, match=key):
-            load_encoder(EngineConfig(model=release))
+            load_encoder(EngineConfig(model=original))
 
 
 # ---- cross-encoders ------------------------------------------------------------------
@@ -478,6 +509,8 @@ CROSS_ENCODERS = [
         {"classifier_pooling": "mean", "classifier_bias": True},
     ),
     ("NomicBertForSequenceClassification", 1, {}),
+    ("GteForSequenceClassification", 1, {}),
+    ("GteForSequenceClassification", 2, {"rope_parameters": {"rope_theta": 50.0}}),
     ("NomicBertForSequenceClassification", 3, {"head_dim": 8, "hidden_act": "gelu_pytorch_tanh"}),
 ]
 
@@ -518,7 +551,7 @@ def test_a_model_without_a_head_does_not_classify(tmp_path_factory):
 # ---- quantization and dtypes ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["BertModel", "ModernBertModel", "NomicBertModel"])
+@pytest.mark.parametrize("arch", ["BertModel", "ModernBertModel", "NomicBertModel", "GteModel"])
 def test_int8_weights_stay_close(tmp_path_factory, arch):
     folder = _make(tmp_path_factory, arch, seed=11)
     _write_st(folder, {"pooling_mode": "mean"}, normalize=False, dense=16)
@@ -560,6 +593,7 @@ def test_is_encoder_architecture():
         "XLMRobertaForSequenceClassification",
         "ModernBertModel",
         "NomicBertModel",
+        "GteForSequenceClassification",
     ):
         assert is_encoder_architecture([arch])
     assert not is_encoder_architecture(["Qwen3ForCausalLM"])

@@ -1,7 +1,7 @@
 """Encoder models as pooling runners: embeddings and cross-encoder scores.
 
-``load_encoder(config)`` builds a BERT, RoBERTa / XLM-RoBERTa, ModernBERT or
-Nomic BERT encoder (``bert.py``, ``modernbert.py``, ``nomic.py``) from a folder's safetensors, reads
+``load_encoder(config)`` builds a BERT, RoBERTa / XLM-RoBERTa, ModernBERT,
+Nomic BERT or GTE encoder (``bert.py``, ``modernbert.py``, ``rotary_bert.py``) from a folder's safetensors, reads
 how it pools (``st_config.py``), and packs or quantizes its linear layers
 for the CPU kernels as ``loading.prepare_for_kernels`` does for decoders.
 ``EncoderRunner`` runs batches packed into one row per token, with no
@@ -25,7 +25,7 @@ from fastllm.models.loader import Checkpoint
 from fastllm.pooling.bert import BERT_ARCHITECTURES, BertEncoder
 from fastllm.pooling.encoder_layers import PackedInputs
 from fastllm.pooling.modernbert import MODERNBERT_ARCHITECTURES, ModernBertEncoder
-from fastllm.pooling.nomic import NOMIC_ARCHITECTURES, NomicBertEncoder
+from fastllm.pooling.rotary_bert import ROTARY_BERT_ARCHITECTURES, RotaryBertEncoder
 from fastllm.pooling.runner import PoolerConfig
 from fastllm.pooling.st_config import DenseLayer, read_json, read_st_pooling
 from fastllm.tokenizer import Tokenizer
@@ -36,12 +36,12 @@ logger = logging.getLogger("fastllm")
 ENCODER_ARCHITECTURES: tuple[str, ...] = (
     *BERT_ARCHITECTURES,
     *MODERNBERT_ARCHITECTURES,
-    *NOMIC_ARCHITECTURES,
+    *ROTARY_BERT_ARCHITECTURES,
 )
 #: checkpoint prefixes of the encoder part (``BertFor*``: ``bert.``, ...)
-_PREFIXES = ("", "bert.", "roberta.", "model.", "nomic_bert.")
+_PREFIXES = ("", "bert.", "roberta.", "model.", "nomic_bert.", "gte.", "new.")
 #: an encoder module of any family
-Encoder = BertEncoder | ModernBertEncoder | NomicBertEncoder
+Encoder = BertEncoder | ModernBertEncoder | RotaryBertEncoder
 #: rows per forward pass at most (whole inputs; a longer input runs alone)
 MAX_BATCH_TOKENS = 8192
 #: Forwards of at most this many tokens run with one torch thread
@@ -236,8 +236,8 @@ def build_encoder(hf: dict[str, Any], architecture: str) -> Encoder:
     with torch.device("meta"):
         if architecture in BERT_ARCHITECTURES:
             return BertEncoder(hf, architecture)
-        if architecture in NOMIC_ARCHITECTURES:
-            return NomicBertEncoder(hf, architecture)
+        if architecture in ROTARY_BERT_ARCHITECTURES:
+            return RotaryBertEncoder(hf, architecture)
         return ModernBertEncoder(hf, architecture)
 
 
@@ -283,6 +283,8 @@ def load_encoder_weights(encoder: Encoder, folder: str, dtype: torch.dtype, devi
         for pname, names in plan:
             parts = [tensors.read(n) for n in names]
             t = parts[0] if len(parts) == 1 else torch.cat(parts)
+            if hasattr(encoder, "loaded"):  # a layout the module reorders
+                t = encoder.loaded(pname, t)
             moved = t.to(device=device, dtype=dtype).contiguous()
             # a tensor read from the file views its memory map: own a copy
             state[pname] = moved.clone() if moved.data_ptr() == t.data_ptr() else moved
