@@ -1,4 +1,5 @@
-"""Encoder models (BERT, RoBERTa, XLM-RoBERTa, ModernBERT, Nomic BERT, GTE) as pooling runners,
+"""Encoder models (BERT, RoBERTa, XLM-RoBERTa, DistilBERT, MPNet, ModernBERT, Nomic BERT,
+GTE) as pooling runners,
 against independent references: sentence-transformers' ``encode`` for
 embeddings (CLS and MEAN pooling, Dense, Normalize), transformers'
 ``*ForSequenceClassification`` for cross-encoder logits on text pairs (its
@@ -169,14 +170,21 @@ def _config(arch: str, ids: dict[str, int], num_labels: int, **extra):
     if arch.startswith("Bert"):
         common.update(max_position_embeddings=MAX_LEN, type_vocab_size=2, **extra)
         return transformers.BertConfig(**common)
-    # RoBERTa's positions start after the padding id
-    common.update(max_position_embeddings=ids["pad"] + 1 + MAX_LEN, type_vocab_size=1, **extra)
+    if arch.startswith("DistilBert"):
+        renamed = {"hidden_size": "dim", "num_hidden_layers": "n_layers"}
+        renamed.update(num_attention_heads="n_heads", intermediate_size="hidden_dim")
+        common = {renamed.get(k, k): v for k, v in common.items()}
+        return transformers.DistilBertConfig(**common, max_position_embeddings=MAX_LEN, **extra)
+    # RoBERTa's and MPNet's positions start after the padding id
+    common.update(max_position_embeddings=ids["pad"] + 1 + MAX_LEN, **extra)
+    if arch.startswith("MPNet"):
+        return transformers.MPNetConfig(**common)
     cls = transformers.XLMRobertaConfig if arch.startswith("XLM") else transformers.RobertaConfig
-    return cls(**common)
+    return cls(**common, type_vocab_size=1)
 
 
 def _tokenizer_for(arch: str, out) -> None:
-    if arch.startswith(("Bert", "NomicBert")):
+    if arch.startswith(("Bert", "NomicBert", "DistilBert")):
         _wordpiece(out)
     else:
         _bpe(out, roberta=not arch.startswith("ModernBert"))
@@ -201,7 +209,8 @@ def _write_st(folder: str, pooling: dict, normalize: bool, dense: int | None = N
     modules.append(
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}
     )
-    hidden = json.load(open(os.path.join(folder, "config.json")))["hidden_size"]
+    config = json.load(open(os.path.join(folder, "config.json")))
+    hidden = config.get("hidden_size", config.get("dim"))
     legacy = "word_embedding_dimension" in pooling
     pooling = {**pooling, "word_embedding_dimension" if legacy else "embedding_dimension": hidden}
     os.makedirs(os.path.join(folder, "1_Pooling"), exist_ok=True)
@@ -272,6 +281,11 @@ EMBEDDERS = {
         None,
         {"norm_bias": True, "attention_bias": True, "mlp_bias": True},
     ),
+    # DistilBERT (msmarco-distilbert's setup) and MPNet (all-mpnet-base-v2's: mean,
+    # normalised; and a masked-LM checkpoint pooling CLS)
+    "distilbert-mean": ("DistilBertModel", {"pooling_mode": "mean"}, False, None, {}),
+    "mpnet-mean-normalize": ("MPNetModel", {"pooling_mode": "mean"}, True, None, {}),
+    "mpnet-mlm-cls": ("MPNetForMaskedLM", _legacy_modes("cls_token"), False, None, {}),
     # nomic-embed-text's shape: mean pooling, normalised; the default rotary base (1000)
     "nomic-mean-normalize": ("NomicBertModel", {"pooling_mode": "mean"}, True, None, {}),
     # GTE (gte-multilingual-base's shape): biased attention and down projection,
@@ -508,6 +522,10 @@ CROSS_ENCODERS = [
         3,
         {"classifier_pooling": "mean", "classifier_bias": True},
     ),
+    ("DistilBertForSequenceClassification", 1, {}),
+    ("DistilBertForSequenceClassification", 3, {"activation": "relu"}),
+    ("MPNetForSequenceClassification", 1, {}),
+    ("MPNetForSequenceClassification", 3, {}),
     ("NomicBertForSequenceClassification", 1, {}),
     ("GteForSequenceClassification", 1, {}),
     ("GteForSequenceClassification", 2, {"rope_parameters": {"rope_theta": 50.0}}),
@@ -551,7 +569,9 @@ def test_a_model_without_a_head_does_not_classify(tmp_path_factory):
 # ---- quantization and dtypes ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["BertModel", "ModernBertModel", "NomicBertModel", "GteModel"])
+@pytest.mark.parametrize(
+    "arch", ["BertModel", "ModernBertModel", "NomicBertModel", "GteModel", "MPNetModel"]
+)
 def test_int8_weights_stay_close(tmp_path_factory, arch):
     folder = _make(tmp_path_factory, arch, seed=11)
     _write_st(folder, {"pooling_mode": "mean"}, normalize=False, dense=16)
@@ -594,6 +614,8 @@ def test_is_encoder_architecture():
         "ModernBertModel",
         "NomicBertModel",
         "GteForSequenceClassification",
+        "DistilBertModel",
+        "MPNetForMaskedLM",
     ):
         assert is_encoder_architecture([arch])
     assert not is_encoder_architecture(["Qwen3ForCausalLM"])

@@ -23,6 +23,21 @@ _GPT2_NAMES = {
     "max_position_embeddings": "n_positions",
     "intermediate_size": "n_inner",
 }
+#: DistilBERT's names for the same fields
+DISTILBERT_NAMES = {
+    "hidden_size": "dim",
+    "num_hidden_layers": "n_layers",
+    "num_attention_heads": "n_heads",
+    "intermediate_size": "hidden_dim",
+}
+
+
+def _field_names(model_type: str, hf: dict[str, Any]) -> dict[str, str]:
+    """The config's own names of the fields it names unlike Llama's: GPT-2's
+    (which the original Nomic BERT release uses too) or DistilBERT's."""
+    if model_type == "gpt2" or (model_type == "nomic_bert" and "n_embd" in hf):
+        return _GPT2_NAMES
+    return DISTILBERT_NAMES if model_type == "distilbert" else {}
 
 
 # Multimodal checkpoints whose text part fastllm runs, with the text model's
@@ -243,11 +258,10 @@ class ModelConfig:
         if not isinstance(model_type, str):
             raise ValueError(f"{path}: field 'model_type' is missing or not a string")
         is_gpt2 = model_type == "gpt2"
-        # GPT-2's field names, which the original Nomic BERT release uses too
-        gpt2_names = is_gpt2 or (model_type == "nomic_bert" and "n_embd" in hf)
+        names = _field_names(model_type, hf)
 
         def get(name: str, default: Any = None, required: bool = True) -> Any:
-            key = _GPT2_NAMES.get(name, name) if gpt2_names else name
+            key = names.get(name, name)
             value = hf.get(key)
             if value is None and is_gpt2 and name == "max_position_embeddings":
                 value = hf.get("n_ctx")
@@ -285,7 +299,7 @@ class ModelConfig:
                 )
             head_dim = hidden_size // num_heads
         head_dim = positive_int("head_dim", head_dim)
-        inner = get("intermediate_size", default=4 * hidden_size if gpt2_names else None)
+        inner = get("intermediate_size", default=4 * hidden_size if names else None)
         intermediate_size = positive_int("intermediate_size", inner)
         max_pos = positive_int("max_position_embeddings", get("max_position_embeddings"))
 

@@ -1,22 +1,29 @@
-"""BERT, RoBERTa and XLM-RoBERTa encoders (one model: they differ only in
-their positions, their token types and their classification heads).
+"""BERT, RoBERTa, XLM-RoBERTa, DistilBERT and MPNet encoders (one model: they
+differ in their positions, their token types, their tensor names and their
+classification heads, and MPNet adds a relative position bias).
 
 Word, position and token-type embeddings summed and normalised, then
 post-LayerNorm blocks: fused QKV, bidirectional attention, output projection,
-residual and LayerNorm; GELU MLP, residual and LayerNorm. RoBERTa's
-positions start at ``pad_token_id + 1`` and skip the padding token, as
-transformers counts them. The classification heads: BERT's pooler
-(dense + tanh on the CLS row) then ``classifier``; RoBERTa's
-``classifier.dense`` + tanh + ``classifier.out_proj`` on the CLS row.
+residual and LayerNorm; GELU MLP, residual and LayerNorm. RoBERTa's and
+MPNet's positions start at ``pad_token_id + 1`` and skip the padding token,
+as transformers counts them; DistilBERT and MPNet have no token types.
+MPNet adds to every layer's scores one learned bias per head and bucket of
+relative distance (T5's bidirectional buckets: 32, up to 128 tokens apart).
+The classification heads: BERT's pooler (dense + tanh on the CLS row) then
+``classifier``; RoBERTa's and MPNet's ``classifier.dense`` + tanh +
+``classifier.out_proj`` on the CLS row; DistilBERT's ``pre_classifier`` +
+ReLU + ``classifier``.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import nn
 
+from fastllm.config import DISTILBERT_NAMES
 from fastllm.layers import Module
 from fastllm.layers.linear import Embedding, Linear
 from fastllm.pooling.encoder_layers import (
@@ -37,7 +44,37 @@ BERT_ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "XLMRobertaModel": ("roberta", False),
     "XLMRobertaForMaskedLM": ("roberta", False),
     "XLMRobertaForSequenceClassification": ("roberta", True),
+    "DistilBertModel": ("distilbert", False),
+    "DistilBertForMaskedLM": ("distilbert", False),
+    "DistilBertForSequenceClassification": ("distilbert", True),
+    "MPNetModel": ("mpnet", False),
+    "MPNetForMaskedLM": ("mpnet", False),
+    "MPNetForSequenceClassification": ("mpnet", True),
 }
+
+#: family -> (checkpoint prefix of its ``*For*`` classes, position ids like RoBERTa's)
+_FAMILIES = {
+    "bert": ("bert.", False),
+    "roberta": ("roberta.", True),
+    "distilbert": ("distilbert.", False),
+    "mpnet": ("mpnet.", True),
+}
+#: MPNet's relative-position buckets as transformers computes them (32 buckets,
+#: exact up to 8 tokens apart each way, logarithmic up to 128)
+_MPNET_BUCKETS, _MPNET_MAX_DISTANCE = 32, 128
+
+
+def bert_config(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """The config in BERT's names: DistilBERT's ``dim``, ``n_layers``, ...,
+    ``activation`` translated; no token types for DistilBERT and MPNet."""
+    cfg = dict(hf)
+    if family == "distilbert":
+        for name, theirs in DISTILBERT_NAMES.items():
+            cfg[name] = hf[theirs]
+        cfg["hidden_act"] = hf.get("activation", "gelu")
+    if family in ("distilbert", "mpnet"):
+        cfg["type_vocab_size"] = 0
+    return cfg
 
 
 class BertLayer(Module):
@@ -57,12 +94,13 @@ class BertLayer(Module):
         self.act = encoder_activation(hf.get("hidden_act", "gelu"))
         self.attention = EncoderAttention(heads, hidden // heads)
 
-    def forward(self, x: torch.Tensor, inputs: PackedInputs) -> torch.Tensor:
-        """[T, hidden] -> [T, hidden]."""
+    def forward(self, x: torch.Tensor, inputs: PackedInputs, bias=None) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]; ``bias``: MPNet's relative position bias
+        (``EncoderAttention``'s)."""
         qkv = self.qkv(x)
         h, d, n = self.attention.num_heads, self.attention.head_dim, self.hidden
         q, k, v = (qkv[:, i * n : (i + 1) * n].view(-1, h, d) for i in range(3))
-        x = self.attn_norm(self.attn_out(self.attention(q, k, v, inputs)), residual=x)
+        x = self.attn_norm(self.attn_out(self.attention(q, k, v, inputs, bias)), residual=x)
         return self.out_norm(self.output(self.act(self.intermediate(x))), residual=x)
 
 
@@ -72,45 +110,69 @@ class BertEncoder(Module):
     def __init__(self, hf: dict[str, Any], architecture: str) -> None:
         super().__init__()
         family, has_head = BERT_ARCHITECTURES[architecture]
+        hf = bert_config(hf, family)
         check_bert_config(hf, architecture)
         hidden = hf["hidden_size"]
         self.family = family
         self.hidden_size = hidden
         self.vocab_size = hf["vocab_size"]
-        self.pad_token_id = hf.get("pad_token_id", 1 if family == "roberta" else 0)
+        self.roberta_positions = _FAMILIES[family][1]
+        self.pad_token_id = hf.get("pad_token_id", 1 if self.roberta_positions else 0)
+        if family == "mpnet":
+            self.pad_token_id = 1  # transformers' MPNet counts positions past id 1, always
         self.max_positions = hf["max_position_embeddings"]
-        if family == "roberta":
+        if self.roberta_positions:
             self.max_positions -= self.pad_token_id + 1
         self.word_embeddings = Embedding(hf["vocab_size"], hidden)
         self.position_embeddings = Embedding(hf["max_position_embeddings"], hidden)
-        self.token_type_embeddings = Embedding(hf.get("type_vocab_size", 2), hidden)
+        types = hf.get("type_vocab_size", 2)
+        self.token_type_embeddings = Embedding(types, hidden) if types else None
         self.embedding_norm = EncoderLayerNorm(hidden, hf.get("layer_norm_eps", 1e-12))
         self.layers = nn.ModuleList(BertLayer(hf) for _ in range(hf["num_hidden_layers"]))
+        self.relative_attention_bias = None
+        if family == "mpnet":
+            buckets = hf.get("relative_attention_num_buckets", _MPNET_BUCKETS)
+            self.relative_attention_bias = Embedding(buckets, hf["num_attention_heads"])
         self.num_labels = num_labels(hf) if has_head else None
-        self.pooler = self.head_dense = None
+        self.pooler = self.head_dense = self.pre_classifier = None
         if has_head and family == "bert":
             self.pooler = Linear(hidden, hidden, bias=True)
+        elif has_head and family == "distilbert":
+            self.pre_classifier = Linear(hidden, hidden, bias=True)
         elif has_head:
             self.head_dense = Linear(hidden, hidden, bias=True)
         self.classifier = Linear(hidden, self.num_labels, bias=True) if has_head else None
 
     @property
     def uses_type_ids(self) -> bool:
-        """Whether inputs carry the tokenizer's token types (BERT); RoBERTa reads zeros."""
+        """Whether inputs carry the tokenizer's token types (BERT); RoBERTa reads
+        zeros, DistilBERT and MPNet have none."""
         return self.family == "bert"
 
     def forward(self, inputs: PackedInputs) -> torch.Tensor:
         """Last hidden states [T, hidden] of the packed inputs."""
         positions = inputs.positions
-        if self.family == "roberta":
+        if self.roberta_positions:
             positions = _roberta_positions(inputs, self.pad_token_id)
-        types = inputs.type_ids
-        if types is None:
-            types = torch.zeros_like(inputs.ids)
-        x = self.word_embeddings(inputs.ids) + self.token_type_embeddings(types)
+        x = self.word_embeddings(inputs.ids)
+        if self.token_type_embeddings is not None:
+            types = inputs.type_ids
+            if types is None:
+                types = torch.zeros_like(inputs.ids)
+            x = x + self.token_type_embeddings(types)
         x = self.embedding_norm(x + self.position_embeddings(positions))
+        bias = None
+        if self.relative_attention_bias is not None:
+            table = self.relative_attention_bias.weight
+            biases: dict[int, torch.Tensor] = {}
+
+            def bias(length: int) -> torch.Tensor:
+                if length not in biases:
+                    biases[length] = mpnet_position_bias(table, length)
+                return biases[length]
+
         for layer in self.layers:
-            x = layer(x, inputs)
+            x = layer(x, inputs, bias)
         return x
 
     def classify(self, hidden: torch.Tensor, inputs: PackedInputs) -> torch.Tensor:
@@ -118,29 +180,31 @@ class BertEncoder(Module):
         cls = inputs.first_rows(hidden)
         if self.pooler is not None:
             return self.classifier(torch.tanh(self.pooler(cls)))
+        if self.pre_classifier is not None:
+            return self.classifier(torch.relu(self.pre_classifier(cls)))
         return self.classifier(torch.tanh(self.head_dense(cls)))
 
     def checkpoint_sources(self, prefix: str, names: set[str]) -> dict[str, list[str]]:
         """Each parameter's checkpoint tensors (concatenated in order), the
-        encoder's under ``prefix`` (``bert.``, ``roberta.`` or none); ``names``: the checkpoint's
-        tensor names (one layout only: not read)."""
+        encoder's under ``prefix`` (``bert.``, ``roberta.``, ``distilbert.``,
+        ``mpnet.`` or none); ``names``: the checkpoint's tensor names (one
+        layout a family: not read)."""
         src: dict[str, list[str]] = {}
         emb = f"{prefix}embeddings."
         for name in ("word_embeddings", "position_embeddings", "token_type_embeddings"):
             src[f"{name}.weight"] = [f"{emb}{name}.weight"]
+        src["relative_attention_bias.weight"] = [f"{prefix}encoder.relative_attention_bias.weight"]
         for p in ("weight", "bias"):
             src[f"embedding_norm.{p}"] = [f"{emb}LayerNorm.{p}"]
             for i in range(len(self.layers)):
-                hf, me = f"{prefix}encoder.layer.{i}.", f"layers.{i}."
-                qkv = ("query", "key", "value")
-                src[f"{me}qkv.{p}"] = [f"{hf}attention.self.{n}.{p}" for n in qkv]
-                src[f"{me}attn_out.{p}"] = [f"{hf}attention.output.dense.{p}"]
-                src[f"{me}attn_norm.{p}"] = [f"{hf}attention.output.LayerNorm.{p}"]
-                src[f"{me}intermediate.{p}"] = [f"{hf}intermediate.dense.{p}"]
-                src[f"{me}output.{p}"] = [f"{hf}output.dense.{p}"]
-                src[f"{me}out_norm.{p}"] = [f"{hf}output.LayerNorm.{p}"]
+                me = f"layers.{i}."
+                for mine, theirs in _layer_tensors(self.family, prefix, i).items():
+                    src[f"{me}{mine}.{p}"] = [f"{t}.{p}" for t in theirs]
             if self.pooler is not None:
                 src[f"pooler.{p}"] = [f"{prefix}pooler.dense.{p}"]
+                src[f"classifier.{p}"] = [f"classifier.{p}"]
+            elif self.pre_classifier is not None:
+                src[f"pre_classifier.{p}"] = [f"pre_classifier.{p}"]
                 src[f"classifier.{p}"] = [f"classifier.{p}"]
             elif self.head_dense is not None:
                 src[f"head_dense.{p}"] = [f"classifier.dense.{p}"]
@@ -151,6 +215,57 @@ class BertEncoder(Module):
     def checkpoint_probe() -> str:
         """A tensor every checkpoint of the family has (after its prefix)."""
         return "embeddings.word_embeddings.weight"
+
+
+def _layer_tensors(family: str, prefix: str, i: int) -> dict[str, list[str]]:
+    """Layer ``i``'s parameters -> the checkpoint's tensors (without ``.weight``
+    / ``.bias``), in the family's names."""
+    if family == "distilbert":
+        hf = f"{prefix}transformer.layer.{i}."
+        return {
+            "qkv": [f"{hf}attention.{n}_lin" for n in "qkv"],
+            "attn_out": [f"{hf}attention.out_lin"],
+            "attn_norm": [f"{hf}sa_layer_norm"],
+            "intermediate": [f"{hf}ffn.lin1"],
+            "output": [f"{hf}ffn.lin2"],
+            "out_norm": [f"{hf}output_layer_norm"],
+        }
+    hf = f"{prefix}encoder.layer.{i}."
+    if family == "mpnet":
+        attention = {
+            "qkv": [f"{hf}attention.attn.{n}" for n in "qkv"],
+            "attn_out": [f"{hf}attention.attn.o"],
+            "attn_norm": [f"{hf}attention.LayerNorm"],
+        }
+    else:
+        attention = {
+            "qkv": [f"{hf}attention.self.{n}" for n in ("query", "key", "value")],
+            "attn_out": [f"{hf}attention.output.dense"],
+            "attn_norm": [f"{hf}attention.output.LayerNorm"],
+        }
+    return {
+        **attention,
+        "intermediate": [f"{hf}intermediate.dense"],
+        "output": [f"{hf}output.dense"],
+        "out_norm": [f"{hf}output.LayerNorm"],
+    }
+
+
+def mpnet_position_bias(table: torch.Tensor, length: int) -> torch.Tensor:
+    """MPNet's relative position bias [heads, length, length] of one input
+    from its table [buckets, heads]: key j seen from query i falls in T5's
+    bidirectional bucket of j - i (as transformers computes it: 32 buckets
+    whatever the table's size)."""
+    pos = torch.arange(length, device=table.device)
+    n = pos[:, None] - pos[None, :]  # query - key
+    half = _MPNET_BUCKETS // 2
+    exact = half // 2
+    bucket = (n < 0).to(torch.long) * half
+    n = n.abs()
+    scaled = torch.log(n.clamp(min=1).float() / exact) / math.log(_MPNET_MAX_DISTANCE / exact)
+    large = (exact + (scaled * (half - exact)).to(torch.long)).clamp(max=half - 1)
+    bucket = bucket + torch.where(n < exact, n, large)
+    return table[bucket].permute(2, 0, 1)
 
 
 def _roberta_positions(inputs: PackedInputs, pad: int) -> torch.Tensor:

@@ -39,7 +39,17 @@ ENCODER_ARCHITECTURES: tuple[str, ...] = (
     *ROTARY_BERT_ARCHITECTURES,
 )
 #: checkpoint prefixes of the encoder part (``BertFor*``: ``bert.``, ...)
-_PREFIXES = ("", "bert.", "roberta.", "model.", "nomic_bert.", "gte.", "new.")
+_PREFIXES = (
+    "",
+    "bert.",
+    "roberta.",
+    "distilbert.",
+    "mpnet.",
+    "model.",
+    "nomic_bert.",
+    "gte.",
+    "new.",
+)
 #: an encoder module of any family
 Encoder = BertEncoder | ModernBertEncoder | RotaryBertEncoder
 #: rows per forward pass at most (whole inputs; a longer input runs alone)

@@ -109,12 +109,21 @@ class EncoderAttention:
         self.window = window
 
     def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: PackedInputs
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        inputs: PackedInputs,
+        bias: Callable[[int], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """``q``, ``k``, ``v`` [T, heads, head_dim] (views are fine) → [T, heads * head_dim]."""
+        """``q``, ``k``, ``v`` [T, heads, head_dim] (views are fine) → [T, heads * head_dim].
+        ``bias(length)``: a bias [heads, length, length] added to the scaled
+        scores of an input of that length (MPNet's relative positions; torch's
+        attention then runs on the CPU too)."""
         h, d = self.num_heads, self.head_dim
         out = torch.empty(q.shape[0], h, d, dtype=q.dtype, device=q.device)
-        if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16):
+        cpu = q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+        if cpu and bias is None:
             _core.encoder_attention(out, q, k, v, inputs.lengths, d**-0.5, self.window or 0)
             return out.view(q.shape[0], h * d)
         for first, count, length in inputs.runs:
@@ -122,6 +131,8 @@ class EncoderAttention:
             shape = (count, length, h, d)
             qs, ks, vs = (x[rows].view(shape).transpose(1, 2) for x in (q, k, v))
             mask = self._band(length, q.device)
+            if bias is not None:
+                mask = bias(length).to(q.dtype)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
             out[rows] = o.transpose(1, 2).reshape(count * length, h, d)
         return out.view(q.shape[0], h * d)
