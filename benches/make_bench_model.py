@@ -20,7 +20,10 @@
    sentence-transformers files: mean pooling, normalised); nomic-embed-random,
    NomicBertModel with nomic-embed-text-v1.5's shape (12 layers of 768, 12
    heads, SwiGLU FFN 3072, rotary base 1000, 2048 positions; the same
-   tokenizer and pooling); qwen3-embed-random,
+   tokenizer and pooling); mpnet-base-random, MPNetModel with
+   all-mpnet-base-v2's shape (12 layers of 768, 12 heads, FFN 3072, 514
+   positions, relative position bias; the same tokenizer and pooling);
+   qwen3-embed-random,
    a Qwen3 base model with Qwen3-Embedding-0.6B's shape (28 layers of 1024,
    16 heads and 8 KV heads of 128, FFN 3072; last-token pooling, normalised),
    saved without a head as Qwen3-Embedding is (config: Qwen3Model). float32 weights.
@@ -67,7 +70,7 @@
    1e-5, tied head, 131072 positions; random bf16 weights, the tokenizer's
    vocabulary. 0.99B parameters: MLPs 0.81B, attention 0.17B (the real
    128256-token embedding would make it 1.24B).
-Usage: python benches/make_bench_model.py [OUT_DIR] [--models=qwen2,tiny,gemma3-1b,phi4-mini,bert-base,nomic-embed,qwen3-embed,qwen3-moe,qwen3.5-2b,lfm2-1.2b,llama3.2-1b,qwen3.5-moe,lfm2-moe]
+Usage: python benches/make_bench_model.py [OUT_DIR] [--models=qwen2,tiny,gemma3-1b,phi4-mini,bert-base,nomic-embed,mpnet-base,qwen3-embed,qwen3-moe,qwen3.5-2b,lfm2-1.2b,llama3.2-1b,qwen3.5-moe,lfm2-moe]
 (default qwen2,tiny; needs torch, transformers, tokenizers; `pip install "fastllm[bench]"`
 has them)
 """
@@ -109,6 +112,7 @@ GEMMA3_DIR = os.path.join(ROOT, "gemma3-1b-random")
 PHI4_DIR = os.path.join(ROOT, "phi4-mini-random")
 BERT_DIR = os.path.join(ROOT, "bert-base-random")
 NOMIC_DIR = os.path.join(ROOT, "nomic-embed-random")
+MPNET_DIR = os.path.join(ROOT, "mpnet-base-random")
 QWEN3_EMBED_DIR = os.path.join(ROOT, "qwen3-embed-random")
 QWEN3_MOE_DIR = os.path.join(ROOT, "qwen3-moe-random")
 QWEN3_5_MOE_DIR = os.path.join(ROOT, "qwen3.5-moe-random")
@@ -441,10 +445,13 @@ def write_sentence_transformers(folder, pooling, dim):
 
 
 def pooling_models(tok, V, eos):
-    """The BERT-base-, nomic-embed-text- and Qwen3-Embedding-0.6B-shaped pooling models."""
+    """The BERT-base-, nomic-embed-text-, all-mpnet-base-v2- and
+    Qwen3-Embedding-0.6B-shaped pooling models."""
     from transformers import (
         BertConfig,
         BertModel,
+        MPNetConfig,
+        MPNetModel,
         NomicBertConfig,
         NomicBertModel,
         Qwen3Config,
@@ -503,6 +510,21 @@ def pooling_models(tok, V, eos):
         model.save_pretrained(NOMIC_DIR, safe_serialization=True)
         save_bert_tokenizer(NOMIC_DIR, 2048)
         write_sentence_transformers(NOMIC_DIR, "mean", 768)
+    if "mpnet-base" in MODELS:
+        cfg = MPNetConfig(
+            vocab_size=V,
+            hidden_size=768,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            intermediate_size=3072,
+            max_position_embeddings=514,
+        )
+        torch.manual_seed(0)
+        model = MPNetModel(cfg, add_pooling_layer=False)
+        print("mpnet-base params", sum(p.numel() for p in model.parameters()))
+        model.save_pretrained(MPNET_DIR, safe_serialization=True)
+        save_bert_tokenizer(MPNET_DIR, 512)
+        write_sentence_transformers(MPNET_DIR, "mean", 768)
     if "qwen3-embed" in MODELS:
         cfg = Qwen3Config(
             vocab_size=V,

@@ -18,6 +18,7 @@ ReLU + ``classifier``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,13 +53,8 @@ BERT_ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "MPNetForSequenceClassification": ("mpnet", True),
 }
 
-#: family -> (checkpoint prefix of its ``*For*`` classes, position ids like RoBERTa's)
-_FAMILIES = {
-    "bert": ("bert.", False),
-    "roberta": ("roberta.", True),
-    "distilbert": ("distilbert.", False),
-    "mpnet": ("mpnet.", True),
-}
+#: the families whose position ids count past the padding id, as RoBERTa's do
+_ROBERTA_POSITIONS = ("roberta", "mpnet")
 #: MPNet's relative-position buckets as transformers computes them (32 buckets,
 #: exact up to 8 tokens apart each way, logarithmic up to 128)
 _MPNET_BUCKETS, _MPNET_MAX_DISTANCE = 32, 128
@@ -94,7 +90,12 @@ class BertLayer(Module):
         self.act = encoder_activation(hf.get("hidden_act", "gelu"))
         self.attention = EncoderAttention(heads, hidden // heads)
 
-    def forward(self, x: torch.Tensor, inputs: PackedInputs, bias=None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        inputs: PackedInputs,
+        bias: Callable[[int], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]; ``bias``: MPNet's relative position bias
         (``EncoderAttention``'s)."""
         qkv = self.qkv(x)
@@ -116,7 +117,7 @@ class BertEncoder(Module):
         self.family = family
         self.hidden_size = hidden
         self.vocab_size = hf["vocab_size"]
-        self.roberta_positions = _FAMILIES[family][1]
+        self.roberta_positions = family in _ROBERTA_POSITIONS
         self.pad_token_id = hf.get("pad_token_id", 1 if self.roberta_positions else 0)
         if family == "mpnet":
             self.pad_token_id = 1  # transformers' MPNet counts positions past id 1, always

@@ -1,9 +1,10 @@
 """Encoder models as pooling runners: embeddings and cross-encoder scores.
 
-``load_encoder(config)`` builds a BERT, RoBERTa / XLM-RoBERTa, ModernBERT,
-Nomic BERT or GTE encoder (``bert.py``, ``modernbert.py``, ``rotary_bert.py``) from a folder's safetensors, reads
-how it pools (``st_config.py``), and packs or quantizes its linear layers
-for the CPU kernels as ``loading.prepare_for_kernels`` does for decoders.
+``load_encoder(config)`` builds a BERT, RoBERTa / XLM-RoBERTa, DistilBERT,
+MPNet, ModernBERT, Nomic BERT or GTE encoder (``bert.py``, ``modernbert.py``,
+``rotary_bert.py``) from a folder's safetensors, reads how it pools
+(``st_config.py``), and packs or quantizes its linear layers for the CPU
+kernels as ``loading.prepare_for_kernels`` does for decoders.
 ``EncoderRunner`` runs batches packed into one row per token, with no
 padding and no KV cache (``encoder_layers.py``).
 """
