@@ -133,7 +133,9 @@ def plan_kv_cache(
     per_seq = seq_blocks or (lambda n: -(-n // block_size))
     blocks_per_seq = per_seq(max_model_len)
     wanted = blocks_per_seq * max_num_seqs + 1
-    num_blocks = max(0, min(wanted, budget // block_bytes))
+    # A model without attention layers (a hybrid of recurrent layers only)
+    # keeps nothing in its blocks: every sequence gets its blocks for free.
+    num_blocks = wanted if block_bytes == 0 else max(0, min(wanted, budget // block_bytes))
     # The longest sequence that fits (per_seq grows with n).
     lo, hi = 0, max_model_len
     while lo < hi:
