@@ -1,5 +1,5 @@
 """Encoder models (BERT, RoBERTa, XLM-RoBERTa, DistilBERT, MPNet, ModernBERT, Nomic BERT,
-GTE) as pooling runners,
+GTE, EmbeddingGemma) as pooling runners,
 against independent references: sentence-transformers' ``encode`` for
 embeddings (CLS and MEAN pooling, Dense, Normalize), transformers'
 ``*ForSequenceClassification`` for cross-encoder logits on text pairs (its
@@ -507,6 +507,91 @@ def test_rotary_encoders_in_every_layout(tmp_path_factory, arch, family, unsuppo
         json.dump({**good, key: value}, open(config, "w"))
         with pytest.raises(ValueError, match=key):
             load_encoder(EngineConfig(model=original))
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},  # EmbeddingGemma's shape: 1 KV head, local layers and a global one
+        {
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 24,
+            "query_pre_attn_scalar": 24,
+            "attention_bias": True,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 5000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+        },
+    ],
+)
+def test_embedding_gemma(tmp_path_factory, extra):
+    """EmbeddingGemma (Gemma 3's layers with ``use_bidirectional_attention``,
+    saved as ``Gemma3TextModel``; mean pooling, two Dense layers without
+    biases or activation, normalised, as its sentence-transformers files
+    say) against sentence-transformers, in mixed-length batches whose long
+    inputs exceed the local layers' window; the same folder without the
+    flag stays a generation model."""
+    from sentence_transformers.models import Dense
+
+    out = tmp_path_factory.mktemp("embeddinggemma")
+    _bpe(out, roberta=False)
+    ids = _special_ids(out)
+    shape = dict(
+        vocab_size=ids["vocab"],
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=MAX_LEN,
+        layer_types=[
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+        ],
+        sliding_window=10,
+        use_bidirectional_attention=True,
+        pad_token_id=ids["pad"],
+    )
+    config = transformers.Gemma3TextConfig(**{**shape, **extra})
+    torch.manual_seed(0)
+    model = transformers.Gemma3TextModel(config).eval()
+    _randomize(model, 0)
+    with torch.no_grad():  # Gemma's norms scale by 1 + w: keep w small
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.mul_(0.5)
+    model.save_pretrained(str(out))
+    folder = str(out)
+    _write_st(folder, {"pooling_mode": "mean"}, normalize=True, dense=None)
+    modules = json.load(open(os.path.join(folder, "modules.json")))
+    widths = [(48, 72), (72, 48)]
+    for i, (n_in, n_out) in enumerate(widths):
+        layer = Dense(n_in, n_out, bias=False, activation_function=torch.nn.Identity())
+        _randomize(layer, 20 + i)
+        name = f"{2 + i}_Dense"
+        os.makedirs(os.path.join(folder, name))
+        layer.save(os.path.join(folder, name))
+        modules.insert(2 + i, {"idx": 2 + i, "name": name, "path": name,
+                               "type": "sentence_transformers.models.Dense"})  # fmt: skip
+    for i, m in enumerate(modules):
+        m["idx"] = i
+    json.dump(modules, open(os.path.join(folder, "modules.json"), "w"))
+    runner = load_encoder(EngineConfig(model=folder))
+    assert runner.pooler.normalize and runner.pooler.dimensions == 48
+    texts = [*TEXTS, _long_text(runner, MAX_LEN), _long_text(runner, MAX_LEN // 2)]
+    got = torch.stack(runner.pool([runner.tokenize(t) for t in texts]))
+    got = torch.nn.functional.normalize(got, dim=-1)
+    assert _cosines(got, _reference(folder, texts)).min() >= 0.9999
+    path = os.path.join(folder, "config.json")
+    cfg = json.load(open(path))
+    assert is_encoder_architecture(cfg["architectures"], cfg)
+    cfg["use_bidirectional_attention"] = False
+    assert not is_encoder_architecture(cfg["architectures"], cfg)
 
 
 # ---- cross-encoders ------------------------------------------------------------------

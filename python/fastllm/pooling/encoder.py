@@ -1,8 +1,8 @@
 """Encoder models as pooling runners: embeddings and cross-encoder scores.
 
 ``load_encoder(config)`` builds a BERT, RoBERTa / XLM-RoBERTa, DistilBERT,
-MPNet, ModernBERT, Nomic BERT or GTE encoder (``bert.py``, ``modernbert.py``,
-``rotary_bert.py``) from a folder's safetensors, reads how it pools
+MPNet, ModernBERT, Nomic BERT, GTE or EmbeddingGemma encoder (``bert.py``,
+``modernbert.py``, ``rotary_bert.py``, ``gemma_encoder.py``) from a folder's safetensors, reads how it pools
 (``st_config.py``), and packs or quantizes its linear layers for the CPU
 kernels as ``loading.prepare_for_kernels`` does for decoders.
 ``EncoderRunner`` runs batches packed into one row per token, with no
@@ -25,6 +25,7 @@ from fastllm.layers.linear import Linear
 from fastllm.models.loader import Checkpoint
 from fastllm.pooling.bert import BERT_ARCHITECTURES, BertEncoder
 from fastllm.pooling.encoder_layers import PackedInputs
+from fastllm.pooling.gemma_encoder import GemmaEncoder, is_gemma_encoder
 from fastllm.pooling.modernbert import MODERNBERT_ARCHITECTURES, ModernBertEncoder
 from fastllm.pooling.rotary_bert import ROTARY_BERT_ARCHITECTURES, RotaryBertEncoder
 from fastllm.pooling.runner import PoolerConfig
@@ -52,7 +53,7 @@ _PREFIXES = (
     "new.",
 )
 #: an encoder module of any family
-Encoder = BertEncoder | ModernBertEncoder | RotaryBertEncoder
+Encoder = BertEncoder | ModernBertEncoder | RotaryBertEncoder | GemmaEncoder
 #: rows per forward pass at most (whole inputs; a longer input runs alone)
 MAX_BATCH_TOKENS = 8192
 #: Forwards of at most this many tokens run with one torch thread
@@ -60,8 +61,12 @@ MAX_BATCH_TOKENS = 8192
 SMALL_FORWARD_TOKENS = 2048
 
 
-def is_encoder_architecture(architectures: list[str]) -> bool:
-    """Whether a config.json's ``architectures`` names an encoder ``load_encoder`` runs."""
+def is_encoder_architecture(architectures: list[str], hf: dict[str, Any] | None = None) -> bool:
+    """Whether a config.json (its ``architectures``, and the whole ``hf`` where
+    the architecture alone does not tell: EmbeddingGemma's bidirectional Gemma
+    3) names an encoder ``load_encoder`` runs."""
+    if hf is not None and is_gemma_encoder(architectures, hf):
+        return True
     return bool(architectures) and architectures[0] in ENCODER_ARCHITECTURES
 
 
@@ -214,7 +219,7 @@ def load_encoder(config: EngineConfig) -> EncoderRunner:
         )
     folder = resolve_model_folder(config.model, config.revision, config.download_dir)
     mc = ModelConfig.from_pretrained(folder)
-    if not is_encoder_architecture([mc.architecture]):
+    if not is_encoder_architecture([mc.architecture], mc.hf):
         raise ValueError(
             f"{os.path.join(folder, 'config.json')}: architecture {mc.architecture!r} is not "
             f"an encoder fastllm runs; supported: {', '.join(ENCODER_ARCHITECTURES)}"
@@ -245,6 +250,8 @@ def encoder_dtype(dtype: Any, device: str, config_dtype: str | None) -> torch.dt
 def build_encoder(hf: dict[str, Any], architecture: str) -> Encoder:
     """The encoder module of ``architecture``, its parameters on the meta device."""
     with torch.device("meta"):
+        if is_gemma_encoder([architecture], hf):
+            return GemmaEncoder(hf, architecture)
         if architecture in BERT_ARCHITECTURES:
             return BertEncoder(hf, architecture)
         if architecture in ROTARY_BERT_ARCHITECTURES:

@@ -103,10 +103,14 @@ class EncoderAttention:
     packed batch in one call; elsewhere torch's ``scaled_dot_product_attention``
     runs per run of equal-length inputs."""
 
-    def __init__(self, num_heads: int, head_dim: int, window: int | None = None) -> None:
+    def __init__(
+        self, num_heads: int, head_dim: int, window: int | None = None, scale: float | None = None
+    ) -> None:
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.window = window
+        #: the scores' scale (default ``head_dim ** -0.5``; Gemma's ``query_pre_attn_scalar``)
+        self.scale = head_dim**-0.5 if scale is None else scale
 
     def __call__(
         self,
@@ -124,16 +128,20 @@ class EncoderAttention:
         out = torch.empty(q.shape[0], h, d, dtype=q.dtype, device=q.device)
         cpu = q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
         if cpu and bias is None:
-            _core.encoder_attention(out, q, k, v, inputs.lengths, d**-0.5, self.window or 0)
+            _core.encoder_attention(out, q, k, v, inputs.lengths, self.scale, self.window or 0)
             return out.view(q.shape[0], h * d)
         for first, count, length in inputs.runs:
             rows = slice(first, first + count * length)
             shape = (count, length, h, d)
-            qs, ks, vs = (x[rows].view(shape).transpose(1, 2) for x in (q, k, v))
+            qs = q[rows].view(shape).transpose(1, 2)
+            kv_shape = (count, length, k.shape[1], d)
+            ks, vs = (x[rows].view(kv_shape).transpose(1, 2) for x in (k, v))
             mask = self._band(length, q.device)
             if bias is not None:
                 mask = bias(length).to(q.dtype)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=k.shape[1] != h
+            )
             out[rows] = o.transpose(1, 2).reshape(count * length, h, d)
         return out.view(q.shape[0], h * d)
 

@@ -40,8 +40,8 @@ def is_pooling_folder(config: EngineConfig) -> bool:
     with ``runner="auto"``)."""
     from fastllm.pooling.encoder import is_encoder_architecture
 
-    archs = _folder_config(config)[1].get("architectures") or []
-    return bool(archs) and is_encoder_architecture(list(archs))
+    hf = _folder_config(config)[1]
+    return is_encoder_architecture(list(hf.get("architectures") or []), hf)
 
 
 def _folder_config(config: EngineConfig) -> tuple[str, dict[str, Any]]:
@@ -69,7 +69,7 @@ class PoolingEngine:
 
         #: the model's folder, and its config.json
         self.folder, hf = _folder_config(config)
-        if is_encoder_architecture(list(hf.get("architectures") or [])):
+        if is_encoder_architecture(list(hf.get("architectures") or []), hf):
             self.runner: PoolingRunner = load_encoder(config)
         else:
             from fastllm.pooling.decoder import DecoderRunner
