@@ -23,7 +23,10 @@
    tokenizer and pooling); mpnet-base-random, MPNetModel with
    all-mpnet-base-v2's shape (12 layers of 768, 12 heads, FFN 3072, 514
    positions, relative position bias; the same tokenizer and pooling);
-   qwen3-embed-random,
+   embeddinggemma-random, Gemma3TextModel with EmbeddingGemma-300m's shape
+   and bidirectional attention (24 layers of 768, 3 heads and 1 KV head of
+   256, FFN 1152, local window 512 and every 6th layer global; the bench
+   tokenizer's vocabulary, mean pooling, normalised); qwen3-embed-random,
    a Qwen3 base model with Qwen3-Embedding-0.6B's shape (28 layers of 1024,
    16 heads and 8 KV heads of 128, FFN 3072; last-token pooling, normalised),
    saved without a head as Qwen3-Embedding is (config: Qwen3Model). float32 weights.
@@ -70,7 +73,7 @@
    1e-5, tied head, 131072 positions; random bf16 weights, the tokenizer's
    vocabulary. 0.99B parameters: MLPs 0.81B, attention 0.17B (the real
    128256-token embedding would make it 1.24B).
-Usage: python benches/make_bench_model.py [OUT_DIR] [--models=qwen2,tiny,gemma3-1b,phi4-mini,bert-base,nomic-embed,mpnet-base,qwen3-embed,qwen3-moe,qwen3.5-2b,lfm2-1.2b,llama3.2-1b,qwen3.5-moe,lfm2-moe]
+Usage: python benches/make_bench_model.py [OUT_DIR] [--models=qwen2,tiny,gemma3-1b,phi4-mini,bert-base,nomic-embed,mpnet-base,embeddinggemma,qwen3-embed,qwen3-moe,qwen3.5-2b,lfm2-1.2b,llama3.2-1b,qwen3.5-moe,lfm2-moe]
 (default qwen2,tiny; needs torch, transformers, tokenizers; `pip install "fastllm[bench]"`
 has them)
 """
@@ -113,6 +116,7 @@ PHI4_DIR = os.path.join(ROOT, "phi4-mini-random")
 BERT_DIR = os.path.join(ROOT, "bert-base-random")
 NOMIC_DIR = os.path.join(ROOT, "nomic-embed-random")
 MPNET_DIR = os.path.join(ROOT, "mpnet-base-random")
+EMBEDDINGGEMMA_DIR = os.path.join(ROOT, "embeddinggemma-random")
 QWEN3_EMBED_DIR = os.path.join(ROOT, "qwen3-embed-random")
 QWEN3_MOE_DIR = os.path.join(ROOT, "qwen3-moe-random")
 QWEN3_5_MOE_DIR = os.path.join(ROOT, "qwen3.5-moe-random")
@@ -445,11 +449,13 @@ def write_sentence_transformers(folder, pooling, dim):
 
 
 def pooling_models(tok, V, eos):
-    """The BERT-base-, nomic-embed-text-, all-mpnet-base-v2- and
+    """The BERT-base-, nomic-embed-text-, all-mpnet-base-v2-, EmbeddingGemma- and
     Qwen3-Embedding-0.6B-shaped pooling models."""
     from transformers import (
         BertConfig,
         BertModel,
+        Gemma3TextConfig,
+        Gemma3TextModel,
         MPNetConfig,
         MPNetModel,
         NomicBertConfig,
@@ -525,6 +531,31 @@ def pooling_models(tok, V, eos):
         model.save_pretrained(MPNET_DIR, safe_serialization=True)
         save_bert_tokenizer(MPNET_DIR, 512)
         write_sentence_transformers(MPNET_DIR, "mean", 768)
+    if "embeddinggemma" in MODELS:
+        cfg = Gemma3TextConfig(
+            vocab_size=V,
+            hidden_size=768,
+            intermediate_size=1152,
+            num_hidden_layers=24,
+            num_attention_heads=3,
+            num_key_value_heads=1,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            max_position_embeddings=2048,
+            sliding_window=512,
+            use_bidirectional_attention=True,
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+            pad_token_id=eos,
+        )
+        torch.manual_seed(0)
+        model = Gemma3TextModel(cfg)
+        print("embeddinggemma params", sum(p.numel() for p in model.parameters()))
+        model.save_pretrained(EMBEDDINGGEMMA_DIR, safe_serialization=True)
+        save_bert_tokenizer(EMBEDDINGGEMMA_DIR, 2048)
+        write_sentence_transformers(EMBEDDINGGEMMA_DIR, "mean", 768)
     if "qwen3-embed" in MODELS:
         cfg = Qwen3Config(
             vocab_size=V,
