@@ -484,6 +484,13 @@ def pooling_models(tok, V, eos):
             model_max_length=max_len,
         ).save_pretrained(folder)
 
+    def save_embedder(model, name, folder, max_len):
+        """Saves a BERT-tokenized embedding model: mean pooling, normalised."""
+        print(name, "params", sum(p.numel() for p in model.parameters()))
+        model.save_pretrained(folder, safe_serialization=True)
+        save_bert_tokenizer(folder, max_len)
+        write_sentence_transformers(folder, "mean", model.config.hidden_size)
+
     if "bert-base" in MODELS:
         cfg = BertConfig(
             vocab_size=V,
@@ -511,11 +518,7 @@ def pooling_models(tok, V, eos):
             pad_token_id=eos,
         )
         torch.manual_seed(0)
-        model = NomicBertModel(cfg)
-        print("nomic-embed params", sum(p.numel() for p in model.parameters()))
-        model.save_pretrained(NOMIC_DIR, safe_serialization=True)
-        save_bert_tokenizer(NOMIC_DIR, 2048)
-        write_sentence_transformers(NOMIC_DIR, "mean", 768)
+        save_embedder(NomicBertModel(cfg), "nomic-embed", NOMIC_DIR, 2048)
     if "mpnet-base" in MODELS:
         cfg = MPNetConfig(
             vocab_size=V,
@@ -526,11 +529,7 @@ def pooling_models(tok, V, eos):
             max_position_embeddings=514,
         )
         torch.manual_seed(0)
-        model = MPNetModel(cfg, add_pooling_layer=False)
-        print("mpnet-base params", sum(p.numel() for p in model.parameters()))
-        model.save_pretrained(MPNET_DIR, safe_serialization=True)
-        save_bert_tokenizer(MPNET_DIR, 512)
-        write_sentence_transformers(MPNET_DIR, "mean", 768)
+        save_embedder(MPNetModel(cfg, add_pooling_layer=False), "mpnet-base", MPNET_DIR, 512)
     if "embeddinggemma" in MODELS:
         cfg = Gemma3TextConfig(
             vocab_size=V,
@@ -551,11 +550,7 @@ def pooling_models(tok, V, eos):
             pad_token_id=eos,
         )
         torch.manual_seed(0)
-        model = Gemma3TextModel(cfg)
-        print("embeddinggemma params", sum(p.numel() for p in model.parameters()))
-        model.save_pretrained(EMBEDDINGGEMMA_DIR, safe_serialization=True)
-        save_bert_tokenizer(EMBEDDINGGEMMA_DIR, 2048)
-        write_sentence_transformers(EMBEDDINGGEMMA_DIR, "mean", 768)
+        save_embedder(Gemma3TextModel(cfg), "embeddinggemma", EMBEDDINGGEMMA_DIR, 2048)
     if "qwen3-embed" in MODELS:
         cfg = Qwen3Config(
             vocab_size=V,

@@ -32,6 +32,7 @@ from fastllm.pooling.encoder_layers import (
     EncoderLayerNorm,
     PackedInputs,
     encoder_activation,
+    token_embeddings,
 )
 
 #: architecture -> (family, whether it has a sequence-classification head)
@@ -155,12 +156,7 @@ class BertEncoder(Module):
         positions = inputs.positions
         if self.roberta_positions:
             positions = _roberta_positions(inputs, self.pad_token_id)
-        x = self.word_embeddings(inputs.ids)
-        if self.token_type_embeddings is not None:
-            types = inputs.type_ids
-            if types is None:
-                types = torch.zeros_like(inputs.ids)
-            x = x + self.token_type_embeddings(types)
+        x = token_embeddings(self.word_embeddings, self.token_type_embeddings, inputs)
         x = self.embedding_norm(x + self.position_embeddings(positions))
         bias = None
         if self.relative_attention_bias is not None:

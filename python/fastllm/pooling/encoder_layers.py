@@ -93,6 +93,20 @@ class PackedInputs:
         return sums / lens[:, None]
 
 
+def token_embeddings(
+    words: nn.Module, types: nn.Module | None, inputs: PackedInputs
+) -> torch.Tensor:
+    """Word embeddings plus token-type embeddings ([T, hidden]; a missing
+    ``type_ids`` counts as zeros; ``types`` None: the model has none)."""
+    x = words(inputs.ids)
+    if types is not None:
+        type_ids = inputs.type_ids
+        if type_ids is None:
+            type_ids = torch.zeros_like(inputs.ids)
+        x = x + types(type_ids)
+    return x
+
+
 class EncoderAttention:
     """Bidirectional attention of packed rows, input by input; ``window``: a
     token sees only tokens at most ``window`` positions away (ModernBERT's

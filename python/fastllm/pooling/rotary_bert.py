@@ -36,6 +36,7 @@ from fastllm.pooling.encoder_layers import (
     apply_rotary,
     encoder_gated_activation,
     rotary_tables,
+    token_embeddings,
 )
 
 #: architecture -> (family, whether it has a sequence-classification head);
@@ -203,12 +204,7 @@ class RotaryBertEncoder(Module):
 
     def forward(self, inputs: PackedInputs) -> torch.Tensor:
         """Last hidden states [T, hidden] of the packed inputs."""
-        x = self.word_embeddings(inputs.ids)
-        if self.token_type_embeddings is not None:
-            types = inputs.type_ids
-            if types is None:
-                types = torch.zeros_like(inputs.ids)
-            x = x + self.token_type_embeddings(types)
+        x = token_embeddings(self.word_embeddings, self.token_type_embeddings, inputs)
         x = self.embedding_norm(x)
         rotary = rotary_tables(inputs.positions, self.head_dim, self.theta)
         for layer in self.layers:
