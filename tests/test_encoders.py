@@ -766,3 +766,19 @@ def test_unsupported_modules_are_named(bert_folder, tmp_path):
     (folder / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ValueError, match="LSTM"):
         load_encoder(EngineConfig(model=str(folder)))
+
+
+def test_torch_attention_path_equals_the_kernel():
+    """The torch attention path (a GPU's, and MPNet's biased one) with grouped
+    queries and a score scale other than ``head_dim ** -0.5`` (EmbeddingGemma)
+    gives the Rust kernel's output; a zero bias changes nothing."""
+    from fastllm.pooling.encoder_layers import EncoderAttention, PackedInputs
+
+    torch.manual_seed(0)
+    inputs = PackedInputs.from_batch([(list(range(n)), None) for n in (5, 9, 9, 17)])
+    rows = len(inputs.ids)
+    q, k, v = torch.randn(rows, 6, 16), torch.randn(rows, 2, 16), torch.randn(rows, 2, 16)
+    attention = EncoderAttention(6, 16, scale=0.3)
+    kernel = attention(q, k, v, inputs)
+    torch_path = attention(q, k, v, inputs, bias=lambda n: torch.zeros(6, n, n))
+    torch.testing.assert_close(torch_path, kernel, atol=2e-6, rtol=1e-5)

@@ -150,12 +150,12 @@ class EncoderAttention:
             qs = q[rows].view(shape).transpose(1, 2)
             kv_shape = (count, length, k.shape[1], d)
             ks, vs = (x[rows].view(kv_shape).transpose(1, 2) for x in (k, v))
+            if k.shape[1] != h:  # grouped queries (``enable_gqa`` needs torch 2.5)
+                ks, vs = (x.repeat_interleave(h // k.shape[1], dim=1) for x in (ks, vs))
             mask = self._band(length, q.device)
             if bias is not None:
                 mask = bias(length).to(q.dtype)
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=k.shape[1] != h
-            )
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale)
             out[rows] = o.transpose(1, 2).reshape(count * length, h, d)
         return out.view(q.shape[0], h * d)
 
