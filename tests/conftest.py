@@ -26,6 +26,23 @@ def _gguf_cache_dir(tmp_path_factory):
     yield
 
 
+def fake_disk(monkeypatch, free: int, total: int = 1 << 40) -> None:
+    """Makes the GGUF cache writer see a disk of ``total`` bytes with ``free``
+    free (``fastllm/gguf/cache.py`` skips writing below 10% free), so its
+    tests do not depend on the host's disk."""
+    import shutil
+    from types import SimpleNamespace
+
+    usage = SimpleNamespace(total=total, used=total - free, free=free)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage)
+
+
+@pytest.fixture
+def ample_disk(monkeypatch) -> None:
+    """A disk with room for any cache file (``fake_disk``)."""
+    fake_disk(monkeypatch, free=1 << 40)
+
+
 def _corpus():
     libdir = sysconfig.get_paths()["stdlib"]
     for path in sorted(glob.glob(os.path.join(libdir, "*.py")))[:60]:

@@ -19,6 +19,7 @@ import torch
 pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
+from conftest import fake_disk  # noqa: E402
 from fastllm.config import ModelConfig  # noqa: E402
 from fastllm.gguf.cache import MAGIC, PanelCache, cache_dir, cache_file_exists  # noqa: E402
 from fastllm.gguf.config import hf_config  # noqa: E402
@@ -38,7 +39,7 @@ def folder(tmp_path_factory) -> str:
 
 
 @pytest.fixture
-def cache_root(tmp_path, monkeypatch) -> str:
+def cache_root(tmp_path, monkeypatch, ample_disk) -> str:
     root = str(tmp_path / "cache")
     monkeypatch.setenv("FASTLLM_CACHE_DIR", root)
     monkeypatch.delenv("FASTLLM_GGUF_CACHE", raising=False)
@@ -106,6 +107,21 @@ def test_second_load_maps_the_cache_and_gives_the_same_logits(
     _assert_equal(_logits(first), ref)
     _assert_equal(_logits(second), ref)
     assert [f for f in os.listdir(cache_root) if f.endswith(".tmp")] == []
+
+
+def test_no_cache_is_written_on_a_nearly_full_disk(
+    folder, cache_root, tmp_path, monkeypatch, caplog
+):
+    """Below 10% of the disk free (after the file) the packed weights are not
+    cached: the load works as without a cache, and says why in the log."""
+    path = write_gguf(folder, str(tmp_path / "m.gguf"), "qwen2", "Q8_0")
+    ref = _reference(path, monkeypatch)
+    fake_disk(monkeypatch, free=(1 << 40) // 10, total=1 << 40)
+    with caplog.at_level("INFO", logger="fastllm"):
+        model, report = _load(path)
+    assert not report.from_cache and not os.path.exists(report.cache)
+    assert "too little free disk space" in caplog.text
+    _assert_equal(_logits(model), ref)
 
 
 def test_a_changed_file_never_meets_the_old_cache(folder, cache_root, tmp_path, monkeypatch):

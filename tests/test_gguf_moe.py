@@ -463,7 +463,7 @@ def test_llm_greedy_tokens_from_a_moe_file(saved, tmp_path):
     check_greedy_generation(path, ref_model, "qwen3_moe")
 
 
-def test_packed_weight_cache_maps_the_experts(saved, tmp_path, monkeypatch):
+def test_packed_weight_cache_maps_the_experts(saved, tmp_path, monkeypatch, ample_disk):
     """The second load of a quantized MoE file maps every expert's panels
     from the cache (keyed by parameter name) and gives the same logits."""
     monkeypatch.setenv("FASTLLM_CACHE_DIR", str(tmp_path / "cache"))
