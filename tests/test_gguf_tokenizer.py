@@ -532,7 +532,7 @@ def _broken(meta: dict, **changes) -> dict:
         ("gpt2", {"tokenizer__ggml__model": None}, "tokenizer.ggml.model", "no"),
         ("gpt2", {"tokenizer__ggml__merges": None}, "tokenizer.ggml.merges", "required"),
         ("spm", {"tokenizer__ggml__scores": None}, "tokenizer.ggml.scores", "required"),
-        ("gpt2", {"tokenizer__ggml__model": "bert"}, "tokenizer.ggml.model", "'bert'"),
+        ("gpt2", {"tokenizer__ggml__model": "rwkv"}, "tokenizer.ggml.model", "'rwkv'"),
         ("gpt2", {"tokenizer__ggml__model": "rwkv"}, "tokenizer.ggml.model", "gpt2, llama"),
         ("gpt2", {"tokenizer__ggml__pre": "made-up"}, "tokenizer.ggml.pre", "'made-up'"),
         ("gpt2", {"tokenizer__ggml__token_type": [1, 1]}, "tokenizer.ggml.token_type", "2 entries"),

@@ -59,6 +59,17 @@ def is_gguf_file(model: str) -> bool:
     return isinstance(model, str) and model.lower().endswith(".gguf") and not os.path.isdir(model)
 
 
+def gguf_encoder_config(model: str) -> dict[str, Any] | None:
+    """The config.json dict of the text encoder in GGUF file ``model`` (its
+    header only is read; None when the file holds a decoder); a GGUFError
+    naming the key for an encoder file fastllm cannot configure."""
+    from fastllm.gguf.encoder import encoder_config, is_encoder_file
+    from fastllm.gguf.reader import GGUFFile
+
+    with GGUFFile(model, populate=False) as gguf:
+        return encoder_config(gguf) if is_encoder_file(gguf) else None
+
+
 def resolve_model_folder(
     model: str, revision: str | None = None, download_dir: str | None = None
 ) -> str:

@@ -36,6 +36,12 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "lfm2": ("Lfm2ForCausalLM", "lfm2"),
     "lfm2moe": ("Lfm2MoeForCausalLM", "lfm2_moe"),
 }
+# general.architecture -> the Hugging Face text encoder it loads as
+# (``gguf/encoder.py``: embedding models, not generation)
+ENCODER_ARCHITECTURES: dict[str, str] = {
+    "bert": "BertModel",
+    "nomic-bert": "NomicBertModel",
+}
 # A ``llama`` file with ``llama.expert_count`` is Mixtral (llama.cpp runs both
 # as ``llama``).
 MIXTRAL = ("MixtralForCausalLM", "mixtral")
@@ -77,6 +83,11 @@ def architecture(gguf: GGUFFile) -> str:
     if arch is None:
         raise GGUFError(f"{gguf.path}: metadata key 'general.architecture' is missing")
     if arch not in ARCHITECTURES:
+        if arch in ENCODER_ARCHITECTURES:
+            raise GGUFError(
+                f"{gguf.path}: general.architecture {arch!r} is a text encoder: it embeds "
+                "(runner='pooling', LLM.embed), it does not generate"
+            )
         raise GGUFError(
             f"{gguf.path}: general.architecture {arch!r} is not supported; "
             f"supported: {', '.join(ARCHITECTURES)}"

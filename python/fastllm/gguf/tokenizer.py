@@ -1,9 +1,10 @@
 """The tokenizer a GGUF file describes in its metadata (``tokenizer.ggml.*``),
 rebuilt as the ``tokenizers`` pipeline its Hugging Face ``tokenizer.json`` has.
 
-Two vocabularies are supported: ``gpt2`` (byte-level BPE: tokens, merges and a
-pre-tokenizer named by ``tokenizer.ggml.pre``) and ``llama`` (SentencePiece-style
-BPE: tokens and scores, with byte fallback and the ``▁`` space). The pipeline is
+Three vocabularies are supported: ``gpt2`` (byte-level BPE: tokens, merges and a
+pre-tokenizer named by ``tokenizer.ggml.pre``), ``llama`` (SentencePiece-style
+BPE: tokens and scores, with byte fallback and the ``▁`` space) and ``bert``
+(an encoder's WordPiece vocabulary, ``_wordpiece_tokenizer``). The pipeline is
 written as one ``tokenizer.json`` document and parsed in Rust by
 ``Tokenizer.from_str``: that keeps every token at the id the file gives it
 (added tokens included) and builds a 150k-token vocabulary in a fraction of a
@@ -140,7 +141,7 @@ _PRE: dict[str, _Pre] = {
     "tekken": _Pre([_TEKKEN], add_bos=True),
 }
 
-SUPPORTED_MODELS = ("gpt2", "llama")
+SUPPORTED_MODELS = ("gpt2", "llama", "bert")
 SUPPORTED_PRE = tuple(sorted(_PRE))
 
 
@@ -160,6 +161,8 @@ def tokenizer_from_metadata(meta: Mapping[str, Any], source: str) -> Tokenizer:
     types = _int_list(meta, _KEY_TYPES, n, source)
     if types is None:
         types = [NORMAL] * n
+    if model == "bert":
+        return _wordpiece_tokenizer(meta, tokens, types, source)
     ids = {name: _token_id(meta, name, n, source) for name in _SPECIAL_KEYS}
     kinds = _Kinds(types)
     vocab = _model_vocab(tokens, kinds)
@@ -499,3 +502,83 @@ def _post_processor(
     if not byte_level:
         return template
     return {"type": "Sequence", "processors": [offsets, template]}
+
+
+def _wordpiece_tokenizer(
+    meta: Mapping[str, Any], tokens: list[str], types: list[int], source: str
+) -> Tokenizer:
+    """An encoder's WordPiece tokenizer (``tokenizer.ggml.model`` ``bert``), as
+    its tokenizer.json has it: BERT's normalizer and pre-tokenizer, the
+    vocabulary, ``[CLS] a [SEP]`` / ``[CLS] a [SEP] b [SEP]`` around texts
+    (token types 0, then 1 for the second text).
+
+    llama.cpp's converter writes the vocabulary with a ``▁`` before each
+    word-initial piece and continuation pieces bare (``##`` dropped), control
+    tokens as they are; this undoes that. Lower-casing and accent stripping
+    come from ``tokenizer.ggml.normalizer.lowercase`` / ``strip_accents``
+    where the file has them; an older file has neither, and the vocabulary
+    tells: lower-cased when no piece has an upper-case letter (an uncased
+    model), as its ``BertNormalizer`` does (accents stripped with the case)."""
+    from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import Tokenizer as _HFTokenizer
+
+    n = len(tokens)
+    pieces = []
+    for t, kind in zip(tokens, types, strict=True):
+        if kind in (CONTROL, UNKNOWN, USER_DEFINED, UNUSED):
+            pieces.append(t)
+        elif t.startswith("\u2581"):
+            pieces.append(t[1:])
+        else:
+            pieces.append("##" + t)
+    vocab: dict[str, int] = {}
+    for i, piece in enumerate(pieces):
+        vocab.setdefault(piece, i)
+    ids = {name: _token_id(meta, name, n, source) for name in ("cls", "seperator", "unknown")}
+    ids["padding"] = _token_id(meta, "padding", n, source)
+    ids["mask"] = _token_id(meta, "mask", n, source)
+    for name in ("cls", "seperator", "unknown"):
+        if ids[name] is None:
+            raise ValueError(
+                f"{source}: a WordPiece vocabulary needs tokenizer.ggml.{name}_token_id"
+            )
+    lowercase = meta.get("tokenizer.ggml.normalizer.lowercase")
+    if not isinstance(lowercase, bool):
+        lowercase = not any(
+            kind == NORMAL and p != p.lower() for p, kind in zip(pieces, types, strict=True)
+        )
+    strip = meta.get("tokenizer.ggml.normalizer.strip_accents")
+    tok = _HFTokenizer(
+        models.WordPiece(vocab, unk_token=pieces[ids["unknown"]], max_input_chars_per_word=100)
+    )
+    tok.normalizer = normalizers.BertNormalizer(
+        clean_text=True,
+        handle_chinese_chars=True,
+        strip_accents=strip if isinstance(strip, bool) else None,
+        lowercase=lowercase,
+    )
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    cls, sep = pieces[ids["cls"]], pieces[ids["seperator"]]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}",
+        pair=f"{cls} $A {sep} $B:1 {sep}:1",
+        special_tokens=[(cls, ids["cls"]), (sep, ids["seperator"])],
+    )
+    special = [p for p, kind in zip(pieces, types, strict=True) if kind in (CONTROL, UNKNOWN)]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+
+    def text(name: str) -> str | None:
+        i = ids.get(name)
+        return pieces[i] if i is not None else None
+
+    config: dict[str, Any] = {
+        "cls_token": cls,
+        "sep_token": sep,
+        "pad_token": text("padding"),
+        "unk_token": text("unknown"),
+        "mask_token": text("mask"),
+        "add_bos_token": False,
+        "add_eos_token": False,
+    }
+    return Tokenizer.from_backend(tok, config)

@@ -199,7 +199,8 @@ class EncoderRunner:
 
 
 def load_encoder(config: EngineConfig) -> EncoderRunner:
-    """The encoder of ``config.model`` (a folder or a cached hub id), ready to run.
+    """The encoder of ``config.model`` (a folder, a cached hub id, or a GGUF
+    file: ``_load_gguf_encoder``), ready to run.
 
     dtype: float32 on the CPU unless bfloat16 is asked for; ``quantization``
     ("int8", "int4", ...) quantizes every linear layer and the word
@@ -207,7 +208,7 @@ def load_encoder(config: EngineConfig) -> EncoderRunner:
     position table's length (default: that, or sentence-transformers'
     ``max_seq_length`` when smaller)."""
     from fastllm.layers.quantization import resolve_quantization
-    from fastllm.loading import prepare_for_kernels, resolve_model_folder
+    from fastllm.loading import is_gguf_file, prepare_for_kernels, resolve_model_folder
     from fastllm.platform import resolve_device
 
     quantization = resolve_quantization(config.quantization)
@@ -217,6 +218,8 @@ def load_encoder(config: EngineConfig) -> EncoderRunner:
             f"quantization={config.quantization!r} runs on the CPU's integer kernels, "
             f"not on device {device!r}: pass device='cpu', or quantization=None"
         )
+    if is_gguf_file(config.model):
+        return _load_gguf_encoder(config, quantization, device)
     folder = resolve_model_folder(config.model, config.revision, config.download_dir)
     mc = ModelConfig.from_pretrained(folder)
     if not is_encoder_architecture([mc.architecture], mc.hf):
@@ -237,6 +240,69 @@ def load_encoder(config: EngineConfig) -> EncoderRunner:
         )
     max_len = encoder_max_len(folder, encoder.max_positions, config.max_model_len)
     return EncoderRunner(model, Tokenizer(tokenizer_folder), max_len, pooler, device)
+
+
+def _load_gguf_encoder(
+    config: EngineConfig, quantization: str | None, device: str
+) -> EncoderRunner:
+    """The encoder of a GGUF file (``fastllm.gguf.encoder``): configured from
+    its metadata, its tokenizer from its vocabulary, pooled as its
+    ``pooling_type`` says and normalised; quantized linear layers run as
+    stored, float ones as ``dtype`` / ``quantization`` say."""
+    from fastllm.gguf import open_file
+    from fastllm.gguf.encoder import (
+        GGUFEncoderCheckpoint,
+        encoder_config,
+        encoder_pooling,
+        pack_quantized_linears,
+    )
+    from fastllm.gguf.loader import LoadReport
+    from fastllm.gguf.tokenizer import tokenizer_from_metadata
+    from fastllm.loading import prepare_for_kernels
+
+    if config.load_format not in ("auto", "gguf"):
+        raise ValueError(
+            f"load_format={config.load_format!r} does not apply to a GGUF file; use 'auto' or 'gguf'"
+        )
+    with open_file(config.model) as gguf:
+        hf = encoder_config(gguf)
+        pooling = encoder_pooling(gguf)
+        architecture = hf["architectures"][0]
+        tokenizer = None
+        if config.tokenizer:
+            from fastllm.loading import resolve_model_folder
+
+            tokenizer = Tokenizer(
+                resolve_model_folder(
+                    config.tokenizer, config.tokenizer_revision, config.download_dir
+                )
+            )
+        else:
+            tokenizer = tokenizer_from_metadata(gguf.metadata, gguf.path)
+        mc = ModelConfig.from_dict(hf, path=config.model)
+        dtype = encoder_dtype(config.dtype, device, None)
+        encoder = build_encoder(hf, architecture)
+        checkpoint = GGUFEncoderCheckpoint(gguf)
+        load_encoder_weights(encoder, checkpoint, dtype, device)
+        report = LoadReport(tensor_types={})
+        if device != "cpu" and any(
+            t.type.name not in ("F32", "F16", "BF16") for t in gguf.tensors.values()
+        ):
+            raise ValueError(
+                f"{gguf.path}: quantized GGUF tensors run on the CPU's integer kernels, "
+                f"not on device {device!r}: pass device='cpu'"
+            )
+        pack_quantized_linears(encoder, checkpoint, report)
+    pooler = PoolerConfig(pooling_type=pooling, normalize=True, dimensions=mc.hidden_size)
+    model = EncoderModel(encoder, []).to(device).eval()
+    last = [m for m in model.modules() if isinstance(m, Linear)][-1]
+    if last.packed is not None:  # quantized in the file: the kernels' head is ready
+        model.packed_head = last.packed
+    prepare_for_kernels(model, quantization, device, dtype, mc.vocab_size)
+    max_len = encoder.max_positions
+    if config.max_model_len is not None:
+        max_len = encoder_max_len(config.model, max_len, config.max_model_len)
+    return EncoderRunner(model, tokenizer, max_len, pooler, device)
 
 
 def encoder_dtype(dtype: Any, device: str, config_dtype: str | None) -> torch.dtype:
@@ -276,11 +342,16 @@ def encoder_max_len(folder: str, positions: int, requested: int | None) -> int:
     return positions
 
 
-def load_encoder_weights(encoder: Encoder, folder: str, dtype: torch.dtype, device: str) -> None:
-    """Reads every parameter of ``encoder`` from the folder's safetensors (the
-    encoder's tensors under whichever prefix the checkpoint uses; fused
-    parameters concatenated), checks every shape first, and assigns them all."""
-    with Checkpoint(folder) as tensors:
+def load_encoder_weights(
+    encoder: Encoder, source: str | Any, dtype: torch.dtype, device: str
+) -> None:
+    """Reads every parameter of ``encoder`` from a folder's safetensors, or from
+    a checkpoint object of the same reading interface (a GGUF file's,
+    ``gguf.encoder.GGUFEncoderCheckpoint``): the encoder's tensors under
+    whichever prefix the checkpoint uses, fused parameters concatenated;
+    checks every shape first, and assigns them all."""
+    folder = source if isinstance(source, str) else source.files[0]
+    with Checkpoint(source) if isinstance(source, str) else source as tensors:
         probe = encoder.checkpoint_probe()
         prefix = next((p for p in _PREFIXES if p + probe in tensors.location), None)
         if prefix is None:

@@ -46,11 +46,12 @@ def is_pooling_folder(config: EngineConfig) -> bool:
 
 def _folder_config(config: EngineConfig) -> tuple[str, dict[str, Any]]:
     """The model's folder (a GGUF file's path as it is) and its config.json
-    ({} when there is none to read: the loaders report what is wrong)."""
-    from fastllm.loading import resolve_model_folder
+    (a GGUF encoder's as its metadata gives it; {} when there is none to
+    read: the loaders report what is wrong)."""
+    from fastllm.loading import is_gguf_file, resolve_model_folder
 
-    if config.model.endswith(".gguf"):
-        return config.model, {}
+    if is_gguf_file(config.model):
+        return config.model, _gguf_encoder_config(config.model)
     folder = resolve_model_folder(config.model, config.revision, config.download_dir)
     try:
         with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
@@ -58,6 +59,17 @@ def _folder_config(config: EngineConfig) -> tuple[str, dict[str, Any]]:
     except (OSError, ValueError):
         return folder, {}
     return folder, hf if isinstance(hf, dict) else {}
+
+
+def _gguf_encoder_config(path: str) -> dict[str, Any]:
+    """The config.json of the encoder in GGUF file ``path`` ({} for a decoder,
+    or a file that cannot be opened: the loaders report what is wrong)."""
+    from fastllm.loading import gguf_encoder_config
+
+    try:
+        return gguf_encoder_config(path) or {}
+    except OSError:
+        return {}
 
 
 class PoolingEngine:
