@@ -95,8 +95,13 @@ def write_encoder_gguf(
     w.add_token_list([phantom(t, k) for t, k in zip(tokens, kinds)])
     w.add_token_types(kinds)
     w.add_token_type_count(cfg.get("type_vocab_size", 1))
+    # as the converter's SpecialVocab writes them: [CLS] / [SEP] as the BOS /
+    # EOS of the tokenizer.json's template, [SEP] as the separator too
+    w.add_bool("tokenizer.ggml.add_bos_token", True)
+    w.add_bool("tokenizer.ggml.add_eos_token", True)
     for key, piece in (
-        ("cls", "[CLS]"),
+        ("bos", "[CLS]"),
+        ("eos", "[SEP]"),
         ("seperator", "[SEP]"),
         ("padding", "[PAD]"),
         ("unknown", "[UNK]"),
@@ -282,8 +287,8 @@ def test_bad_encoder_files_are_named(tmp_path_factory, tmp_path):
     )
     with pytest.raises(ValueError, match=r"causal.gguf: bert.attention.causal is true"):
         load_encoder(EngineConfig(model=causal))
-    no_cls = _rewrite(path, str(tmp_path / "nocls.gguf"), drop="tokenizer.ggml.cls_token_id")
-    with pytest.raises(ValueError, match=r"nocls.gguf: .*tokenizer.ggml.cls_token_id"):
+    no_cls = _rewrite(path, str(tmp_path / "nocls.gguf"), drop="tokenizer.ggml.bos_token_id")
+    with pytest.raises(ValueError, match=r"nocls.gguf: .*needs tokenizer.ggml.cls_token_id"):
         load_encoder(EngineConfig(model=no_cls))
     with pytest.raises(ValueError, match=r"m.gguf: .*'bert' is a text encoder: it embeds"):
         LLM(path, runner="generate")

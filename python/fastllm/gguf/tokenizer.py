@@ -534,13 +534,18 @@ def _wordpiece_tokenizer(
     vocab: dict[str, int] = {}
     for i, piece in enumerate(pieces):
         vocab.setdefault(piece, i)
-    ids = {name: _token_id(meta, name, n, source) for name in ("cls", "seperator", "unknown")}
-    ids["padding"] = _token_id(meta, "padding", n, source)
-    ids["mask"] = _token_id(meta, "mask", n, source)
-    for name in ("cls", "seperator", "unknown"):
+    names = ("cls", "seperator", "bos", "eos", "unknown", "padding", "mask")
+    ids = {name: _token_id(meta, name, n, source) for name in names}
+    # The converter takes [CLS] and [SEP] from the tokenizer.json's template, as
+    # the BOS and EOS it adds; some files name them cls / seperator too.
+    for name, alias in (("cls", "bos"), ("seperator", "eos")):
         if ids[name] is None:
+            ids[name] = ids[alias]
+    for name, alias in (("cls", "bos"), ("seperator", "eos"), ("unknown", None)):
+        if ids[name] is None:
+            either = f" (or {alias}_token_id)" if alias else ""
             raise ValueError(
-                f"{source}: a WordPiece vocabulary needs tokenizer.ggml.{name}_token_id"
+                f"{source}: a WordPiece vocabulary needs tokenizer.ggml.{name}_token_id{either}"
             )
     lowercase = meta.get("tokenizer.ggml.normalizer.lowercase")
     if not isinstance(lowercase, bool):
