@@ -13,10 +13,10 @@ the medians, with ratio = fastllm / llama.cpp (above 1: fastllm is faster).
         --gguf bench-models/gguf/qwen3-embed-random-bf16.gguf \\
         --model bench-models/qwen3-embed-random [--dtype bfloat16] [--lengths 128,512]
 
-``--model`` is what fastllm loads: the Hugging Face folder the GGUF file was
-converted from (the same weights; fastllm reads encoders from folders only), or
-the GGUF file itself (a decoder embedder). Make the GGUF file with
-``MODEL=FOLDER benches/build_llama_cpp.sh convert``.
+``--model`` is what fastllm loads: the GGUF file itself (the same file on both
+sides: a ``bert`` or ``nomic-bert`` encoder, or a decoder embedder), or the
+Hugging Face folder it was converted from (the same weights). Make the GGUF
+file with ``MODEL=FOLDER benches/build_llama_cpp.sh convert``.
 """
 
 from __future__ import annotations

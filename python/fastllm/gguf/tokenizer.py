@@ -541,12 +541,16 @@ def _wordpiece_tokenizer(
     for name, alias in (("cls", "bos"), ("seperator", "eos")):
         if ids[name] is None:
             ids[name] = ids[alias]
-    for name, alias in (("cls", "bos"), ("seperator", "eos"), ("unknown", None)):
         if ids[name] is None:
-            either = f" (or {alias}_token_id)" if alias else ""
             raise ValueError(
-                f"{source}: a WordPiece vocabulary needs tokenizer.ggml.{name}_token_id{either}"
+                f"{source}: a WordPiece vocabulary needs tokenizer.ggml.{name}_token_id "
+                f"(or {alias}_token_id)"
             )
+
+    def text(name: str) -> str | None:
+        i = ids.get(name)
+        return pieces[i] if i is not None else None
+
     lowercase = meta.get("tokenizer.ggml.normalizer.lowercase")
     if not isinstance(lowercase, bool):
         lowercase = not any(
@@ -554,7 +558,9 @@ def _wordpiece_tokenizer(
         )
     strip = meta.get("tokenizer.ggml.normalizer.strip_accents")
     tok = _HFTokenizer(
-        models.WordPiece(vocab, unk_token=pieces[ids["unknown"]], max_input_chars_per_word=100)
+        # without an unknown token (none named), a word the vocabulary cannot
+        # spell is an encoding error naming it
+        models.WordPiece(vocab, unk_token=text("unknown") or "[UNK]", max_input_chars_per_word=100)
     )
     tok.normalizer = normalizers.BertNormalizer(
         clean_text=True,
@@ -572,10 +578,6 @@ def _wordpiece_tokenizer(
     )
     special = [p for p, kind in zip(pieces, types, strict=True) if kind in (CONTROL, UNKNOWN)]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-
-    def text(name: str) -> str | None:
-        i = ids.get(name)
-        return pieces[i] if i is not None else None
 
     config: dict[str, Any] = {
         "cls_token": cls,
