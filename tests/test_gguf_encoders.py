@@ -315,3 +315,34 @@ def test_docs_gguf_example_runs(tmp_path_factory, tmp_path, monkeypatch):
     (vector,) = scope["vectors"]
     assert len(vector) == SHAPE["hidden_size"]
     assert abs(sum(v * v for v in vector) - 1) < 1e-4
+
+
+def test_server_serves_a_gguf_encoder(tmp_path_factory, tmp_path):
+    """``fastllm serve model.gguf`` on an encoder file: /v1/embeddings through
+    the openai client equal to sentence-transformers on the folder, and a
+    generation route a 400 naming the model's kind."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    import urllib.error
+    import urllib.request
+
+    from server_process import app_server
+
+    folder = _make(tmp_path_factory, "NomicBertModel", seed=11, **SHAPE)
+    _write_st(folder, {"pooling_mode": "mean"}, normalize=True)
+    path = write_encoder_gguf(folder, str(tmp_path / "m.gguf"), "F32", "mean")
+    texts = ["Hello, world!", "naïve café 日本語"]
+    with app_server(path, MAX_LEN, served_model_name="enc") as (_, addr):
+        base = f"http://{addr[0]}:{addr[1]}/v1"
+        client = openai.OpenAI(base_url=base, api_key="none", max_retries=0)
+        resp = client.embeddings.create(model="enc", input=texts)
+        got = torch.tensor([d.embedding for d in resp.data])
+        assert _cosines(got, _reference(folder, texts)).min() >= 0.9999
+        body = json.dumps({"model": "enc", "prompt": "hi", "max_tokens": 2}).encode()
+        req = urllib.request.Request(
+            f"{base}/completions", body, {"Content-Type": "application/json"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req)
+        assert err.value.code == 400
+        assert "pooling" in err.value.read().decode()
