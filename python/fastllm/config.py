@@ -536,6 +536,10 @@ class EngineConfig:
     # (each costs one sequence's recurrent state; engine/state_cache.py)
     state_snapshot_interval: int = 256
     max_state_snapshots: int = 32
+    # fields merged into the model's config.json before it is read (vLLM's
+    # ``hf_overrides``): e.g. a Qwen3-Reranker run as a classifier of its
+    # "no" / "yes" logits (pooling/decoder.py)
+    hf_overrides: dict[str, Any] | None = None
 
     def validate(self) -> None:
         """Checks every field, naming the field in the error."""
@@ -564,6 +568,9 @@ class EngineConfig:
             raise ValueError(
                 f"max_logprobs must be -1 (no limit) or at least 0, got {self.max_logprobs}"
             )
+        o = self.hf_overrides
+        if o is not None and (not isinstance(o, dict) or not all(isinstance(k, str) for k in o)):
+            raise ValueError(f"hf_overrides must be a dict of config.json fields, got {o!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
         from fastllm.layers.quantization import resolve_quantization
 

@@ -40,6 +40,19 @@ def parse_size(text: str) -> int:
     return value
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """A JSON object given on the command line."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 def add_engine_args(
     p: argparse.ArgumentParser, seed_help: str = "engine seed", model_optional: bool = False
 ) -> None:
@@ -102,6 +115,14 @@ def add_engine_args(
         help="generate: text generation; pooling: an embedding, reranker or classifier model "
         "(the server's /v1/embeddings, /v1/rerank, /score, /classify); auto: generate unless "
         "--task names a pooling task",
+    )
+    g.add_argument(
+        "--hf-overrides",
+        type=_json_object,
+        default=None,
+        help="JSON object of config.json fields merged over the model's (vLLM's), e.g. "
+        '\'{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": '
+        '["no", "yes"], "is_original_qwen3_reranker": true}\' for Qwen3-Reranker',
     )
     g.add_argument(
         "--task",
@@ -267,6 +288,7 @@ def engine_config(args: argparse.Namespace):
         skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),
         runner=getattr(args, "runner", "auto"),
         task=getattr(args, "task", "generate"),
+        hf_overrides=getattr(args, "hf_overrides", None),
         **engine_settings(args),
     )
 

@@ -74,6 +74,7 @@ class LLM:
         runner: str = "auto",
         state_snapshot_interval: int = 256,
         max_state_snapshots: int = 32,
+        hf_overrides: dict[str, Any] | None = None,
     ) -> None:
         if model is None:
             from fastllm.demo import demo_model_path
@@ -109,6 +110,7 @@ class LLM:
             runner=runner,
             state_snapshot_interval=state_snapshot_interval,
             max_state_snapshots=max_state_snapshots,
+            hf_overrides=hf_overrides,
         )
         self.config.validate()
         #: the pooling model (runner="pooling", or an encoder folder), else None

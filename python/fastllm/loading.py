@@ -59,6 +59,20 @@ def is_gguf_file(model: str) -> bool:
     return isinstance(model, str) and model.lower().endswith(".gguf") and not os.path.isdir(model)
 
 
+def with_overrides(mc: ModelConfig, overrides: dict[str, Any] | None, path: str) -> ModelConfig:
+    """``mc`` with ``hf_overrides``' fields merged into its config.json (vLLM's:
+    they replace the file's values), read again; ``path``: the model's, for
+    errors. End-of-sequence ids from generation_config.json are kept."""
+    if not overrides:
+        return mc
+    out = ModelConfig.from_dict(
+        {**mc.hf, **overrides}, path=f"{path}: config.json with hf_overrides"
+    )
+    if "eos_token_id" not in overrides:
+        out.eos_token_ids = list(mc.eos_token_ids)
+    return out
+
+
 def gguf_encoder_config(model: str) -> dict[str, Any] | None:
     """The config.json dict of the text encoder in GGUF file ``model`` (its
     header only is read; None when the file holds a decoder); a GGUFError
@@ -303,7 +317,7 @@ def load(config: EngineConfig, device: str) -> LoadedModel:
     with _gc_paused():
         source = open_source(config)
         try:
-            mc = source.model_config()
+            mc = with_overrides(source.model_config(), config.hf_overrides, source.path)
             check_architecture(mc, source.path)
             tokenizer = _tokenizer(config, source)
             dtype = resolve_dtype(config.dtype, device, mc.torch_dtype)

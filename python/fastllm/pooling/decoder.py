@@ -1,12 +1,23 @@
-"""Decoder models as embedders (Qwen3-Embedding and its kin): the prompt runs
-as a prefill through the paged engine (chunked prefill, batching and the
-fused CPU decoder stack included), and the model runner hands each pooling
-sequence its final hidden states as they are computed; the request then ends
-without generating."""
+"""Decoder models as embedders (Qwen3-Embedding and its kin) and as
+classifiers: the prompt runs as a prefill through the paged engine (chunked
+prefill, batching and the fused CPU decoder stack included), and the model
+runner hands each pooling sequence its final hidden states as they are
+computed; the request then ends without generating.
+
+A classifier is a decoder with a head on its last token's final hidden
+state: a ``...ForSequenceClassification`` checkpoint (its ``score`` matrix:
+rerankers and reward models converted to sequence classification), or a
+causal LM whose head rows of some tokens are the classes, named by
+``hf_overrides`` as vLLM names them: ``classifier_from_token`` (the tokens),
+and for two tokens with ``method="from_2_way_softmax"`` or
+``is_original_qwen3_reranker`` one label, the second token's row minus the
+first's, so that its sigmoid is the softmax of the two logits
+(Qwen3-Reranker's "yes" against "no")."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -46,15 +57,46 @@ class PoolState:
             self.result = rows[-1].float().cpu()
 
 
+def classifier_base(architectures: list[str]) -> str | None:
+    """The causal LM a ``...ForSequenceClassification`` architecture runs as
+    (None: not a decoder classifier fastllm has)."""
+    from fastllm.models import ARCHITECTURES
+
+    if not architectures or not isinstance(architectures[0], str):
+        return None
+    arch = architectures[0]
+    if not arch.endswith("ForSequenceClassification"):
+        return None
+    causal = arch.removesuffix("ForSequenceClassification") + "ForCausalLM"
+    return causal if causal in ARCHITECTURES else None
+
+
 class DecoderRunner:
     """A decoder model's pooling (``PoolingRunner``): last-token pooling by
-    default, or what its sentence-transformers files say."""
+    default, or what its sentence-transformers files say; or, for a
+    classifier (``classifier_base``), its head on the last token."""
 
-    num_labels = None
-
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, hf: dict[str, Any] | None = None) -> None:
+        """``hf``: the model's config.json with ``config.hf_overrides`` merged
+        (``PoolingEngine`` reads it; {} for a GGUF file)."""
         from fastllm.engine.llm_engine import LLMEngine
 
+        hf = hf or {}
+        base = classifier_base(list(hf.get("architectures") or []))
+        tokens = hf.get("classifier_from_token")
+        overrides = dict(config.hf_overrides or {})
+        if tokens is not None and base is None:
+            raise ValueError(
+                "hf_overrides: classifier_from_token needs 'architectures' naming a "
+                "...ForSequenceClassification of a decoder family fastllm runs, got "
+                f"{hf.get('architectures')!r}"
+            )
+        if base is not None:
+            # The engine runs the causal LM; a sequence-classification checkpoint
+            # stores no LM head (the head it runs is the embedding: unused).
+            overrides["architectures"] = [base]
+            if tokens is None:
+                overrides["tie_word_embeddings"] = True
         # One more position than asked: the pooling request's one (discarded)
         # sampled token must fit after a prompt of max_model_len tokens.
         engine_config = dataclasses.replace(
@@ -63,6 +105,7 @@ class DecoderRunner:
             task="generate",
             max_model_len=None if config.max_model_len is None else config.max_model_len + 1,
             reasoning_parser=None,
+            hf_overrides=overrides or None,
         )
         self.engine = engine = LLMEngine(engine_config)
         self.tokenizer = engine.require_tokenizer()
@@ -76,16 +119,95 @@ class DecoderRunner:
                 "supported (fastllm applies them to encoders only)"
             )
         self.folder = engine.folder
+        #: the classification head (weight [labels, hidden], bias), or None
+        self.head: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        if base is not None:
+            self.head = self._classifier_head(hf, tokens, mc.hidden_size)
+        #: labels of the classification head (None: an embedder)
+        self.num_labels = None if self.head is None else self.head[0].shape[0]
+
+    def _classifier_head(
+        self, hf: dict[str, Any], tokens: Any, hidden: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head's (weight, bias) in float32: the checkpoint's ``score``
+        layer, or the LM head's rows of the ``classifier_from_token`` tokens."""
+        from fastllm.loading import is_gguf_file
+        from fastllm.models.loader import Checkpoint
+
+        if is_gguf_file(self.folder):
+            raise ValueError(
+                f"{self.folder}: classification heads are read from model folders, not GGUF files"
+            )
+        with Checkpoint(self.folder) as ckpt:
+            names = set(ckpt.location)
+            if tokens is None:
+                if "score.weight" not in names:
+                    raise ValueError(
+                        f"{self.folder}: {hf['architectures'][0]} needs its classification "
+                        "head, tensor 'score.weight', which the checkpoint does not have"
+                    )
+                weight = ckpt.read("score.weight").float().clone()
+                bias = ckpt.read("score.bias").float().clone() if "score.bias" in names else None
+            else:
+                weight, bias = self._token_rows(ckpt, names, hf, tokens), None
+        if weight.ndim != 2 or weight.shape[1] != hidden:
+            raise ValueError(
+                f"{self.folder}: the classification head has shape {list(weight.shape)}, "
+                f"expected [labels, {hidden}]"
+            )
+        return weight, bias
+
+    def _token_rows(self, ckpt: Any, names: set[str], hf: dict[str, Any], tokens: Any) -> Any:
+        """The LM head's rows of ``tokens`` (one label each), or for two tokens
+        read as a 2-way softmax, one row: the second's minus the first's."""
+        if (
+            not isinstance(tokens, list)
+            or not tokens
+            or not all(isinstance(t, str) for t in tokens)
+        ):
+            raise ValueError(
+                f"hf_overrides: classifier_from_token must be a list of token strings, got "
+                f"{tokens!r}"
+            )
+        ids = []
+        for t in tokens:
+            i = self.tokenizer.token_to_id(t)
+            if i is None:
+                raise ValueError(
+                    f"hf_overrides: classifier_from_token {t!r} is not a token of the vocabulary"
+                )
+            ids.append(i)
+        head = "lm_head.weight"
+        if head not in names:
+            head = next((n for n in sorted(names) if n.endswith("embed_tokens.weight")), "")
+        if not head:
+            raise ValueError(f"{self.folder}: no LM head or token embedding tensor to classify by")
+        rows = ckpt.read(head)[ids].float().clone()
+        two_way = hf.get("method") == "from_2_way_softmax" or hf.get("is_original_qwen3_reranker")
+        if two_way:
+            if len(ids) != 2:
+                raise ValueError(
+                    "hf_overrides: a 2-way softmax classifier needs two classifier_from_token "
+                    f"tokens, got {len(ids)}"
+                )
+            return (rows[1] - rows[0])[None]
+        return rows
 
     def tokenize(self, text: str, pair: str | None = None) -> tuple[list[int], list[int] | None]:
         """The text's ids (the tokenizer's special tokens, e.g. a closing EOS,
-        included); a pair is joined as query then document."""
+        included); a pair as the tokenizer joins two texts (its template, or
+        the two texts' ids one after the other), as transformers does."""
         if pair is not None:
-            text = text + pair
+            return self.tokenizer.encode_with_types(text, pair)[0], None
         return self.tokenizer.encode(text), None
 
     def pool(self, batch: list[tuple[list[int], list[int] | None]]) -> list[torch.Tensor]:
         """Each input's pooled final hidden state (float32, CPU)."""
+        return self._pooled(batch, self.pooler.pooling_type)
+
+    def _pooled(
+        self, batch: list[tuple[list[int], list[int] | None]], pooling_type: str
+    ) -> list[torch.Tensor]:
         engine = self.engine
         params = SamplingParams(
             max_tokens=1,
@@ -97,7 +219,7 @@ class DecoderRunner:
         try:
             for ids, _ in batch:
                 req = engine.add_request(None, ids, params)
-                state = PoolState(self.pooler.pooling_type)
+                state = PoolState(pooling_type)
                 req.seqs[0].pooling = state
                 states.append(state)
             while engine.has_unfinished_requests():
@@ -112,5 +234,12 @@ class DecoderRunner:
         return out
 
     def classify(self, batch: list[tuple[list[int], list[int] | None]]) -> list[torch.Tensor]:
-        """Decoder embedders have no classification head."""
-        raise ValueError("this model has no classification head (it embeds)")
+        """Each input's logits: the head on its last token's final hidden state."""
+        if self.head is None:
+            raise ValueError("this model has no classification head (it embeds)")
+        weight, bias = self.head
+        hidden = torch.stack(self._pooled(batch, "LAST"))
+        logits = hidden @ weight.T
+        if bias is not None:
+            logits = logits + bias
+        return list(logits.unbind(0))

@@ -208,7 +208,12 @@ def load_encoder(config: EngineConfig) -> EncoderRunner:
     position table's length (default: that, or sentence-transformers'
     ``max_seq_length`` when smaller)."""
     from fastllm.layers.quantization import resolve_quantization
-    from fastllm.loading import is_gguf_file, prepare_for_kernels, resolve_model_folder
+    from fastllm.loading import (
+        is_gguf_file,
+        prepare_for_kernels,
+        resolve_model_folder,
+        with_overrides,
+    )
     from fastllm.platform import resolve_device
 
     quantization = resolve_quantization(config.quantization)
@@ -221,7 +226,7 @@ def load_encoder(config: EngineConfig) -> EncoderRunner:
     if is_gguf_file(config.model):
         return _load_gguf_encoder(config, quantization, device)
     folder = resolve_model_folder(config.model, config.revision, config.download_dir)
-    mc = ModelConfig.from_pretrained(folder)
+    mc = with_overrides(ModelConfig.from_pretrained(folder), config.hf_overrides, folder)
     if not is_encoder_architecture([mc.architecture], mc.hf):
         raise ValueError(
             f"{os.path.join(folder, 'config.json')}: architecture {mc.architecture!r} is not "

@@ -36,12 +36,14 @@ BATCH_TOKENS = 8192
 
 
 def is_pooling_folder(config: EngineConfig) -> bool:
-    """Whether the model ``config`` names is an encoder (a pooling model even
-    with ``runner="auto"``)."""
+    """Whether the model ``config`` names is an encoder or a decoder with a
+    classification head (a pooling model even with ``runner="auto"``)."""
+    from fastllm.pooling.decoder import classifier_base
     from fastllm.pooling.encoder import is_encoder_architecture
 
     hf = _folder_config(config)[1]
-    return is_encoder_architecture(list(hf.get("architectures") or []), hf)
+    archs = list(hf.get("architectures") or [])
+    return is_encoder_architecture(archs, hf) or classifier_base(archs) is not None
 
 
 def _folder_config(config: EngineConfig) -> tuple[str, dict[str, Any]]:
@@ -58,7 +60,9 @@ def _folder_config(config: EngineConfig) -> tuple[str, dict[str, Any]]:
             hf = json.load(f)
     except (OSError, ValueError):
         return folder, {}
-    return folder, hf if isinstance(hf, dict) else {}
+    if not isinstance(hf, dict):
+        return folder, {}
+    return folder, {**hf, **(config.hf_overrides or {})}
 
 
 def _gguf_encoder_config(path: str) -> dict[str, Any]:
@@ -86,7 +90,7 @@ class PoolingEngine:
         else:
             from fastllm.pooling.decoder import DecoderRunner
 
-            self.runner = DecoderRunner(config)
+            self.runner = DecoderRunner(config, hf)
         self.config = config
         labels = hf.get("id2label")
         #: a classifier's label names by class index (None: not named)
