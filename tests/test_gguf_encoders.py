@@ -346,3 +346,206 @@ def test_server_serves_a_gguf_encoder(tmp_path_factory, tmp_path):
             urllib.request.urlopen(req)
         assert err.value.code == 400
         assert "pooling" in err.value.read().decode()
+
+
+# ---- XLM-RoBERTa with a SentencePiece vocabulary (bge-m3, multilingual-e5) ----------
+
+
+def _sentencepiece_folder(out) -> tuple[str, list[tuple[str, float]], bytes]:
+    """A SentencePiece Unigram model trained on local text, and the
+    tokenizer.json XLM-RoBERTa checkpoints ship for it (the <s> <pad> </s>
+    <unk> ids first, the model's pieces from its fourth on, <mask> last; its
+    normalization rules, then trailing spaces stripped and runs of spaces
+    merged; a ``▁`` before the text; ``<s> a </s>`` / ``<s> a </s> </s> b </s>``):
+    (the .model path, the vocabulary with scores, the normalization rules)."""
+    spm = pytest.importorskip("sentencepiece")
+    from sentencepiece import sentencepiece_model_pb2
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
+
+    from conftest import _corpus
+
+    lines = [line for text in _corpus() for line in text.splitlines() if line.strip()]
+    lines += ["naïve café 日本語のテキスト Ünïcödé ﬁ ① Ｆｕｌｌ width émoji 🙂"] * 20
+    prefix = str(out / "sentencepiece.bpe")
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_prefix=prefix,
+        vocab_size=500,
+        model_type="unigram",
+        character_coverage=1.0,
+        minloglevel=2,
+    )
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(open(prefix + ".model", "rb").read())
+    vocab = [("<s>", 0.0), ("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    vocab += [(p.piece, p.score) for p in proto.pieces[3:]] + [("<mask>", 0.0)]
+    charsmap = proto.normalizer_spec.precompiled_charsmap
+    tok = Tokenizer(models.Unigram(vocab, unk_id=3, byte_fallback=False))
+    tok.normalizer = normalizers.Sequence(
+        [
+            normalizers.Precompiled(charsmap),
+            normalizers.Strip(left=False, right=True),
+            normalizers.Replace(Regex(" {2,}"), "\u2581"),
+        ]
+    )
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>",
+        pair="<s> $A </s> </s> $B </s>",
+        special_tokens=[("<s>", 0), ("</s>", 2)],
+    )
+    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    tok.add_special_tokens([AddedToken(t, special=True) for t in specials])
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": MAX_LEN,
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "cls_token": "<s>",
+        "sep_token": "</s>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "mask_token": "<mask>",
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return prefix + ".model", vocab, charsmap
+
+
+def write_xlm_roberta_gguf(folder: str, vocab, charsmap: bytes, path: str, types: str) -> str:
+    """An XLM-RoBERTa folder as llama.cpp's converter writes it: ``bert``, the
+    position table cut to start at the first token (rows past the padding
+    id), a ``t5`` vocabulary (pieces, scores, types; the normalization rules
+    and flags), <s> / </s> as BOS / EOS."""
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    state = load_file(os.path.join(folder, "model.safetensors"))
+    offset = cfg["pad_token_id"] + 1
+    arch = gguf.MODEL_ARCH.BERT
+    names = gguf.TensorNameMap(arch, cfg["num_hidden_layers"])
+    w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    w.add_context_length(cfg["max_position_embeddings"] - offset)
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_layer_norm_eps(cfg["layer_norm_eps"])
+    w.add_causal_attention(False)
+    w.add_pooling_type(gguf.PoolingType.MEAN)
+    w.add_tokenizer_model("t5")
+    w.add_tokenizer_pre("default")
+    # the converter's realignment leaves the last slot (<mask>) an unused
+    # padding piece, and names its id as the mask token's
+    mask = len(vocab) - 1
+    w.add_token_list([t for t, _ in vocab[:-1]] + [f"[PAD{mask - 1}]"])
+    w.add_token_scores([s for _, s in vocab[:-1]] + [-10000.0])
+    control, unknown = gguf.TokenType.CONTROL, gguf.TokenType.UNKNOWN
+    kinds = {0: control, 1: control, 2: control, 3: unknown, mask: gguf.TokenType.UNUSED}
+    w.add_token_types([kinds.get(i, gguf.TokenType.NORMAL) for i in range(len(vocab))])
+    w.add_uint32("tokenizer.ggml.mask_token_id", mask)
+    w.add_add_space_prefix(True)
+    w.add_remove_extra_whitespaces(True)
+    w.add_precompiled_charsmap(charsmap)
+    w.add_token_type_count(1)
+    for key, i in (("bos", 0), ("padding", 1), ("eos", 2), ("unknown", 3)):
+        w.add_uint32(f"tokenizer.ggml.{key}_token_id", i)
+    w.add_bool("tokenizer.ggml.add_bos_token", True)
+    w.add_bool("tokenizer.ggml.add_eos_token", True)
+    for hf_name, t in state.items():
+        if hf_name.endswith("position_ids") or hf_name.startswith("pooler."):
+            continue
+        if hf_name.endswith("position_embeddings.weight"):
+            t = t[offset:]
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert name is not None, hf_name
+        arr = t.float().numpy()
+        kind = "F32" if arr.ndim == 1 else types
+        qtype = getattr(gguf.GGMLQuantizationType, kind)
+        if kind == "F32":
+            w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def xlm_roberta(tmp_path_factory):
+    """A tiny XLMRobertaModel with a SentencePiece vocabulary, mean pooling,
+    normalised (multilingual-e5's and bge-m3's setup, CLS for bge-m3)."""
+    from test_encoders import _config, _randomize
+
+    out = tmp_path_factory.mktemp("xlm-roberta-spm")
+    model_path, vocab, charsmap = _sentencepiece_folder(out)
+    ids = {"vocab": len(vocab), "pad": 1, "cls": 0, "sep": 2}
+    config = _config("XLMRobertaModel", ids, 2, **SHAPE)
+    torch.manual_seed(4)
+    model = transformers.XLMRobertaModel(config).eval()
+    _randomize(model, 4)
+    model.save_pretrained(str(out))
+    _write_st(str(out), {"pooling_mode": "mean"}, normalize=True)
+    return str(out), model_path, vocab, charsmap
+
+
+XLM_TEXTS = [
+    "Hello, world!",
+    "naïve café 日本語のテキスト",
+    "Ｆｕｌｌ width ﬁ ① and   runs of   spaces  ",
+    "  leading spaces",
+    "tabs\tand\nnewlines",
+    "<mask> and <s> inside",
+    "def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
+]
+
+
+@pytest.mark.parametrize("types", ["F32", "Q8_0"])
+def test_xlm_roberta_file_embeds_like_its_folder(xlm_roberta, tmp_path, types):
+    folder, _, vocab, charsmap = xlm_roberta
+    path = write_xlm_roberta_gguf(folder, vocab, charsmap, str(tmp_path / "m.gguf"), types)
+    runner = load_encoder(EngineConfig(model=path, max_model_len=MAX_LEN))
+    long = "the"
+    while len(runner.tokenize(long + " the")[0]) <= MAX_LEN:
+        long += " the"
+    texts = [*XLM_TEXTS, long]
+    assert len(runner.tokenize(long)[0]) > MAX_LEN - 3
+    got = torch.stack(runner.pool([runner.tokenize(t) for t in texts]))
+    reference = (
+        folder if types == "F32" else _dequantized_folder(folder, str(tmp_path / "d"), types)
+    )
+    want = _reference(reference, texts)
+    bound = 0.9999 if types == "F32" else 0.999
+    assert _cosines(got, want).min() >= bound, _cosines(got, want)
+
+
+def test_xlm_roberta_tokenizer_equals_the_folders_and_sentencepiece(xlm_roberta, tmp_path):
+    """Ids of texts and pairs equal the folder's tokenizer (transformers), and
+    for texts without leading, trailing or repeated spaces, SentencePiece's own
+    ids shifted past the four specials."""
+    import sentencepiece
+
+    folder, model_path, vocab, charsmap = xlm_roberta
+    path = write_xlm_roberta_gguf(folder, vocab, charsmap, str(tmp_path / "m.gguf"), "F32")
+    runner = load_encoder(EngineConfig(model=path))
+    reference = transformers.AutoTokenizer.from_pretrained(folder)
+    for text in XLM_TEXTS:
+        assert runner.tokenize(text)[0] == reference(text)["input_ids"], text
+    for a, b in PAIRS:
+        if a and b:
+            assert runner.tokenize(a, b)[0] == reference(a, b)["input_ids"], (a, b)
+    sp = sentencepiece.SentencePieceProcessor(model_file=model_path)
+    for text in ["Hello, world!", "naïve café 日本語のテキスト", "Ｆｕｌｌ width ﬁ ①"]:
+        pieces = sp.encode(text)
+        want = [0] + [3 if i == sp.unk_id() else i + 1 for i in pieces] + [2]
+        assert runner.tokenize(text)[0] == want, text

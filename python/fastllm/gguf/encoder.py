@@ -1,7 +1,8 @@
 """Text encoders from GGUF files: the embedding models llama.cpp's converter
 writes (``bert``: BERT, DistilBERT and their sentence-transformers
-fine-tunes such as all-MiniLM, bge, e5, mxbai-embed, snowflake-arctic-embed;
-``nomic-bert``: nomic-embed-text v1 / v1.5).
+fine-tunes such as all-MiniLM, bge, e5, mxbai-embed, snowflake-arctic-embed,
+and XLM-RoBERTa ones with a SentencePiece vocabulary: bge-m3,
+multilingual-e5; ``nomic-bert``: nomic-embed-text v1 / v1.5).
 
 ``encoder_config`` turns the file's metadata into the ``config.json`` dict of
 the matching Hugging Face encoder (``BertModel`` / ``NomicBertModel``), so the
@@ -47,6 +48,10 @@ from fastllm.gguf.reader import GGUFError, GGUFFile
 #: llama.cpp's ``pooling_type`` values -> fastllm's pooling
 _POOLING = {1: "MEAN", 2: "CLS", 3: "LAST"}
 _POOLING_RANK = 4
+#: the vocabularies each architecture loads with: BERT's WordPiece (``bert``),
+#: and XLM-RoBERTa's SentencePiece Unigram (``t5``: bge-m3, multilingual-e5;
+#: its position table cut to start at the first token, as the converter writes it)
+_VOCABULARIES = {"bert": ("bert", "t5"), "nomic-bert": ("bert",)}
 #: Nomic BERT's rotary base when the file has none (its release's default)
 _NOMIC_ROPE_BASE = 1000.0
 
@@ -74,6 +79,13 @@ def encoder_config(gguf: GGUFFile) -> dict[str, Any]:
             "Hugging Face folder instead)"
         )
     p = f"{arch}."
+    vocab = gguf.get("tokenizer.ggml.model")
+    if vocab not in _VOCABULARIES[arch]:
+        raise GGUFError(
+            f"{gguf.path}: a {arch} encoder with tokenizer.ggml.model {vocab!r} is not supported "
+            f"(supported: {', '.join(_VOCABULARIES[arch])}; a RoBERTa-style BPE vocabulary "
+            "is not); load the model's Hugging Face folder"
+        )
     if gguf.get(p + "attention.causal") is True:
         raise GGUFError(f"{gguf.path}: {p}attention.causal is true; an encoder attends both ways")
     tensors = gguf.tensors

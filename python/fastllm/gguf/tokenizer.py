@@ -4,7 +4,9 @@ rebuilt as the ``tokenizers`` pipeline its Hugging Face ``tokenizer.json`` has.
 Three vocabularies are supported: ``gpt2`` (byte-level BPE: tokens, merges and a
 pre-tokenizer named by ``tokenizer.ggml.pre``), ``llama`` (SentencePiece-style
 BPE: tokens and scores, with byte fallback and the ``▁`` space) and ``bert``
-(an encoder's WordPiece vocabulary, ``_wordpiece_tokenizer``). The pipeline is
+(an encoder's WordPiece vocabulary, ``_wordpiece_tokenizer``), and ``t5``
+(a SentencePiece Unigram vocabulary, as XLM-RoBERTa encoders have it:
+``_unigram_tokenizer``). The pipeline is
 written as one ``tokenizer.json`` document and parsed in Rust by
 ``Tokenizer.from_str``: that keeps every token at the id the file gives it
 (added tokens included) and builds a 150k-token vocabulary in a fraction of a
@@ -141,7 +143,7 @@ _PRE: dict[str, _Pre] = {
     "tekken": _Pre([_TEKKEN], add_bos=True),
 }
 
-SUPPORTED_MODELS = ("gpt2", "llama", "bert")
+SUPPORTED_MODELS = ("gpt2", "llama", "bert", "t5")
 SUPPORTED_PRE = tuple(sorted(_PRE))
 
 
@@ -163,6 +165,8 @@ def tokenizer_from_metadata(meta: Mapping[str, Any], source: str) -> Tokenizer:
         types = [NORMAL] * n
     if model == "bert":
         return _wordpiece_tokenizer(meta, tokens, types, source)
+    if model == "t5":
+        return _unigram_tokenizer(meta, tokens, types, source)
     ids = {name: _token_id(meta, name, n, source) for name in _SPECIAL_KEYS}
     kinds = _Kinds(types)
     vocab = _model_vocab(tokens, kinds)
@@ -585,6 +589,82 @@ def _wordpiece_tokenizer(
         "pad_token": text("padding"),
         "unk_token": text("unknown"),
         "mask_token": text("mask"),
+        "add_bos_token": False,
+        "add_eos_token": False,
+    }
+    return Tokenizer.from_backend(tok, config)
+
+
+def _unigram_tokenizer(
+    meta: Mapping[str, Any], tokens: list[str], types: list[int], source: str
+) -> Tokenizer:
+    """A SentencePiece Unigram tokenizer (``tokenizer.ggml.model`` ``t5``), as
+    XLM-RoBERTa's tokenizer.json has it: the pieces and their scores, the
+    SentencePiece normalization rules (``tokenizer.ggml.precompiled_charsmap``),
+    trailing spaces stripped and runs of spaces merged into one ``▁``
+    (``remove_extra_whitespaces``, default true), a ``▁`` before the text
+    (``add_space_prefix``, default true), and ``<s> a </s>`` /
+    ``<s> a </s> </s> b </s>`` from the BOS and EOS ids (every token type 0)."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
+    from tokenizers import Tokenizer as _HFTokenizer
+
+    n = len(tokens)
+    scores = _scores(meta, n, source)
+    pad, mask = _token_id(meta, "padding", n, source), _token_id(meta, "mask", n, source)
+    if mask is not None and types[mask] == UNUSED:
+        # llama.cpp's converter leaves XLM-RoBERTa's last slot, <mask>, as an
+        # unused padding piece while naming its id: the token is <mask>
+        tokens, types = list(tokens), list(types)
+        tokens[mask], types[mask] = "<mask>", CONTROL
+    ids = {name: _token_id(meta, name, n, source) for name in ("bos", "eos", "unknown")}
+    for name in ("bos", "eos", "unknown"):
+        if ids[name] is None:
+            raise ValueError(f"{source}: a Unigram vocabulary needs tokenizer.ggml.{name}_token_id")
+    # unused slots (the converter pads the vocabulary) can never be chosen
+    pieces = [
+        (t, -1e9 if kind == UNUSED else float(score))
+        for t, kind, score in zip(tokens, types, scores, strict=True)
+    ]
+    tok = _HFTokenizer(models.Unigram(pieces, unk_id=ids["unknown"], byte_fallback=False))
+    steps = []
+    charsmap = meta.get("tokenizer.ggml.precompiled_charsmap")
+    if charsmap is not None and len(charsmap):
+        raw = charsmap if isinstance(charsmap, bytes) else bytes(np.asarray(charsmap, np.uint8))
+        steps.append(normalizers.Precompiled(raw))
+    if bool(meta.get("tokenizer.ggml.remove_extra_whitespaces", True)):
+        steps += [
+            normalizers.Strip(left=False, right=True),
+            normalizers.Replace(Regex(" {2,}"), "\u2581"),
+        ]
+    if steps:
+        tok.normalizer = normalizers.Sequence(steps)
+    scheme = "always" if bool(meta.get("tokenizer.ggml.add_space_prefix", True)) else "never"
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=scheme)
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme=scheme)
+    bos, eos = tokens[ids["bos"]], tokens[ids["eos"]]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A {eos}",
+        pair=f"{bos} $A {eos} {eos} $B {eos}",
+        special_tokens=[(bos, ids["bos"]), (eos, ids["eos"])],
+    )
+    special = [t for t, kind in zip(tokens, types, strict=True) if kind in (CONTROL, UNKNOWN)]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    config: dict[str, Any] = {
+        "bos_token": bos,
+        "eos_token": eos,
+        "cls_token": bos,
+        "sep_token": eos,
+        "pad_token": tokens[pad] if pad is not None else None,
+        "unk_token": tokens[ids["unknown"]],
+        "mask_token": tokens[mask] if mask is not None else None,
         "add_bos_token": False,
         "add_eos_token": False,
     }
