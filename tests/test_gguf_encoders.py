@@ -422,11 +422,15 @@ def _sentencepiece_folder(out) -> tuple[str, list[tuple[str, float]], bytes]:
     return prefix + ".model", vocab, charsmap
 
 
-def write_xlm_roberta_gguf(folder: str, vocab, charsmap: bytes, path: str, types: str) -> str:
+def write_xlm_roberta_gguf(
+    folder: str, vocab, charsmap: bytes, path: str, types: str, rank: bool = False
+) -> str:
     """An XLM-RoBERTa folder as llama.cpp's converter writes it: ``bert``, the
     position table cut to start at the first token (rows past the padding
     id), a ``t5`` vocabulary (pieces, scores, types; the normalization rules
-    and flags), <s> / </s> as BOS / EOS."""
+    and flags), <s> / </s> as BOS / EOS; ``rank``: a reranker
+    (``XLMRobertaForSequenceClassification``: ``roberta.`` dropped from the
+    names, its head as ``cls`` / ``cls.output``, rank pooling)."""
     cfg = json.load(open(os.path.join(folder, "config.json")))
     state = load_file(os.path.join(folder, "model.safetensors"))
     offset = cfg["pad_token_id"] + 1
@@ -440,7 +444,8 @@ def write_xlm_roberta_gguf(folder: str, vocab, charsmap: bytes, path: str, types
     w.add_head_count(cfg["num_attention_heads"])
     w.add_layer_norm_eps(cfg["layer_norm_eps"])
     w.add_causal_attention(False)
-    w.add_pooling_type(gguf.PoolingType.MEAN)
+    if not rank:  # the converter writes no pooling for a reranker folder without ST files
+        w.add_pooling_type(gguf.PoolingType.MEAN)
     w.add_tokenizer_model("t5")
     w.add_tokenizer_pre("default")
     # the converter's realignment leaves the last slot (<mask>) an unused
@@ -461,6 +466,7 @@ def write_xlm_roberta_gguf(folder: str, vocab, charsmap: bytes, path: str, types
     w.add_bool("tokenizer.ggml.add_bos_token", True)
     w.add_bool("tokenizer.ggml.add_eos_token", True)
     for hf_name, t in state.items():
+        hf_name = hf_name.removeprefix("roberta.")
         if hf_name.endswith("position_ids") or hf_name.startswith("pooler."):
             continue
         if hf_name.endswith("position_embeddings.weight"):
@@ -549,3 +555,38 @@ def test_xlm_roberta_tokenizer_equals_the_folders_and_sentencepiece(xlm_roberta,
         pieces = sp.encode(text)
         want = [0] + [3 if i == sp.unk_id() else i + 1 for i in pieces] + [2]
         assert runner.tokenize(text)[0] == want, text
+
+
+def test_xlm_roberta_reranker_file_scores_like_transformers(
+    xlm_roberta, tmp_path_factory, tmp_path
+):
+    """An XLMRobertaForSequenceClassification reranker (bge-reranker-v2-m3's
+    shape, one label) as a rank-pooling GGUF file: ``LLM(path)`` is a
+    cross-encoder whose scores are transformers' sigmoid logits of the pairs
+    its own tokenizer makes."""
+    from test_encoders import _config, _randomize
+
+    folder, _, vocab, charsmap = xlm_roberta
+    out = tmp_path_factory.mktemp("xlm-roberta-reranker")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(folder, name), out / name)
+    ids = {"vocab": len(vocab), "pad": 1, "cls": 0, "sep": 2}
+    config = _config("XLMRobertaForSequenceClassification", ids, 1, **SHAPE)
+    torch.manual_seed(9)
+    model = transformers.XLMRobertaForSequenceClassification(config).eval()
+    _randomize(model, 9)
+    model.save_pretrained(str(out))
+    path = write_xlm_roberta_gguf(str(out), vocab, charsmap, str(tmp_path / "r.gguf"), "F32", True)
+    llm = LLM(path, max_model_len=MAX_LEN)
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    query = "how do I read a file?"
+    docs = ["with open(path) as f: data = f.read()", "naïve café 日本語", "import os"]
+    got = [o.outputs.score for o in llm.score(query, docs)]
+    with torch.no_grad():
+        want = [
+            torch.sigmoid(model(**tok(query, d, return_tensors="pt")).logits[0, 0]).item()
+            for d in docs
+        ]
+    assert got == pytest.approx(want, abs=1e-5)
+    with pytest.raises(ValueError, match="embed: this model is a classifier"):
+        llm.embed(["x"])

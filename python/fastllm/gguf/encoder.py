@@ -23,8 +23,14 @@ What a GGUF file does not say, and what fastllm takes instead:
 - whether the WordPiece vocabulary lowercases: ``gguf/tokenizer.py`` decides
   from the vocabulary (no token with an upper-case letter: lowercased).
 
-A reranker file (``pooling_type`` rank: a classification head) and Nomic's
-mixture-of-experts encoder (``nomic-bert-moe``) are named as unsupported.
+An XLM-RoBERTa file (a ``bert`` file with a ``t5`` vocabulary) loads as
+``XLMRobertaModel``, its position table's first pad + 1 rows (which the
+converter cut) put back as zeros, so that positions count as RoBERTa's do;
+with ``pooling_type`` rank it is a reranker, ``XLMRobertaForSequenceClassification``
+(``cls`` / ``cls.output``: its head's dense and output layers). A BERT
+reranker file is an error (the converter drops BERT's pooler layer, which
+its head needs), as are Nomic's mixture-of-experts encoder
+(``nomic-bert-moe``) and the other encoder architectures.
 """
 
 from __future__ import annotations
@@ -106,10 +112,38 @@ def encoder_config(gguf: GGUFFile) -> dict[str, Any]:
             int(tensors["token_types.weight"].shape[0]) if "token_types.weight" in tensors else 0
         ),
     }
+    rank = _pooling_value(gguf) == _POOLING_RANK
+    if rank and not (arch == "bert" and vocab == "t5"):
+        raise GGUFError(
+            f"{gguf.path}: {p}pooling_type is rank (a reranker's head), which fastllm reads "
+            "for XLM-RoBERTa rerankers only (llama.cpp's converter drops BERT's pooler "
+            "layer, so a BERT cross-encoder's scores cannot be computed from the file); "
+            "load the model's Hugging Face folder"
+        )
     if arch == "bert":
-        hf.update(model_type="bert", hidden_act="gelu", position_embedding_type="absolute")
+        hf.update(hidden_act="gelu", position_embedding_type="absolute")
+        rows = hf["max_position_embeddings"]
         if "position_embd.weight" in tensors:  # the table's rows are the positions
-            hf["max_position_embeddings"] = int(tensors["position_embd.weight"].shape[0])
+            rows = int(tensors["position_embd.weight"].shape[0])
+        if vocab == "t5":
+            # XLM-RoBERTa: the converter cut the table's first pad + 1 rows;
+            # they are put back (unused) so positions count as RoBERTa's do
+            pad = _int(gguf, "tokenizer.ggml.padding_token_id", 1)
+            hf.update(
+                architectures=[
+                    "XLMRobertaForSequenceClassification" if rank else "XLMRobertaModel"
+                ],
+                model_type="xlm-roberta",
+                pad_token_id=pad,
+                max_position_embeddings=rows + pad + 1,
+            )
+            if rank:
+                hf["num_labels"] = _classifier_labels(gguf)
+                labels = gguf.get(p + "classifier.output_labels")
+                if labels is not None and len(labels) == hf["num_labels"]:
+                    hf["id2label"] = {str(i): str(v) for i, v in enumerate(labels)}
+        else:
+            hf.update(model_type="bert", max_position_embeddings=rows)
     else:
         hf.update(
             model_type="nomic_bert",
@@ -123,18 +157,36 @@ def encoder_config(gguf: GGUFFile) -> dict[str, Any]:
     return hf
 
 
+def _pooling_value(gguf: GGUFFile) -> Any:
+    """``{arch}.pooling_type``; rank for a file with a classification head
+    that names none (llama.cpp's converter writes none for a reranker
+    folder without sentence-transformers files)."""
+    value = gguf.get(f"{gguf.get('general.architecture')}.pooling_type")
+    if value is None and "cls.output.weight" in gguf.tensors:
+        return _POOLING_RANK
+    return value
+
+
+def _classifier_labels(gguf: GGUFFile) -> int:
+    """A reranker's labels: the rows of its output layer (``cls.output``)."""
+    info = gguf.tensors.get("cls.output.weight")
+    if info is None or "cls.weight" not in gguf.tensors:
+        raise GGUFError(
+            f"{gguf.path}: a rank pooling file needs its classification head, tensors "
+            "'cls.weight' and 'cls.output.weight'"
+        )
+    return int(info.shape[0])
+
+
 def encoder_pooling(gguf: GGUFFile) -> str:
     """The file's pooling (``MEAN`` when it names none, as sentence-transformers
-    pools a bare encoder); a reranker's is an error."""
+    pools a bare encoder; ``CLS`` for a reranker, whose head reads that row)."""
     arch = gguf.get("general.architecture")
-    value = gguf.get(f"{arch}.pooling_type")
+    value = _pooling_value(gguf)
     if value is None or value == 0:
         return "MEAN"
     if value == _POOLING_RANK:
-        raise GGUFError(
-            f"{gguf.path}: {arch}.pooling_type is rank (a reranker's classification head), "
-            "which fastllm does not load from GGUF; load the model's Hugging Face folder"
-        )
+        return "CLS"
     if value not in _POOLING:
         raise GGUFError(f"{gguf.path}: {arch}.pooling_type {value!r} is not a known pooling")
     return _POOLING[value]
@@ -177,6 +229,9 @@ def _names(arch: str, layers: int) -> Iterator[tuple[str, str]]:
         for theirs, ours in parts.items():
             for kind in ("weight", "bias"):
                 yield f"{layer}.{i}.{theirs}.{kind}", f"blk.{i}.{ours}.{kind}"
+    for kind in ("weight", "bias"):  # a reranker's RoBERTa-style head
+        yield f"classifier.dense.{kind}", f"cls.{kind}"
+        yield f"classifier.out_proj.{kind}", f"cls.output.{kind}"
 
 
 class GGUFEncoderCheckpoint:
@@ -184,13 +239,16 @@ class GGUFEncoderCheckpoint:
     what ``load_encoder_weights`` reads (``location``, ``shape``, ``read``,
     ``files``), every tensor as float."""
 
-    def __init__(self, gguf: GGUFFile) -> None:
+    def __init__(self, gguf: GGUFFile, hf: dict[str, Any]) -> None:
+        """``hf``: the file's ``encoder_config``."""
         self.gguf = gguf
         self.files = [gguf.path]
         arch = gguf.get("general.architecture")
         layers = _int(gguf, f"{arch}.block_count")
         #: checkpoint name -> GGUF tensor name, for the tensors the file has
         self.location = {n: g for n, g in _names(arch, layers) if g in gguf.tensors}
+        #: rows the converter cut from the front of the position table (XLM-RoBERTa's)
+        self.cut_positions = hf["pad_token_id"] + 1 if hf.get("model_type") == "xlm-roberta" else 0
 
     def __enter__(self) -> GGUFEncoderCheckpoint:
         return self
@@ -199,11 +257,17 @@ class GGUFEncoderCheckpoint:
         pass
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.gguf.tensors[self.location[name]].shape)
+        shape = tuple(self.gguf.tensors[self.location[name]].shape)
+        if name.endswith("position_embeddings.weight"):
+            shape = (shape[0] + self.cut_positions, *shape[1:])
+        return shape
 
     def read(self, name: str) -> torch.Tensor:
         info = self.gguf.tensors[self.location[name]]
-        return _float_tensor(self.gguf, _source(self.gguf, info.name, tuple(info.shape)))
+        t = _float_tensor(self.gguf, _source(self.gguf, info.name, tuple(info.shape)))
+        if name.endswith("position_embeddings.weight") and self.cut_positions:
+            t = torch.cat([t.new_zeros(self.cut_positions, t.shape[1]), t])
+        return t
 
 
 def pack_quantized_linears(

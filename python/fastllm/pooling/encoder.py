@@ -287,7 +287,7 @@ def _load_gguf_encoder(
         mc = ModelConfig.from_dict(hf, path=config.model)
         dtype = encoder_dtype(config.dtype, device, None)
         encoder = build_encoder(hf, architecture)
-        checkpoint = GGUFEncoderCheckpoint(gguf)
+        checkpoint = GGUFEncoderCheckpoint(gguf, hf)
         load_encoder_weights(encoder, checkpoint, dtype, device)
         report = LoadReport(tensor_types={})
         if device != "cpu" and any(
