@@ -519,8 +519,13 @@ def test_missing_key_missing_tensor_and_bad_values(good_file, tmp_path):
     path = _rewrite(good_file, str(tmp_path / "c.gguf"), set_key=("llama.embedding_length", 96))
     with pytest.raises(GGUFError, match=r"c\.gguf: tensor '.*' has shape \[.*\], expected"):
         _load_all(path)
-    path = _rewrite(good_file, str(tmp_path / "d.gguf"), set_key=("general.architecture", "bert"))
-    with pytest.raises(GGUFError, match="general.architecture 'bert' is not supported"):
+    path = _rewrite(good_file, str(tmp_path / "d.gguf"), set_key=("general.architecture", "rwkv7"))
+    with pytest.raises(GGUFError, match="general.architecture 'rwkv7' is not supported"):
+        _load_all(path)
+    # A text encoder's architecture goes to the encoder loader, which names
+    # what its file lacks (this one has no vocabulary).
+    path = _rewrite(good_file, str(tmp_path / "e.gguf"), set_key=("general.architecture", "bert"))
+    with pytest.raises(GGUFError, match=r"e\.gguf: a bert encoder with tokenizer.ggml.model None"):
         _load_all(path)
     with pytest.raises(FileNotFoundError, match="GGUF file not found"):
         _load_all(str(tmp_path / "nothing.gguf"))

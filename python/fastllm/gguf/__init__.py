@@ -60,7 +60,7 @@ def load_tokenizer(path: str) -> Any:
     from fastllm.gguf.reader import GGUFFile
     from fastllm.gguf.tokenizer import tokenizer_from_metadata
 
-    with GGUFFile(path) as g:
+    with GGUFFile(path, populate=False) as g:
         return tokenizer_from_metadata(g.metadata, path)
 
 
@@ -70,7 +70,7 @@ def weight_bytes_per_token(path: str) -> int:
     experts each token uses; the token embedding only when it is also the head."""
     from fastllm.gguf.reader import GGUFFile
 
-    with GGUFFile(path) as g:
+    with GGUFFile(path, populate=False) as g:
         tied = "output.weight" not in g.tensors
         skip = {"position_embd.weight"} | (set() if tied else {"token_embd.weight"})
         arch = g.get("general.architecture")
@@ -98,7 +98,7 @@ def describe_file(path: str) -> str:
     )
     from fastllm.gguf.reader import GGUFFile
 
-    with GGUFFile(path) as g:
+    with GGUFFile(path, populate=False) as g:
         counts: dict[str, int] = {}
         for t in g.tensors.values():
             counts[t.type.name] = counts.get(t.type.name, 0) + 1
