@@ -162,19 +162,21 @@ def _config(arch: str, ids: dict[str, int], num_labels: int, **extra):
         common.update(extra)
         return transformers.ModernBertConfig(**common)
     if arch.startswith("NomicBert"):
-        common.update(max_position_embeddings=MAX_LEN, type_vocab_size=2, **extra)
-        return transformers.NomicBertConfig(**common)
+        common.update(max_position_embeddings=MAX_LEN, type_vocab_size=2)
+        return transformers.NomicBertConfig(**{**common, **extra})
     if arch.startswith("Gte"):
         common.update(max_position_embeddings=MAX_LEN, **extra)
         return transformers.GteConfig(**common)
     if arch.startswith("Bert"):
-        common.update(max_position_embeddings=MAX_LEN, type_vocab_size=2, **extra)
-        return transformers.BertConfig(**common)
+        common.update(max_position_embeddings=MAX_LEN, type_vocab_size=2)
+        return transformers.BertConfig(**{**common, **extra})
     if arch.startswith("DistilBert"):
         renamed = {"hidden_size": "dim", "num_hidden_layers": "n_layers"}
         renamed.update(num_attention_heads="n_heads", intermediate_size="hidden_dim")
         common = {renamed.get(k, k): v for k, v in common.items()}
-        return transformers.DistilBertConfig(**common, max_position_embeddings=MAX_LEN, **extra)
+        return transformers.DistilBertConfig(
+            **{**common, "max_position_embeddings": MAX_LEN, **extra}
+        )
     # RoBERTa's and MPNet's positions start after the padding id
     common.update(max_position_embeddings=ids["pad"] + 1 + MAX_LEN, **extra)
     if arch.startswith("MPNet"):

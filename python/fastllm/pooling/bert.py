@@ -134,6 +134,14 @@ class BertEncoder(Module):
         self.relative_attention_bias = None
         if family == "mpnet":
             buckets = hf.get("relative_attention_num_buckets", _MPNET_BUCKETS)
+            if buckets < _MPNET_BUCKETS:
+                # transformers buckets distances into 32 whatever the table's
+                # size, so a smaller table has no row for the far buckets.
+                raise ValueError(
+                    f"config.json: MPNet with relative_attention_num_buckets={buckets} is not "
+                    f"supported: relative distances fall in {_MPNET_BUCKETS} buckets, and the "
+                    f"table needs a row for each"
+                )
             self.relative_attention_bias = Embedding(buckets, hf["num_attention_heads"])
         self.num_labels = num_labels(hf) if has_head else None
         self.pooler = self.head_dense = self.pre_classifier = None
