@@ -67,8 +67,13 @@ def classifier_base(architectures: list[str]) -> str | None:
     arch = architectures[0]
     if not arch.endswith("ForSequenceClassification"):
         return None
-    causal = arch.removesuffix("ForSequenceClassification") + "ForCausalLM"
-    return causal if causal in ARCHITECTURES else None
+    family = arch.removesuffix("ForSequenceClassification")
+    # transformers names some text-only classes with "Text"
+    # (Gemma3TextForSequenceClassification): their LM is the family's
+    for causal in (family + "ForCausalLM", family.removesuffix("Text") + "ForCausalLM"):
+        if causal in ARCHITECTURES:
+            return causal
+    return None
 
 
 class DecoderRunner:
@@ -108,7 +113,8 @@ class DecoderRunner:
             hf_overrides=overrides or None,
         )
         self.engine = engine = LLMEngine(engine_config)
-        self.tokenizer = engine.require_tokenizer()
+        #: None with skip_tokenizer_init: inputs are then token ids only
+        self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len - 1
         mc = engine.model_config
         self.pooler: PoolerConfig
@@ -170,8 +176,9 @@ class DecoderRunner:
                 f"{tokens!r}"
             )
         ids = []
+        vocabulary = self.engine.require_tokenizer()
         for t in tokens:
-            i = self.tokenizer.token_to_id(t)
+            i = vocabulary.token_to_id(t)
             if i is None:
                 raise ValueError(
                     f"hf_overrides: classifier_from_token {t!r} is not a token of the vocabulary"
@@ -197,9 +204,10 @@ class DecoderRunner:
         """The text's ids (the tokenizer's special tokens, e.g. a closing EOS,
         included); a pair as the tokenizer joins two texts (its template, or
         the two texts' ids one after the other), as transformers does."""
+        tokenizer = self.engine.require_tokenizer()
         if pair is not None:
-            return self.tokenizer.encode_with_types(text, pair)[0], None
-        return self.tokenizer.encode(text), None
+            return tokenizer.encode_with_types(text, pair)[0], None
+        return tokenizer.encode(text), None
 
     def pool(self, batch: list[tuple[list[int], list[int] | None]]) -> list[torch.Tensor]:
         """Each input's pooled final hidden state (float32, CPU)."""
