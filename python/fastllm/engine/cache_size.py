@@ -126,7 +126,7 @@ def plan_kv_cache(
         if state_bytes >= budget:
             raise ValueError(
                 f"the recurrent states ({state_slots} slots: max_num_seqs plus "
-                f"max_state_snapshots, {state_bytes / 2**20:.0f} MiB) do not fit in the "
+                f"max_state_snapshots, {_size(state_bytes)}) do not fit in the "
                 f"cache budget ({source}); lower max_num_seqs or max_state_snapshots"
             )
         budget -= state_bytes
@@ -174,3 +174,8 @@ def plan_kv_cache(
         state_bytes,
         state_slots,
     )
+
+
+def _size(n: int) -> str:
+    """``n`` bytes in words: MiB from 1 MiB, else bytes (a tiny model's states)."""
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n} bytes"
