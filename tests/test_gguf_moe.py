@@ -1,5 +1,6 @@
-"""Mixture-of-experts GGUF files: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and
-gpt-oss, written as llama.cpp's converter writes them, against transformers.
+"""Mixture-of-experts GGUF files: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE,
+gpt-oss and Granite MoE, written as llama.cpp's converter writes them,
+against transformers.
 
 ``write_moe_gguf`` writes each tiny random model of ``test_moe_models.CONFIGS``
 with llama.cpp's ``gguf`` package (its tensor-name map, writer and
@@ -7,7 +8,9 @@ quantizers) in the converter's layout: every layer's experts stacked in
 ``blk.N.ffn_{gate,up,down}_exps`` ([experts, inter, hidden] and [experts,
 hidden, inter]), gpt-oss's interleaved gate/up split into the two and its
 biases stacked alike, routers (``ffn_gate_inp``) and Qwen2-MoE's shared-expert
-gate in F32, Mixtral's q/k rows permuted, gpt-oss's sinks as
+gate in F32, Mixtral's and Granite MoE's q/k rows permuted (Granite MoE's
+stacked ``input_linear`` split into gate and up, its multipliers as
+Granite's ``*_scale`` keys), gpt-oss's sinks as
 ``attn_sinks.weight``. The options the converter has no key for but llama.cpp
 defines one (``expert_weights_norm`` where ``norm_topk_prob`` is not the
 family's llama.cpp default, OLMoE's ``attention.clamp_kqv``, gpt-oss's
@@ -66,6 +69,7 @@ ARCH = {
     "mixtral": gguf.MODEL_ARCH.LLAMA,
     "olmoe": gguf.MODEL_ARCH.OLMOE,
     "gpt_oss": gguf.MODEL_ARCH.GPT_OSS,
+    "granitemoe": gguf.MODEL_ARCH.GRANITE_MOE,
 }
 # norm_topk_prob as llama.cpp's graph assumes it per family (no key written).
 NORM_DEFAULT = {"qwen3_moe": True, "qwen2_moe": False, "olmoe": False}
@@ -130,6 +134,18 @@ def _layout(model, kind: str, hf_name: str, t: np.ndarray, fuse: bool) -> Layout
             [t[:, :m], t[:, m:]],
             lambda a: np.concatenate(a, axis=1),
         )
+    if kind == "granitemoe" and ".block_sparse_moe." in hf_name:
+        blk = f"blk.{parts[2]}"
+        if hf_name.endswith("router.weight"):
+            return [f"{blk}.ffn_gate_inp.weight"], [t], lambda a: a[0]
+        if hf_name.endswith("experts.down_proj"):  # [E, hidden, inter]
+            return [f"{blk}.ffn_down_exps.weight"], [t], lambda a: a[0]
+        m = t.shape[1] // 2  # input_linear [E, 2m, hidden]: gate rows, then up rows
+        return (
+            [f"{blk}.ffn_gate_exps.weight", f"{blk}.ffn_up_exps.weight"],
+            [t[:, :m], t[:, m:]],
+            lambda a: np.concatenate(a, axis=1),
+        )
     if hf_name.endswith("self_attn.sinks"):
         return [f"blk.{parts[2]}.attn_sinks.weight"], [t], lambda a: a[0]
     name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -137,7 +153,7 @@ def _layout(model, kind: str, hf_name: str, t: np.ndarray, fuse: bool) -> Layout
         dense = gguf.TensorNameMap(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
         name = dense.get_name(hf_name, try_suffixes=(".weight", ".bias"))
     assert name is not None, hf_name
-    if kind == "mixtral" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+    if kind in ("mixtral", "granitemoe") and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
         heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
         return [name], [_permute(t, heads)], lambda a: unpermute(a[0], heads)
     return [name], [t], lambda a: a[0]
@@ -201,6 +217,13 @@ def _metadata(w, model, name: str) -> None:
         w.add_rope_dimension_count(cfg.head_dim)
         if cfg.sliding_window:
             w.add_sliding_window(cfg.sliding_window)
+    if kind == "granitemoe":  # Granite's multipliers
+        w.add_vocab_size(cfg.vocab_size)
+        w.add_rope_dimension_count(cfg.head_dim)
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_attention_scale(cfg.attention_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
     if kind == "gpt_oss":
         w.add_sliding_window(cfg.sliding_window)
         w.add_expert_feed_forward_length(cfg.intermediate_size)
@@ -270,8 +293,8 @@ def _with_file_weights(model, name: str, types):
     return ref
 
 
-# Every MoE config whose family loads from GGUF files (Granite MoE does not).
-GGUF_CONFIGS = [n for n, c in CONFIGS.items() if type(c).__name__ != "GraniteMoeConfig"]
+# Every MoE config (each family loads from GGUF files).
+GGUF_CONFIGS = list(CONFIGS)
 
 
 @pytest.fixture(scope="module")
@@ -337,6 +360,15 @@ def test_config_from_the_file(saved, tmp_path):
             "attention_bias": True,
         },
         "gpt_oss_top1": {"swiglu_limit": 7.0, "num_experts_per_tok": 1},
+        "granitemoe": {
+            "architectures": ["GraniteMoeForCausalLM"],
+            "num_local_experts": 4,
+            "intermediate_size": 32,
+            "embedding_multiplier": 2.0,
+            "attention_multiplier": 0.3,
+            "residual_multiplier": 0.7,
+            "logits_scaling": 3.0,
+        },
     }
     for name, fields in want.items():
         path = write_moe_gguf(saved[name][1], str(tmp_path / f"{name}.gguf"), name)
@@ -388,7 +420,9 @@ def test_q8_0_file_equals_the_folder_quantized_at_load(saved, tmp_path):
             np.testing.assert_array_equal(rows.numpy(), want)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss"])
+@pytest.mark.parametrize(
+    "name", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "granitemoe"]
+)
 def test_q8_0_file_close_to_the_reference_with_its_weights(name, saved, tmp_path):
     _, ref_model = saved[name]
     path = write_moe_gguf(ref_model, str(tmp_path / "m.gguf"), name, "Q8_0")

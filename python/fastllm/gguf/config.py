@@ -25,6 +25,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "granite": ("GraniteForCausalLM", "granite"),
+    "granitemoe": ("GraniteMoeForCausalLM", "granitemoe"),
     "olmo2": ("Olmo2ForCausalLM", "olmo2"),
     "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
@@ -52,6 +53,7 @@ _LLAMA_LIKE = (
     "qwen2",
     "qwen3",
     "granite",
+    "granitemoe",
     "olmo2",
     "smollm3",
     "qwen3moe",
@@ -63,7 +65,7 @@ _LLAMA_LIKE = (
 # top-k renormalisation llama.cpp's graph for each hard-codes: its converter
 # writes no ``expert_weights_norm`` for them (Mixtral and gpt-oss always
 # renormalise, whatever the key says).
-_MOE_ARCHS = ("llama", "qwen3moe", "qwen2moe", "olmoe", "gpt-oss")
+_MOE_ARCHS = ("llama", "qwen3moe", "qwen2moe", "olmoe", "gpt-oss", "granitemoe")
 # The hybrid families' mixture-of-experts versions (``_hybrid_moe``).
 _HYBRID_MOE_ARCHS = ("qwen35moe", "lfm2moe")
 # llama.cpp's ``expert_gating_func`` values.
@@ -256,7 +258,7 @@ def _llama_like(gguf: GGUFFile, arch: str, p: str, hf: dict[str, Any], head_size
     window = gguf.get(p + "attention.sliding_window")
     if window:
         hf["sliding_window"] = _int(gguf, p + "attention.sliding_window")
-    if arch in ("llama", "granite", "smollm3"):
+    if arch in ("llama", "granite", "granitemoe", "smollm3"):
         hf["attention_bias"] = "blk.0.attn_q.bias" in tensors
         hf["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
     elif arch in ("qwen2", "qwen3", "qwen2moe", "qwen3moe"):
@@ -267,7 +269,7 @@ def _llama_like(gguf: GGUFFile, arch: str, p: str, hf: dict[str, Any], head_size
             hf["qkv_bias"] = "blk.0.attn_q.bias" in tensors
     if window:
         _layer_types(gguf, p, hf)
-    if arch == "granite":
+    if arch in ("granite", "granitemoe"):
         for key, name in (
             ("embedding_scale", "embedding_multiplier"),
             ("attention.scale", "attention_multiplier"),

@@ -193,6 +193,7 @@ _NAMES: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
     "qwen2": (_LLAMA_GLOBAL, _LLAMA_LAYER, "model.layers"),
     "qwen3": (_LLAMA_GLOBAL, _LLAMA_LAYER, "model.layers"),
     "granite": (_LLAMA_GLOBAL, _LLAMA_LAYER, "model.layers"),
+    "granitemoe": (_LLAMA_GLOBAL, _MOE_LAYER, "model.layers"),
     "smollm3": (_LLAMA_GLOBAL, _LLAMA_LAYER, "model.layers"),
     "olmo2": (_LLAMA_GLOBAL, _OLMO2_LAYER, "model.layers"),
     "gemma2": (_LLAMA_GLOBAL, _GEMMA_LAYER, "model.layers"),
@@ -243,7 +244,7 @@ _NAMES: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
 }
 # llama.cpp's converter permutes these families' q/k rows into its
 # interleaved rotary layout (the others rotate neox-style, rows as stored).
-_PERMUTED_ARCHS = ("llama", "granite", "smollm3")
+_PERMUTED_ARCHS = ("llama", "granite", "granitemoe", "smollm3")
 
 
 def gguf_name(arch: str, name: str) -> str | None:
