@@ -68,9 +68,15 @@ def test_drawn_shapes_under_chunks_prefix_cache_and_preemption(tmp_path, family,
                 min_new_tokens=STEPS,
             )
         want.append(out[0, len(p) :].tolist())
+    # the last prompt asks for two completions: forks share its blocks and
+    # copy its recurrent state; greedy, both are the reference's
+    plist = [params] * (len(prompts) - 1) + [SamplingParams(
+        n=2, max_tokens=STEPS, temperature=0, ignore_eos=True
+    )]  # fmt: skip
     for run in range(2):  # the second run meets the first's cached prefixes
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], plist, use_tqdm=False)
         got = [o.outputs[0].token_ids for o in outs]
         assert got == want, (family, run, config.to_dict())
+        assert [c.token_ids for c in outs[-1].outputs] == [want[-1]] * 2, (family, run)
     # the second run reused blocks (and snapshots) the small cache still held
     assert any(o.num_cached_tokens > 0 for o in outs), [o.num_cached_tokens for o in outs]
