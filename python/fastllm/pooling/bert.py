@@ -156,8 +156,10 @@ class BertEncoder(Module):
     @property
     def uses_type_ids(self) -> bool:
         """Whether inputs carry the tokenizer's token types (BERT); RoBERTa reads
-        zeros, DistilBERT and MPNet have none."""
-        return self.family == "bert"
+        zeros, DistilBERT and MPNet have none (nor has a BERT GGUF file
+        without a token-type table: DistilBERT's, as llama.cpp's converter
+        writes it)."""
+        return self.family == "bert" and self.token_type_embeddings is not None
 
     def forward(self, inputs: PackedInputs) -> torch.Tensor:
         """Last hidden states [T, hidden] of the packed inputs."""
