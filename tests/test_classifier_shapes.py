@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_model_shapes import DENSE, HYBRID, MOE, _dense, _dims, _hybrid, _moe  # noqa: E402
+from test_model_shapes import draw_config  # noqa: E402
 from test_models import VOCAB, _one_thread, _randomize, _sequences  # noqa: E402, F401
 
 transformers.logging.set_verbosity_error()
@@ -30,9 +30,7 @@ def test_drawn_classifiers_score_as_transformers(tmp_path, family: str, seed: in
     from fastllm import LLM, PoolingParams
 
     rng = random.Random(f"{family}-classifier-{seed}")
-    maker = _dense if family in DENSE else _moe if family in MOE else _hybrid
-    assert family in DENSE + MOE + HYBRID
-    config = maker(family, rng, _dims(rng))
+    config = draw_config(family, rng)
     config.num_labels = rng.choice([1, 2, 5])
     config.pad_token_id = 0  # the inputs hold no 0: the head reads each one's last token
     torch.manual_seed(seed)

@@ -121,15 +121,24 @@ def write_encoder_gguf(
             continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name
-        arr = t.float().numpy()
-        kind = "F32" if arr.ndim == 1 else types
-        qtype = getattr(gguf.GGMLQuantizationType, kind)
-        if kind == "F32":
-            w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
-        elif kind == "F16":
-            w.add_tensor(name, arr.astype(np.float16))
-        else:
-            w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        _add_tensor(w, name, t, types)
+    return _close_writer(w, path)
+
+
+def _add_tensor(w, name: str, t: torch.Tensor, types: str) -> None:
+    """``t`` as the converter stores it: 1-D tensors F32, matrices in ``types``."""
+    arr = t.float().numpy()
+    kind = "F32" if arr.ndim == 1 else types
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    if kind == "F32":
+        w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+    elif kind == "F16":
+        w.add_tensor(name, arr.astype(np.float16))
+    else:
+        w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+
+
+def _close_writer(w, path: str) -> str:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -486,18 +495,8 @@ def write_xlm_roberta_gguf(
             t = t[offset:]
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name
-        arr = t.float().numpy()
-        kind = "F32" if arr.ndim == 1 else types
-        qtype = getattr(gguf.GGMLQuantizationType, kind)
-        if kind == "F32":
-            w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
-        else:
-            w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+        _add_tensor(w, name, t, types)
+    return _close_writer(w, path)
 
 
 @pytest.fixture(scope="module")

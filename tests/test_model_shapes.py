@@ -218,12 +218,17 @@ MOE = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "gpt_oss"]
 HYBRID = ["qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe"]
 
 
+def draw_config(family: str, rng: random.Random) -> Any:
+    """A transformers config of ``family`` at shapes and options drawn by ``rng``."""
+    maker = _dense if family in DENSE else _moe if family in MOE else _hybrid
+    return maker(family, rng, _dims(rng))
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("family", DENSE + MOE + HYBRID)
 def test_drawn_shapes_generate_as_transformers(tmp_path, family: str, seed: int) -> None:
     rng = random.Random(f"{family}-{seed}")
-    maker = _dense if family in DENSE else _moe if family in MOE else _hybrid
-    config = maker(family, rng, _dims(rng))
+    config = draw_config(family, rng)
     model = _build(family, str(tmp_path), seed=seed, config=config)
     # greedy to 8 tokens whatever they are: no end-of-sequence token on either side
     model.generation_config.eos_token_id = None

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_model_shapes import DENSE, HYBRID, MOE, _dense, _dims, _hybrid, _moe  # noqa: E402
+from test_model_shapes import DENSE, HYBRID, MOE, draw_config  # noqa: E402
 from test_models import _build, _one_thread, _sequences  # noqa: E402, F401
 
 transformers.logging.set_verbosity_error()
@@ -29,8 +29,7 @@ def test_drawn_shapes_under_chunks_prefix_cache_and_preemption(tmp_path, family,
     from fastllm import LLM, SamplingParams
 
     rng = random.Random(f"{family}-schedule-{seed}")
-    maker = _dense if family in DENSE else _moe if family in MOE else _hybrid
-    config = maker(family, rng, _dims(rng))
+    config = draw_config(family, rng)
     model = _build(family, str(tmp_path), seed=seed, config=config)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0

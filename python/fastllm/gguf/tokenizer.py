@@ -523,8 +523,8 @@ def _wordpiece_tokenizer(
     where the file has them; an older file has neither, and the vocabulary
     tells: lower-cased when no piece has an upper-case letter (an uncased
     model), as its ``BertNormalizer`` does (accents stripped with the case)."""
-    from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
     from tokenizers import Tokenizer as _HFTokenizer
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 
     n = len(tokens)
     pieces = []
@@ -580,8 +580,7 @@ def _wordpiece_tokenizer(
         pair=f"{cls} $A {sep} $B:1 {sep}:1",
         special_tokens=[(cls, ids["cls"]), (sep, ids["seperator"])],
     )
-    special = [p for p, kind in zip(pieces, types, strict=True) if kind in (CONTROL, UNKNOWN)]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    _add_tokens(tok, [p for p, k in zip(pieces, types, strict=True) if k in (CONTROL, UNKNOWN)], [])
 
     config: dict[str, Any] = {
         "cls_token": cls,
@@ -606,7 +605,6 @@ def _unigram_tokenizer(
     (``add_space_prefix``, default true), and ``<s> a </s>`` /
     ``<s> a </s> </s> b </s>`` from the BOS and EOS ids (every token type 0)."""
     from tokenizers import (
-        AddedToken,
         Regex,
         decoders,
         models,
@@ -655,8 +653,7 @@ def _unigram_tokenizer(
         pair=f"{bos} $A {eos} {eos} $B {eos}",
         special_tokens=[(bos, ids["bos"]), (eos, ids["eos"])],
     )
-    special = [t for t, kind in zip(tokens, types, strict=True) if kind in (CONTROL, UNKNOWN)]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    _add_tokens(tok, [t for t, k in zip(tokens, types, strict=True) if k in (CONTROL, UNKNOWN)], [])
     config: dict[str, Any] = {
         "bos_token": bos,
         "eos_token": eos,
