@@ -63,6 +63,17 @@ def _dense(family: str, rng: random.Random, c: dict[str, Any]) -> Any:
             attention_multiplier=rng.uniform(0.01, 0.2), residual_multiplier=rng.uniform(0.1, 1)
         )
         return t.GraniteConfig(**c, **mult, attention_bias=coin(), mlp_bias=coin(), pad_token_id=0)
+    if family == "granite4":  # attention-only, dense (granite-4.0-micro's layout)
+        mult = dict(embedding_multiplier=rng.uniform(1, 12), logits_scaling=rng.uniform(1, 8))
+        mult.update(
+            attention_multiplier=rng.uniform(0.01, 0.2), residual_multiplier=rng.uniform(0.1, 1)
+        )
+        return t.GraniteMoeHybridConfig(
+            **c, **mult, num_local_experts=0, shared_intermediate_size=c["intermediate_size"],
+            layer_types=["attention"] * c["num_hidden_layers"],
+            position_embedding_type=rng.choice(["rope", None]), attention_bias=coin(),
+            mamba_n_heads=2, mamba_d_head="auto", pad_token_id=0,
+        )  # fmt: skip
     if family == "phi3":
         c.pop("head_dim")
         c["hidden_size"] = c["num_attention_heads"] * rng.choice([16, 32, 64])
@@ -213,7 +224,10 @@ def _hybrid(family: str, rng: random.Random, c: dict[str, Any]) -> Any:
     )  # fmt: skip
 
 
-DENSE = ["llama", "qwen3", "mistral", "granite", "phi3", "olmo2", "smollm3", "gemma2", "gemma3"]
+DENSE = [
+    "llama", "qwen3", "mistral", "granite", "granite4", "phi3", "olmo2", "smollm3", "gemma2",
+    "gemma3",
+]  # fmt: skip
 MOE = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "gpt_oss"]
 HYBRID = ["qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe"]
 
@@ -262,3 +276,26 @@ def test_recurrent_layers_only(tmp_path, family: str) -> None:
                 logits = model(torch.tensor([ids]), use_cache=False).logits
                 ids.append(int(logits[0, -1].argmax()))
         assert out.outputs[0].token_ids == ids[len(prompt) :], family
+
+
+def test_granite4_runs_fused_and_names_what_it_does_not_run(tmp_path) -> None:
+    """Granite 4.0's attention-only dense models run on the fused CPU stack;
+    its Mamba-2 layers and its experts are load errors naming the field."""
+    import json
+
+    from fastllm import LLM
+
+    rng = random.Random("granite4-errors")
+    config = draw_config("granite4", rng)
+    _build("granite4", str(tmp_path), seed=0, config=config)
+    llm = LLM(model=str(tmp_path), dtype="float32", skip_tokenizer_init=True, max_model_len=64)
+    assert llm.llm_engine.loaded.fuse_decoder
+    path = tmp_path / "config.json"
+    saved = json.loads(path.read_text())
+    for edit, match in (
+        ({"layer_types": ["mamba"] + saved["layer_types"][1:]}, "Mamba-2 layers"),
+        ({"num_local_experts": 4}, "num_local_experts is 4"),
+    ):
+        path.write_text(json.dumps({**saved, **edit}))
+        with pytest.raises(ValueError, match=match):
+            LLM(model=str(tmp_path), dtype="float32", skip_tokenizer_init=True)

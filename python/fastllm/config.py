@@ -163,6 +163,8 @@ def _text_part(hf: dict[str, Any], path: str) -> dict[str, Any]:
         merged["architectures"] = [archs[0]]
         merged["text_part_of"] = archs[0]
         hf = merged
+    if hf.get("model_type") == "granitemoehybrid":
+        hf = _granite4(hf, path)
     aliases = _FAMILY_ALIASES.get(str(hf.get("model_type")), {})
     if any(old in hf and new not in hf for old, new in aliases.items()):
         hf = {**hf, **{new: hf[old] for old, new in aliases.items() if old in hf and new not in hf}}
@@ -177,6 +179,33 @@ def _text_part(hf: dict[str, Any], path: str) -> dict[str, Any]:
                 hf = {**hf, "intermediate_size": hf[key]}
                 break
     return hf
+
+
+def _granite4(hf: dict[str, Any], path: str) -> dict[str, Any]:
+    """Granite 4.0 (``granitemoehybrid``) as fastllm runs it: every layer
+    attention and the dense ``shared_mlp`` (granite-4.0-micro's shape), whose
+    width stands in for ``intermediate_size``. Mamba-2 layers and experts
+    are errors naming the field."""
+    types = hf.get("layer_types", hf.get("layers_block_type"))
+    if types is not None:
+        if not isinstance(types, list):
+            raise ValueError(f"{path}: layer_types must be a list, got {types!r}")
+        recurrent = [i for i, t in enumerate(types) if t in ("mamba", "linear_attention")]
+        if recurrent:
+            raise ValueError(
+                f"{path}: layer_types has Mamba-2 layers ({len(recurrent)} of {len(types)}, "
+                f"the first at {recurrent[0]}): Granite 4.0's hybrid models are not supported; "
+                "its attention-only models (every layer 'attention') are"
+            )
+    experts = hf.get("num_local_experts") or 0
+    if experts:
+        raise ValueError(
+            f"{path}: num_local_experts is {experts}: Granite 4.0 with experts is not "
+            "supported (its dense models, num_local_experts 0, are)"
+        )
+    if "shared_intermediate_size" not in hf:
+        raise ValueError(f"{path}: Granite 4.0 needs 'shared_intermediate_size'")
+    return {**hf, "intermediate_size": hf["shared_intermediate_size"]}
 
 
 def _read_json(path: str, what: str) -> dict[str, Any]:

@@ -75,6 +75,9 @@ FUSED_ARCHITECTURES = (
             # logits factors lie outside the decoder layers.
             "GraniteForCausalLM",
             "GraniteMoeForCausalLM",
+            # Granite 4.0 (attention-only, dense): Granite's layers, with or
+            # without rotary.
+            "GraniteMoeHybridForCausalLM",
             # SmolLM3: the Llama layers, some without rotary (NoPE), some
             # windowed (their own KV group).
             "SmolLM3ForCausalLM",
