@@ -58,6 +58,7 @@ NAMES = [
     "qwen3",
     "phi3",
     "granite",
+    "granite4",  # Granite's multipliers without rotary
     "smollm3",  # NoPE layers, a windowed layer
     "olmo2",  # output norms only, q/k norms over the whole projections
     # Gemma: four norms, GeGLU, soft-capped scores (Gemma 2), local layers

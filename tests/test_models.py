@@ -86,6 +86,22 @@ def _configs() -> dict[str, object]:
             mlp_bias=True,
             pad_token_id=0,
         ),
+        # Granite 4.0, attention-only and dense (granite-4.0-micro's layout): the
+        # MLP as shared_mlp, and no rotary embedding (position_embedding_type None).
+        "granite4": t.GraniteMoeHybridConfig(
+            **c,
+            embedding_multiplier=12.0,
+            attention_multiplier=0.015625,
+            residual_multiplier=0.22,
+            logits_scaling=8.0,
+            num_local_experts=0,
+            shared_intermediate_size=c["intermediate_size"],
+            layer_types=["attention"] * c["num_hidden_layers"],
+            position_embedding_type=None,
+            mamba_n_heads=2,
+            mamba_d_head="auto",
+            pad_token_id=0,
+        ),
         # Phi-3: fused q/k/v and gate/up as stored, partial rotary (Phi-4-mini's 0.75),
         # a sliding window on every layer.
         "phi3": t.Phi3Config(
