@@ -295,6 +295,7 @@ def test_granite4_runs_fused_and_names_what_it_does_not_run(tmp_path) -> None:
     for edit, match in (
         ({"layer_types": ["mamba"] + saved["layer_types"][1:]}, "Mamba-2 layers"),
         ({"num_local_experts": 4}, "num_local_experts is 4"),
+        ({"layer_types": None}, "needs 'layer_types'"),  # transformers: every layer Mamba-2
     ):
         path.write_text(json.dumps({**saved, **edit}))
         with pytest.raises(ValueError, match=match):

@@ -187,16 +187,16 @@ def _granite4(hf: dict[str, Any], path: str) -> dict[str, Any]:
     width stands in for ``intermediate_size``. Mamba-2 layers and experts
     are errors naming the field."""
     types = hf.get("layer_types", hf.get("layers_block_type"))
-    if types is not None:
-        if not isinstance(types, list):
-            raise ValueError(f"{path}: layer_types must be a list, got {types!r}")
-        recurrent = [i for i, t in enumerate(types) if t in ("mamba", "linear_attention")]
-        if recurrent:
-            raise ValueError(
-                f"{path}: layer_types has Mamba-2 layers ({len(recurrent)} of {len(types)}, "
-                f"the first at {recurrent[0]}): Granite 4.0's hybrid models are not supported; "
-                "its attention-only models (every layer 'attention') are"
-            )
+    if not isinstance(types, list):
+        # without the list, transformers builds every layer as Mamba-2
+        raise ValueError(f"{path}: Granite 4.0 needs 'layer_types' (a list), got {types!r}")
+    recurrent = [i for i, t in enumerate(types) if t in ("mamba", "linear_attention")]
+    if recurrent:
+        raise ValueError(
+            f"{path}: layer_types has Mamba-2 layers ({len(recurrent)} of {len(types)}, "
+            f"the first at {recurrent[0]}): Granite 4.0's hybrid models are not supported; "
+            "its attention-only models (every layer 'attention') are"
+        )
     experts = hf.get("num_local_experts") or 0
     if experts:
         raise ValueError(
