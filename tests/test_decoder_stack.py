@@ -58,7 +58,8 @@ NAMES = [
     "qwen3",
     "phi3",
     "granite",
-    "granite4",  # Granite's multipliers without rotary
+    "granite4",  # Granite's multipliers, linearly scaled rotary, a tied head
+    "granite4-nope",  # ... and without rotary
     "smollm3",  # NoPE layers, a windowed layer
     "olmo2",  # output norms only, q/k norms over the whole projections
     # Gemma: four norms, GeGLU, soft-capped scores (Gemma 2), local layers

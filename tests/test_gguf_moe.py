@@ -212,14 +212,12 @@ def _metadata(w, model, name: str) -> None:
         w.add_expert_weights_norm(cfg.norm_topk_prob)
     if kind == "olmoe" and cfg.clip_qkv is not None:
         w.add_clamp_kqv(cfg.clip_qkv)
-    if kind == "mixtral":
+    if kind in ("mixtral", "granitemoe"):  # the Llama converter's keys
         w.add_vocab_size(cfg.vocab_size)
         w.add_rope_dimension_count(cfg.head_dim)
-        if cfg.sliding_window:
-            w.add_sliding_window(cfg.sliding_window)
+    if kind == "mixtral" and cfg.sliding_window:
+        w.add_sliding_window(cfg.sliding_window)
     if kind == "granitemoe":  # Granite's multipliers
-        w.add_vocab_size(cfg.vocab_size)
-        w.add_rope_dimension_count(cfg.head_dim)
         w.add_embedding_scale(cfg.embedding_multiplier)
         w.add_attention_scale(cfg.attention_multiplier)
         w.add_residual_scale(cfg.residual_multiplier)

@@ -47,6 +47,14 @@ def _dims(rng: random.Random) -> dict[str, Any]:
     )
 
 
+def _granite_rope(rng: random.Random) -> dict[str, Any]:
+    """Granite's rotary: its base, plain or linearly scaled."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": rng.choice([1e4, 1e7])}
+    if rng.random() < 0.5:
+        rope.update(rope_type="linear", factor=rng.choice([2.0, 4.0]))
+    return rope
+
+
 def _dense(family: str, rng: random.Random, c: dict[str, Any]) -> Any:
     t, coin = transformers, lambda p=0.5: rng.random() < p
     if family == "llama":
@@ -62,7 +70,10 @@ def _dense(family: str, rng: random.Random, c: dict[str, Any]) -> Any:
         mult.update(
             attention_multiplier=rng.uniform(0.01, 0.2), residual_multiplier=rng.uniform(0.1, 1)
         )
-        return t.GraniteConfig(**c, **mult, attention_bias=coin(), mlp_bias=coin(), pad_token_id=0)
+        return t.GraniteConfig(
+            **c, **mult, attention_bias=coin(), mlp_bias=coin(), pad_token_id=0,
+            tie_word_embeddings=coin(), rope_parameters=_granite_rope(rng),
+        )  # fmt: skip
     if family == "granite4":  # attention-only, dense (granite-4.0-micro's layout)
         mult = dict(embedding_multiplier=rng.uniform(1, 12), logits_scaling=rng.uniform(1, 8))
         mult.update(
@@ -73,6 +84,7 @@ def _dense(family: str, rng: random.Random, c: dict[str, Any]) -> Any:
             layer_types=["attention"] * c["num_hidden_layers"],
             position_embedding_type=rng.choice(["rope", None]), attention_bias=coin(),
             mamba_n_heads=2, mamba_d_head="auto", pad_token_id=0,
+            tie_word_embeddings=coin(), rope_parameters=_granite_rope(rng),
         )  # fmt: skip
     if family == "phi3":
         c.pop("head_dim")

@@ -56,6 +56,19 @@ def _configs() -> dict[str, object]:
     t = transformers
     c = dict(LLAMA_COMMON)
     c["hidden_size"] = 128
+    granite4 = dict(
+        c,
+        embedding_multiplier=12.0,
+        attention_multiplier=0.015625,
+        residual_multiplier=0.22,
+        logits_scaling=8.0,
+        num_local_experts=0,
+        shared_intermediate_size=c["intermediate_size"],
+        layer_types=["attention"] * c["num_hidden_layers"],
+        mamba_n_heads=2,
+        mamba_d_head="auto",
+        pad_token_id=0,
+    )
     return {
         "llama": t.LlamaConfig(**c),
         "llama3-rope": t.LlamaConfig(
@@ -87,21 +100,15 @@ def _configs() -> dict[str, object]:
             pad_token_id=0,
         ),
         # Granite 4.0, attention-only and dense (granite-4.0-micro's layout): the
-        # MLP as shared_mlp, and no rotary embedding (position_embedding_type None).
+        # MLP as shared_mlp, rotary linearly scaled, the head tied ...
         "granite4": t.GraniteMoeHybridConfig(
-            **c,
-            embedding_multiplier=12.0,
-            attention_multiplier=0.015625,
-            residual_multiplier=0.22,
-            logits_scaling=8.0,
-            num_local_experts=0,
-            shared_intermediate_size=c["intermediate_size"],
-            layer_types=["attention"] * c["num_hidden_layers"],
-            position_embedding_type=None,
-            mamba_n_heads=2,
-            mamba_d_head="auto",
-            pad_token_id=0,
+            **granite4,
+            position_embedding_type="rope",
+            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+            tie_word_embeddings=True,
         ),
+        # ... and without rotary embedding (position_embedding_type None).
+        "granite4-nope": t.GraniteMoeHybridConfig(**granite4, position_embedding_type=None),
         # Phi-3: fused q/k/v and gate/up as stored, partial rotary (Phi-4-mini's 0.75),
         # a sliding window on every layer.
         "phi3": t.Phi3Config(

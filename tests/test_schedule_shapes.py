@@ -49,8 +49,8 @@ def test_drawn_shapes_under_chunks_prefix_cache_and_preemption(tmp_path, family,
         max_state_snapshots=8,
     )
     # The engine's own sizes (block bytes, recurrent states) from an engine
-    # with room, then a budget with room for about two of the five sequences
-    # at their longest, so that the others wait or are preempted.
+    # with room, then a budget with room for one sequence at its longest and
+    # two blocks more, so that the others wait or are preempted.
     plan = LLM(**settings).llm_engine.cache
     blocks = (-(-longest // 4) + 2) * plan.groups
     llm = LLM(**settings, kv_cache_memory_bytes=plan.state_bytes + plan.block_bytes * blocks)

@@ -63,8 +63,8 @@ _LLAMA_LIKE = (
 )
 # Mixture-of-experts architectures (``llama`` when it has experts), and the
 # top-k renormalisation llama.cpp's graph for each hard-codes: its converter
-# writes no ``expert_weights_norm`` for them (Mixtral and gpt-oss always
-# renormalise, whatever the key says).
+# writes no ``expert_weights_norm`` for them (Mixtral, gpt-oss and Granite
+# MoE always renormalise, whatever the key says).
 _MOE_ARCHS = ("llama", "qwen3moe", "qwen2moe", "olmoe", "gpt-oss", "granitemoe")
 # The hybrid families' mixture-of-experts versions (``_hybrid_moe``).
 _HYBRID_MOE_ARCHS = ("qwen35moe", "lfm2moe")

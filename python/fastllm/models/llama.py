@@ -378,7 +378,7 @@ class GraniteMoeHybridForCausalLM(GraniteForCausalLM):
         }
 
     def weight_specs(self) -> dict[str, WeightSpec]:
-        specs = LlamaForCausalLM.weight_specs(self)
+        specs = super().weight_specs()
         for i in range(len(self.model.layers)):
             p = f"model.layers.{i}"
             specs[f"{p}.mlp.gate_up_proj.weight"] = WeightSpec(
