@@ -155,6 +155,60 @@ def _configs() -> dict[str, object]:
             norm_topk_prob=False,
             tie_word_embeddings=False,
         ),
+        # Granite 4.0's hybrids (granite-4.0-h-*): Mamba-2 layers around an
+        # attention layer with rotary, Granite's multipliers, 4 heads of 32
+        # channels in 2 groups of B/C, 8 states, 4 taps with a bias, the
+        # dense shared MLP, an untied head; transformers' scan in chunks of 8.
+        "granite4_h": t.GraniteMoeHybridConfig(
+            **COMMON,
+            intermediate_size=96,
+            shared_intermediate_size=96,
+            num_hidden_layers=4,
+            layer_types=["mamba", "mamba", "attention", "mamba"],
+            position_embedding_type="rope",
+            embedding_multiplier=12.0,
+            attention_multiplier=0.03,
+            residual_multiplier=0.4,
+            logits_scaling=4.0,
+            num_local_experts=0,
+            mamba_n_heads=4,
+            mamba_n_groups=2,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=8,
+            pad_token_id=0,
+            tie_word_embeddings=False,
+        ),
+        # ... with experts (granite-4.0-h-tiny's layout: 2 of 4 softmax
+        # experts beside the shared MLP of another width), no rotary, 8 heads
+        # of 8 channels in one group, 16 states, 3 unbiased taps, biased
+        # projections, time steps clamped, a tied head.
+        "granite4_h_moe": t.GraniteMoeHybridConfig(
+            **COMMON,
+            intermediate_size=32,
+            shared_intermediate_size=48,
+            num_hidden_layers=3,
+            layer_types=["attention", "mamba", "mamba"],
+            position_embedding_type=None,
+            embedding_multiplier=6.0,
+            attention_multiplier=0.05,
+            residual_multiplier=0.5,
+            logits_scaling=2.0,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            mamba_n_heads=8,
+            mamba_n_groups=1,
+            mamba_d_state=16,
+            mamba_d_conv=3,
+            mamba_expand=1,
+            mamba_conv_bias=False,
+            mamba_proj_bias=True,
+            mamba_chunk_size=16,
+            time_step_limit=(0.0, 1.5),
+            pad_token_id=0,
+            tie_word_embeddings=True,
+        ),
     }
 
 
@@ -260,6 +314,11 @@ def test_each_option_matters(saved: dict) -> None:
         ("lfm2_moe", {"routed_scaling_factor": 1.0}),
         ("lfm2_moe", {"num_dense_layers": 2}),
         ("lfm2_moe", {"norm_topk_prob": False}),
+        ("granite4_h", {"layer_types": ["linear_attention"] * 2 + ["full_attention"] * 2}),
+        ("granite4_h", {"time_step_limit": (0.0, 0.5)}),
+        ("granite4_h", {"mamba_n_groups": 1}),
+        ("granite4_h_moe", {"num_experts_per_tok": 3}),
+        ("granite4_h_moe", {"position_embedding_type": "rope"}),
     ):
         folder, ref_model = saved[name]
         seqs = _sequences(4, [12])
@@ -350,6 +409,37 @@ def test_bad_hybrid_config(tmp_path, saved: dict) -> None:
             load_model(ModelConfig.from_pretrained(str(dst)), str(dst), torch.float32, "cpu")
 
 
+def test_bad_granite4_config(tmp_path, saved: dict) -> None:
+    """Granite 4.0's Mamba-2 fields that cannot describe a model are load
+    errors naming the field."""
+    import json
+    import shutil
+
+    folder, _ = saved["granite4_h"]
+    for i, (change, needle) in enumerate(
+        (
+            ({"layer_types": ["mamba", "conv", "attention", "mamba"]}, "layer_types"),
+            ({"layer_types": ["mamba", "attention"]}, "layer_types"),
+            ({"mamba_n_heads": 3}, "mamba_n_heads"),
+            ({"mamba_n_groups": 3}, "mamba_n_groups"),
+            ({"mamba_d_head": 8}, "mamba_d_head"),
+            ({"mamba_d_state": 0}, "mamba_d_state"),
+            ({"hidden_act": "gelu"}, "hidden_act"),
+            ({"time_step_limit": [0.0]}, "time_step_limit"),
+            ({"shared_intermediate_size": None}, "shared_intermediate_size"),
+        )
+    ):
+        dst = tmp_path / str(i)
+        shutil.copytree(folder, dst)
+        config = json.loads((dst / "config.json").read_text())
+        config.update(change)
+        if change == {"shared_intermediate_size": None}:
+            del config["shared_intermediate_size"]
+        (dst / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=needle):
+            load_model(ModelConfig.from_pretrained(str(dst)), str(dst), torch.float32, "cpu")
+
+
 def build_multimodal(name: str, folder: str, tie: bool, seed: int = 3):
     """Saves a ``Qwen3_5ForConditionalGeneration`` (``name`` "qwen3_5") or
     ``Qwen3_5MoeForConditionalGeneration`` ("qwen3_5_moe") checkpoint of
@@ -401,7 +491,7 @@ def test_multimodal_checkpoint_runs_its_text_model(tmp_path, tie: bool, name: st
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-@pytest.mark.parametrize("name", ["qwen3_5", "lfm2"])
+@pytest.mark.parametrize("name", ["qwen3_5", "lfm2", "granite4_h"])
 def test_quantized_match_the_quantized_reference(name: str, quantization: str, saved: dict) -> None:
     """``quantization="int8"/"int4"``: every projection of the recurrent and
     attention layers runs the integer kernels, and the logits are those of
@@ -434,7 +524,7 @@ def test_quantized_match_the_quantized_reference(name: str, quantization: str, s
     assert (ours.argmax(-1) == same_weights.argmax(-1)).float().mean() >= 0.85
 
 
-@pytest.mark.parametrize("name", ["qwen3_5_moe", "lfm2_moe"])
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "lfm2_moe", "granite4_h_moe"])
 def test_quantized_experts_run_the_integer_kernels(name: str, saved: dict) -> None:
     """``quantization="int8"`` on the hybrid MoE families: every expert (and
     the shared expert) is a ``QuantizedLinear``, the router and LFM2-MoE's
@@ -522,8 +612,19 @@ def test_bfloat16_close_to_float32_reference(name: str, rust: bool, saved: dict)
                 c.pop("layer_types"),
             ),
         ),
+        # Granite 4.0 as its releases write it: layers_block_type of "mamba" and
+        # "attention", time_step_limit with a JSON Infinity.
+        (
+            "granite4_h",
+            lambda c: c.update(
+                layers_block_type=[
+                    "mamba" if "linear" in t else "attention" for t in c.pop("layer_types")
+                ],
+                time_step_limit=[0.0, float("inf")],
+            ),
+        ),
     ],
-    ids=["qwen3_5-interval", "lfm2-old-names"],
+    ids=["qwen3_5-interval", "lfm2-old-names", "granite4-release-names"],
 )
 def test_config_layouts_without_layer_types(name: str, edit, saved: dict, tmp_path) -> None:
     """The same model described the other ways its configs are written loads

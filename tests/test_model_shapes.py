@@ -213,6 +213,26 @@ def _hybrid(family: str, rng: random.Random, c: dict[str, Any]) -> Any:
             moe_intermediate_size=rng.choice([16, 24]),
             shared_expert_intermediate_size=rng.choice([16, 40]),
         )  # fmt: skip
+    if family == "granite4_h":  # Mamba-2 and attention layers (granite-4.0-h-*)
+        kinds = [rng.choice(["mamba", "attention"]) for _ in range(layers)]
+        kinds[attention] = "attention"
+        inner = c["hidden_size"] * rng.choice([1, 2])
+        heads = rng.choice([h for h in (1, 2, 3, 4, 6, 8, 12, 16) if inner % h == 0])
+        experts = rng.choice([0, 0, 2, 4, 6])
+        mult = dict(embedding_multiplier=rng.uniform(1, 12), logits_scaling=rng.uniform(1, 8))
+        mult.update(
+            attention_multiplier=rng.uniform(0.01, 0.2), residual_multiplier=rng.uniform(0.1, 1)
+        )
+        return t.GraniteMoeHybridConfig(
+            **c, **mult, layer_types=kinds, shared_intermediate_size=rng.choice([32, 48, 96]),
+            num_local_experts=experts, num_experts_per_tok=rng.randint(1, max(experts, 1)),
+            position_embedding_type=rng.choice(["rope", None]), attention_bias=coin(),
+            mamba_n_heads=heads, mamba_n_groups=rng.choice([g for g in (1, 2, 4) if heads % g == 0]),
+            mamba_d_state=rng.choice([4, 8, 16, 32, 64]), mamba_d_conv=rng.choice([2, 3, 4]),
+            mamba_expand=inner // c["hidden_size"], mamba_conv_bias=coin(), mamba_proj_bias=coin(),
+            mamba_chunk_size=rng.choice([4, 16, 64]), pad_token_id=0, tie_word_embeddings=coin(),
+            rope_parameters=_granite_rope(rng),
+        )  # fmt: skip
     c.pop("head_dim")
     kinds = [rng.choice(["conv", "full_attention"]) for _ in range(layers)]
     kinds[attention] = "full_attention"
@@ -241,7 +261,7 @@ DENSE = [
     "gemma3",
 ]  # fmt: skip
 MOE = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "gpt_oss"]
-HYBRID = ["qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe"]
+HYBRID = ["qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "granite4_h"]
 
 
 def draw_config(family: str, rng: random.Random) -> Any:
@@ -273,9 +293,8 @@ def test_recurrent_layers_only(tmp_path, family: str) -> None:
 
     rng = random.Random(f"{family}-recurrent")
     config = _hybrid(family, rng, _dims(rng))
-    config.layer_types = [
-        "linear_attention" if family.startswith("qwen3_5") else "conv"
-    ] * config.num_hidden_layers
+    recurrent = {"qwen3_5": "linear_attention", "lfm2": "conv", "granite4_h": "linear_attention"}
+    config.layer_types = [recurrent[family.removesuffix("_moe")]] * config.num_hidden_layers
     model = _build(family, str(tmp_path), seed=3, config=config)
     prompts = _sequences(5, [6, 11, 3])
     llm = LLM(model=str(tmp_path), dtype="float32", skip_tokenizer_init=True, max_model_len=64)
@@ -290,25 +309,26 @@ def test_recurrent_layers_only(tmp_path, family: str) -> None:
         assert out.outputs[0].token_ids == ids[len(prompt) :], family
 
 
-def test_granite4_runs_fused_and_names_what_it_does_not_run(tmp_path) -> None:
+def test_granite4_runs_fused_where_the_stack_implements_it(tmp_path) -> None:
     """Granite 4.0's attention-only dense models run on the fused CPU stack;
-    its Mamba-2 layers and its experts are load errors naming the field."""
-    import json
-
+    its Mamba-2 layers and its experts beside the dense MLP run layer by
+    layer, the reason named."""
     from fastllm import LLM
+    from fastllm.models import llama_stack
 
-    rng = random.Random("granite4-errors")
-    config = draw_config("granite4", rng)
-    _build("granite4", str(tmp_path), seed=0, config=config)
-    llm = LLM(model=str(tmp_path), dtype="float32", skip_tokenizer_init=True, max_model_len=64)
-    assert llm.llm_engine.loaded.fuse_decoder
-    path = tmp_path / "config.json"
-    saved = json.loads(path.read_text())
-    for edit, match in (
-        ({"layer_types": ["mamba"] + saved["layer_types"][1:]}, "Mamba-2 layers"),
-        ({"num_local_experts": 4}, "num_local_experts is 4"),
-        ({"layer_types": None}, "needs 'layer_types'"),  # transformers: every layer Mamba-2
+    for family, kinds, experts, reason in (
+        ("granite4", ["full_attention"] * 2, 0, None),
+        ("granite4_h", ["linear_attention", "full_attention"], 0, "layer 0 is a Mamba-2 layer"),
+        ("granite4_h", ["full_attention"] * 2, 4, "layer 0 adds experts"),
     ):
-        path.write_text(json.dumps({**saved, **edit}))
-        with pytest.raises(ValueError, match=match):
-            LLM(model=str(tmp_path), dtype="float32", skip_tokenizer_init=True)
+        rng = random.Random(f"{family}-fused")
+        config = draw_config(family, rng)
+        config.num_hidden_layers, config.layer_types = 2, kinds
+        config.num_local_experts, config.num_experts_per_tok = experts, 2
+        folder = tmp_path / f"{family}-{experts}"
+        _build(family, str(folder), seed=0, config=config)
+        llm = LLM(model=str(folder), dtype="float32", skip_tokenizer_init=True, max_model_len=64)
+        model = llm.llm_engine.runner.model
+        assert (model.decoder_stack is not None) == (reason is None), family
+        if reason is not None:
+            assert llama_stack.why_not(model).startswith(reason)

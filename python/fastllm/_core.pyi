@@ -784,6 +784,7 @@ def gated_delta_rule(
     state_slots: torch.Tensor,
     scale: float,
     l2norm: bool,
+    linear: bool = False,
 ) -> None:
     """Gated DeltaNet (Qwen3.5) over packed sequences, in f32: ``q``, ``k`` [T, Hk, Dk],
     ``v`` [T, Hv, Dv] (one dtype, bf16 or f32; value head h reads q/k head
@@ -792,5 +793,6 @@ def gated_delta_rule(
     ``causal_conv1d``. q and k L2-normalised if ``l2norm``, q times ``scale``; per row
     ``S = exp(g) S; delta = beta (v - S^T k); S += k delta^T; out = S^T q``, and
     ``state[state_slots[i]]`` becomes S after the sequence's last row. Sequences of 3
-    rows or more run 16-row chunks (UT transform), shorter ones row by row. Releases
-    the GIL."""
+    rows or more run 16-row chunks (UT transform), shorter ones row by row. With
+    ``linear``, Mamba-2's rule (SSD) in place of the delta step: ``S = exp(g) S +
+    beta k v^T`` (k = B, v = x, beta = dt, g = dt A, q = C). Releases the GIL."""

@@ -182,37 +182,46 @@ def _text_part(hf: dict[str, Any], path: str) -> dict[str, Any]:
 
 
 def _granite4(hf: dict[str, Any], path: str) -> dict[str, Any]:
-    """Granite 4.0 (``granitemoehybrid``) as fastllm runs it: every layer
-    attention and the dense ``shared_mlp`` (granite-4.0-micro's shape), whose
-    width stands in for ``intermediate_size``. Mamba-2 layers and experts
-    are errors naming the field."""
+    """Granite 4.0 (``granitemoehybrid``) with its ``layer_types`` (or
+    ``layers_block_type``) in the common words: ``"mamba"`` layers as
+    ``"linear_attention"``, ``"attention"`` ones as ``"full_attention"``.
+    Without the list every layer is Mamba-2, as transformers builds it."""
     types = hf.get("layer_types", hf.get("layers_block_type"))
-    if not isinstance(types, list):
-        # without the list, transformers builds every layer as Mamba-2
-        raise ValueError(f"{path}: Granite 4.0 needs 'layer_types' (a list), got {types!r}")
-    recurrent = [i for i, t in enumerate(types) if t in ("mamba", "linear_attention")]
-    if recurrent:
+    if types is None:
+        n = hf.get("num_hidden_layers", 32)
+        types = ["mamba"] * n if isinstance(n, int) else types
+    words = {
+        "mamba": "linear_attention",
+        "linear_attention": "linear_attention",
+        "attention": "full_attention",
+        "full_attention": "full_attention",
+    }
+    if not isinstance(types, list) or any(not isinstance(t, str) or t not in words for t in types):
         raise ValueError(
-            f"{path}: layer_types has Mamba-2 layers ({len(recurrent)} of {len(types)}, "
-            f"the first at {recurrent[0]}): Granite 4.0's hybrid models are not supported; "
-            "its attention-only models (every layer 'attention') are"
-        )
-    experts = hf.get("num_local_experts") or 0
-    if experts:
-        raise ValueError(
-            f"{path}: num_local_experts is {experts}: Granite 4.0 with experts is not "
-            "supported (its dense models, num_local_experts 0, are)"
+            f"{path}: Granite 4.0's layer_types must be a list of 'mamba' and 'attention', "
+            f"got {types!r}"
         )
     if "shared_intermediate_size" not in hf:
         raise ValueError(f"{path}: Granite 4.0 needs 'shared_intermediate_size'")
-    return {**hf, "intermediate_size": hf["shared_intermediate_size"]}
+    return {**hf, "layer_types": [words[t] for t in types]}
+
+
+def _non_finite(obj: dict[str, Any]) -> Any:
+    """transformers 5 writes a non-finite float as ``{"__float__": "Infinity"}``
+    (Granite 4.0's ``time_step_limit``): read back as the float."""
+    if len(obj) == 1 and isinstance(obj.get("__float__"), str):
+        try:
+            return float(obj["__float__"])
+        except ValueError:
+            return obj
+    return obj
 
 
 def _read_json(path: str, what: str) -> dict[str, Any]:
     """Reads one JSON object from ``path``; errors name the file."""
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            data = json.load(f, object_hook=_non_finite)
     except FileNotFoundError:
         raise FileNotFoundError(f"{what} not found: {path}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -6,7 +6,9 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::tensor::{check_no_overlap, kernel_dst, kernel_src, DType, TensorArg};
-use crate::recurrent::{self, ConvShape, DeltaInputs, DeltaShape, Packed, MAX_CONV_WIDTH};
+use crate::recurrent::{
+    self, ConvShape, DeltaInputs, DeltaOptions, DeltaShape, Packed, Rule, MAX_CONV_WIDTH,
+};
 
 /// `query_start_loc` (int32 [num_seqs + 1]) and `state_slots` (int64
 /// [num_seqs]), checked as tensors (their values are checked by the kernel).
@@ -107,8 +109,9 @@ fn causal_conv1d(
 /// The gated delta rule over packed sequences: q, k [T, Hk, Dk], v
 /// [T, Hv, Dv] (one dtype, bf16 or f32), g, beta [T, Hv] f32, state
 /// [S, Hv, Dk, Dv] f32 (updated in place), out [T, Hv, Dv] in v's dtype.
+/// `linear`: Mamba-2's rule, `S = e^g S + beta k v^T`, in place of the delta rule.
 #[pyfunction]
-#[pyo3(signature = (out, q, k, v, g, beta, state, query_start_loc, state_slots, scale, l2norm))]
+#[pyo3(signature = (out, q, k, v, g, beta, state, query_start_loc, state_slots, scale, l2norm, linear=false))]
 #[allow(clippy::too_many_arguments)]
 fn gated_delta_rule(
     py: Python<'_>,
@@ -123,6 +126,7 @@ fn gated_delta_rule(
     state_slots: &Bound<'_, PyAny>,
     scale: f32,
     l2norm: bool,
+    linear: bool,
 ) -> PyResult<()> {
     let q = TensorArg::extract("q", q)?;
     q.check(&[DType::BF16, DType::F32], 3)?;
@@ -197,7 +201,13 @@ fn gated_delta_rule(
         };
         (kernel_dst(&out), inputs, state.slice_mut::<f32>(), packed)
     };
-    py.detach(move || recurrent::gated_delta_rule(o, inputs, st, packed, shape, scale, l2norm))?;
+    let opts = DeltaOptions {
+        rule: if linear { Rule::Linear } else { Rule::Delta },
+        ..DeltaOptions::default()
+    };
+    py.detach(move || {
+        recurrent::gated_delta_rule_with(o, inputs, st, packed, shape, scale, l2norm, opts)
+    })?;
     Ok(())
 }
 

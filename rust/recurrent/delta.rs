@@ -49,6 +49,9 @@ pub(super) struct Inputs<'a, T> {
     pub(super) v_dim: usize,
     pub(super) scale: f32,
     pub(super) l2norm: bool,
+    /// The delta rule (else the linear rule, `S += beta k v^T`: Mamba-2's
+    /// SSD, whose chunked form then needs no triangular solve: `L = W = 0`).
+    pub(super) delta: bool,
 }
 
 /// One task: rows `rows` of value head `head`, state columns `j0..`, and
@@ -188,8 +191,9 @@ fn recurrent<S: Simd, T: Element>(task: &Part<'_, '_, T>, mut state: MatMut<'_>)
             let decay = g.exp();
             let (kv, sq) = reads.split_at(w);
             let v = &task.values(t, n)[j..j + w];
+            let recall = if task.inputs.delta { decay } else { 0.0 };
             for (c, x) in v.iter().enumerate() {
-                delta[c] = (x.to_f32() - decay * kv[c]) * beta;
+                delta[c] = (x.to_f32() - recall * kv[c]) * beta;
                 o[c] = S::mul_add(kdotq[r], delta[c], decay * sq[c]);
             }
             task.write(t, j, &o[..w]);
@@ -271,8 +275,8 @@ fn chunked<S: Simd, T: Element>(task: &Part<'_, '_, T>, mut state: MatMut<'_>) {
     for start in rows.clone().step_by(CHUNK) {
         let m = CHUNK.min(rows.end - start);
         chunk_inputs(task, &mut c, (dk, n), start, m);
-        chunk_solve::<S>(&mut c, dk, n, m);
-        chunk_apply::<S, T>(task, state.reborrow(), &mut c, start, m);
+        chunk_solve::<S>(&mut c, dk, n, m, task.inputs.delta);
+        chunk_apply::<S, T>(task, state.reborrow(), &mut c, start, m, task.inputs.delta);
     }
 }
 
@@ -303,16 +307,20 @@ fn chunk_inputs<T: Element>(
     }
 }
 
-/// The chunk's triangular systems: `-L`, `A` (both decayed), `-W` and `U`.
+/// The chunk's triangular systems: `-L`, `A` (both decayed), `-W` and `U`
+/// (the linear rule, `delta` false: `A` only, `U = beta v` as loaded).
 #[inline(always)]
-fn chunk_solve<S: Simd>(c: &mut Chunk, dk: usize, n: usize, m: usize) {
+fn chunk_solve<S: Simd>(c: &mut Chunk, dk: usize, n: usize, m: usize, delta: bool) {
     // K K^T and Q K^T by blocks of rows, up to the diagonal block (its
     // columns rounded up to 16: the columns past `m` are never read).
     for r0 in (0..m).step_by(TRI) {
         let r1 = (r0 + TRI).min(m);
         let cols = r1.next_multiple_of(TRI).min(CHUNK);
         let kt = MatRef::rows(c.kt, dk, cols, CHUNK);
-        for (x, out) in [(&*c.k, &mut *c.lower), (&*c.q, &mut *c.attn)] {
+        for (x, out, wanted) in [(&*c.k, &mut *c.lower, delta), (&*c.q, &mut *c.attn, true)] {
+            if !wanted {
+                continue;
+            }
             let x = MatRef::rows(&x[r0 * dk..], r1 - r0, dk, dk);
             gemm::<S>(
                 x,
@@ -327,19 +335,25 @@ fn chunk_solve<S: Simd>(c: &mut Chunk, dk: usize, n: usize, m: usize) {
         for (d, &gs) in c.decay[..=r].iter_mut().zip(&c.cum[..=r]) {
             *d = exp_f32(gr - gs);
         }
-        let b = -c.beta[r];
-        for (l, d) in c.lower[r * CHUNK..][..r].iter_mut().zip(&c.decay[..r]) {
-            *l *= b * d;
-        }
         let attn = &mut c.attn[r * CHUNK..][..m];
         for (a, d) in attn[..=r].iter_mut().zip(&c.decay[..=r]) {
             *a *= d;
         }
         attn[r + 1..].fill(0.0);
+        if !delta {
+            continue;
+        }
+        let b = -c.beta[r];
+        for (l, d) in c.lower[r * CHUNK..][..r].iter_mut().zip(&c.decay[..r]) {
+            *l *= b * d;
+        }
         let f = -c.beta[r] * c.cum[r].exp();
         for (w, kv) in c.w[r * dk..][..dk].iter_mut().zip(&c.k[r * dk..][..dk]) {
             *w = f * kv;
         }
+    }
+    if !delta {
+        return;
     }
     // Forward substitution, row by row: x_r -= sum_{s<r} L_rs x_s.
     let mut u = MatMut::new(c.u, m, n, n);
@@ -353,7 +367,8 @@ fn chunk_solve<S: Simd>(c: &mut Chunk, dk: usize, n: usize, m: usize) {
     }
 }
 
-/// `V' = U - W S`, the output rows, and the state after the chunk.
+/// `V' = U - W S` (the linear rule: `V' = U`), the output rows, and the
+/// state after the chunk.
 #[inline(always)]
 fn chunk_apply<S: Simd, T: Element>(
     task: &Part<'_, '_, T>,
@@ -361,10 +376,13 @@ fn chunk_apply<S: Simd, T: Element>(
     c: &mut Chunk,
     start: usize,
     m: usize,
+    delta: bool,
 ) {
     let (dk, n) = (task.inputs.k_dim, state.cols());
-    let w = MatRef::rows(c.w, m, dk, dk);
-    gemm::<S>(w, state.view(), MatMut::new(c.u, m, n, n), 1.0);
+    if delta {
+        let w = MatRef::rows(c.w, m, dk, dk);
+        gemm::<S>(w, state.view(), MatMut::new(c.u, m, n, n), 1.0);
+    }
     for r in 0..m {
         let f = c.cum[r].exp();
         c.q[r * dk..][..dk].iter_mut().for_each(|v| *v *= f);

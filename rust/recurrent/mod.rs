@@ -7,7 +7,9 @@
 //! - [`gated_delta_rule`]: Gated DeltaNet's linear attention (Qwen3.5), whose
 //!   state is one `[Dk, Dv]` f32 matrix per value head (`delta.rs`), row by
 //!   row for one or two rows (decode) and [`DELTA_CHUNK`] rows at a time
-//!   through the UT transform for more (prefill).
+//!   through the UT transform for more (prefill); with [`Rule::Linear`] the
+//!   same kernel runs Mamba-2's selective state space (SSD: the state decays
+//!   and adds `beta k v^T`, without the delta rule's correction).
 //!
 //! Sequence `i` owns rows `query_start_loc[i]..query_start_loc[i + 1]` and
 //! its state lives at index `state_slots[i]` of the state tensor: the state
@@ -349,12 +351,25 @@ pub enum Form {
     Chunked,
 }
 
+/// What a row adds to the state after its decay `S = e^g S`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rule {
+    /// Gated DeltaNet: `S += k (beta (v - S^T k))^T`, the value corrected by
+    /// what the state already recalls for the key.
+    Delta,
+    /// Mamba-2's SSD (the scalar-decay selective state space): `S += beta k v^T`,
+    /// with `k` = B, `v` = x, `beta` = dt, `g` = dt A and `q` = C.
+    Linear,
+}
+
 /// How [`gated_delta_rule_with`] runs (tests and benches choose; the
 /// default is what [`gated_delta_rule`] does).
 #[derive(Clone, Copy, Debug)]
 pub struct DeltaOptions {
     pub path: Path,
     pub form: Form,
+    /// The update rule (default [`Rule::Delta`]).
+    pub rule: Rule,
     /// Blocks of state columns per (sequence, head); 0 picks: more than one
     /// only when there are fewer (sequence, head) pairs than threads.
     pub column_blocks: usize,
@@ -365,6 +380,7 @@ impl Default for DeltaOptions {
         DeltaOptions {
             path: best_path(),
             form: Form::Auto,
+            rule: Rule::Delta,
             column_blocks: 0,
         }
     }
@@ -387,7 +403,8 @@ pub struct DeltaInputs<'a> {
 /// + 1e-6)`) and `q` scaled by `scale`, for each row `S = e^g S`,
 /// `delta = beta (v - S^T k)`, `S += k delta^T`, `out = S^T q`. `state`
 /// `[slots, Hv, Dk, Dv]` f32 holds each slot's `S` (updated in place); `out`
-/// `[tokens, Hv, Dv]` has `v`'s dtype.
+/// `[tokens, Hv, Dv]` has `v`'s dtype. ([`Rule::Linear`] through
+/// [`gated_delta_rule_with`]: `S += beta k v^T` in place of the delta step.)
 pub fn gated_delta_rule(
     out: Dst<'_>,
     inputs: DeltaInputs<'_>,
@@ -526,6 +543,7 @@ impl DeltaRun<'_> {
             v_dim: dv,
             scale: self.scale,
             l2norm: self.l2norm,
+            delta: self.opts.rule == Rule::Delta,
         };
         let (blocks, width) = self.column_blocks();
         let tasks = self.seqs.len() * hv * blocks;

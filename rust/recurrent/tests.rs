@@ -1,7 +1,8 @@
 //! Both kernels against straightforward f64 references, on every path this
 //! CPU has: packed batches of sequences of 0 to 200 rows, grouped heads,
 //! Dk != Dv and sizes that are no multiple of a vector, both forms of the
-//! delta rule, and state carried across calls.
+//! delta rule (and of the linear rule, Mamba-2's), and state carried across
+//! calls.
 
 use half::bf16;
 
@@ -322,7 +323,7 @@ impl DeltaCase {
     }
 
     /// The rule in f64, row by row: output and new state.
-    fn reference(&self) -> (Vec<f64>, Vec<f64>) {
+    fn reference(&self, rule: Rule) -> (Vec<f64>, Vec<f64>) {
         let DeltaShape {
             k_heads: hk,
             v_heads: hv,
@@ -356,7 +357,10 @@ impl DeltaCase {
                     let beta = self.beta[t * hv + h] as f64;
                     s.iter_mut().for_each(|x| *x *= decay);
                     for j in 0..dv {
-                        let kv: f64 = (0..dk).map(|a| s[a * dv + j] * k[a]).sum();
+                        let kv: f64 = match rule {
+                            Rule::Delta => (0..dk).map(|a| s[a * dv + j] * k[a]).sum(),
+                            Rule::Linear => 0.0,
+                        };
                         let delta = (self.v[(t * hv + h) * dv + j] as f64 - kv) * beta;
                         for a in 0..dk {
                             s[a * dv + j] += k[a] * delta;
@@ -467,20 +471,23 @@ fn delta_rule_matches_reference_on_every_path_and_form() {
             ((1, 1), (64, 33), true, true),
         ] {
             let case = DeltaCase::new(&mut rng, &lens, heads, dims, l2norm, bf);
-            let (want, want_state) = case.reference();
-            for form in [Form::Recurrent, Form::Chunked, Form::Auto] {
-                for column_blocks in [1, 3] {
-                    let opts = DeltaOptions {
-                        path,
-                        form,
-                        column_blocks,
-                    };
-                    let mut state = case.state.clone();
-                    let got = case.run(bf, &mut state, opts);
-                    let what = format!("{path:?} {form:?} blocks {column_blocks} {heads:?} {dims:?} l2 {l2norm} bf16 {bf}");
-                    let out_rel = if bf { 2f64.powi(-8) } else { 0.0 };
-                    assert_close(&format!("{what} out"), &got, &want, 2e-5, out_rel);
-                    assert_close(&format!("{what} state"), &state, &want_state, 2e-5, 0.0);
+            for rule in [Rule::Delta, Rule::Linear] {
+                let (want, want_state) = case.reference(rule);
+                for form in [Form::Recurrent, Form::Chunked, Form::Auto] {
+                    for column_blocks in [1, 3] {
+                        let opts = DeltaOptions {
+                            path,
+                            form,
+                            rule,
+                            column_blocks,
+                        };
+                        let mut state = case.state.clone();
+                        let got = case.run(bf, &mut state, opts);
+                        let what = format!("{path:?} {rule:?} {form:?} blocks {column_blocks} {heads:?} {dims:?} l2 {l2norm} bf16 {bf}");
+                        let out_rel = if bf { 2f64.powi(-8) } else { 0.0 };
+                        assert_close(&format!("{what} out"), &got, &want, 2e-5, out_rel);
+                        assert_close(&format!("{what} state"), &state, &want_state, 2e-5, 0.0);
+                    }
                 }
             }
         }
@@ -491,10 +498,17 @@ fn delta_rule_matches_reference_on_every_path_and_form() {
 fn delta_rule_state_carries_across_calls() {
     let mut rng = Rng(9);
     let case = DeltaCase::new(&mut rng, &[200], (2, 4), (32, 48), true, false);
-    let (want, want_state) = case.reference();
-    for form in [Form::Auto, Form::Recurrent, Form::Chunked] {
+    for (rule, form) in [
+        (Rule::Delta, Form::Auto),
+        (Rule::Delta, Form::Recurrent),
+        (Rule::Delta, Form::Chunked),
+        (Rule::Linear, Form::Auto),
+        (Rule::Linear, Form::Chunked),
+    ] {
+        let (want, want_state) = case.reference(rule);
         let opts = DeltaOptions {
             form,
+            rule,
             ..DeltaOptions::default()
         };
         let mut state = case.state.clone();
@@ -512,8 +526,14 @@ fn delta_rule_state_carries_across_calls() {
             };
             got.extend(case.run_packed(false, &mut state, packed, shape, opts, a..b));
         }
-        assert_close(&format!("{form:?} out"), &got, &want, 2e-5, 0.0);
-        assert_close(&format!("{form:?} state"), &state, &want_state, 2e-5, 0.0);
+        assert_close(&format!("{rule:?} {form:?} out"), &got, &want, 2e-5, 0.0);
+        assert_close(
+            &format!("{rule:?} {form:?} state"),
+            &state,
+            &want_state,
+            2e-5,
+            0.0,
+        );
     }
 }
 

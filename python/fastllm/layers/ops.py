@@ -53,7 +53,7 @@ class LayerOps:
     # (x [T, C], weight [C, K], bias, conv_state [S, C, K-1], query_start_loc, state_slots, silu)
     causal_conv1d: Callable[..., Tensor] = recurrent.causal_conv1d_torch
     # (q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv], state [S, Hv, Dk, Dv],
-    #  query_start_loc, state_slots, scale, l2norm) -> [T, Hv, Dv]
+    #  query_start_loc, state_slots, scale, l2norm, linear=False) -> [T, Hv, Dv]
     gated_delta_rule: Callable[..., Tensor] = recurrent.gated_delta_rule_torch
     # Qwen3.5's elementwise parts, so that the fused CPU stack and the layers share kernels:
     # (x, gate) -> x * sigmoid(gate), the sigmoid rounded to x's dtype first

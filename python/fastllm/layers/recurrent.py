@@ -9,7 +9,9 @@ Two ops, both over the step's packed rows (sequence ``i`` owns rows
   ``K - 1`` input rows (LFM2's short convolutions, Qwen3.5's q/k/v
   convolution), optionally followed by SiLU;
 * ``gated_delta_rule``: Gated DeltaNet's linear attention (Qwen3.5), whose
-  state is one ``[Dk, Dv]`` float32 matrix per value head.
+  state is one ``[Dk, Dv]`` float32 matrix per value head; with ``linear``
+  the same scan without the delta step, Mamba-2's SSD (Granite 4.0's
+  hybrids): ``S = exp(g) S + beta k v^T``.
 
 The state at a slot is the state before the sequence's first row of the step
 (the engine zeroes it for a new sequence or copies a snapshot into it,
@@ -75,8 +77,10 @@ def gated_delta_rule_torch(
     state_slots: Tensor,
     scale: float,
     l2norm: bool,
+    linear: bool = False,
 ) -> Tensor:
-    """The gated delta rule, one row at a time in float32.
+    """The gated delta rule (``linear``: the linear rule, no ``S^T k`` term),
+    one row at a time in float32.
 
     q, k [T, Hk, Dk]; v [T, Hv, Dv]; g (log decay), beta [T, Hv] float32;
     state [S, Hv, Dk, Dv] float32, updated in place. Value head ``h`` reads
@@ -94,8 +98,8 @@ def gated_delta_rule_torch(
         s = state[slot].float()
         for t in range(first, end):
             s = s * g[t].exp()[:, None, None]
-            kv = (s * kf[t][:, :, None]).sum(dim=1)
-            delta = (vf[t] - kv) * beta[t][:, None]
+            delta = vf[t] if linear else vf[t] - (s * kf[t][:, :, None]).sum(dim=1)
+            delta = delta * beta[t][:, None]
             s = s + kf[t][:, :, None] * delta[:, None, :]
             out[t] = (s * qf[t][:, :, None]).sum(dim=1)
         state[slot] = s
@@ -110,7 +114,9 @@ def causal_conv1d_rust(x, weight, bias, conv_state, query_start_loc, state_slots
     return out
 
 
-def gated_delta_rule_rust(q, k, v, g, beta, state, query_start_loc, state_slots, scale, l2norm):
+def gated_delta_rule_rust(
+    q, k, v, g, beta, state, query_start_loc, state_slots, scale, l2norm, linear=False
+):
     """``gated_delta_rule_torch`` by the Rust kernel."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty_like(v)
@@ -126,6 +132,7 @@ def gated_delta_rule_rust(q, k, v, g, beta, state, query_start_loc, state_slots,
         state_slots,
         scale,
         l2norm,
+        linear,
     )
     return out
 

@@ -22,7 +22,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("fastllm.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("fastllm.models.llama", "Qwen3ForCausalLM"),
     "GraniteForCausalLM": ("fastllm.models.llama", "GraniteForCausalLM"),
-    "GraniteMoeHybridForCausalLM": ("fastllm.models.llama", "GraniteMoeHybridForCausalLM"),
+    "GraniteMoeHybridForCausalLM": ("fastllm.models.hybrid", "GraniteMoeHybridForCausalLM"),
     "SmolLM3ForCausalLM": ("fastllm.models.llama", "SmolLM3ForCausalLM"),
     "Olmo2ForCausalLM": ("fastllm.models.llama", "Olmo2ForCausalLM"),
     "Phi3ForCausalLM": ("fastllm.models.llama", "Phi3ForCausalLM"),

@@ -51,7 +51,12 @@ from fastllm.layers.linear import Linear
 from fastllm.layers.moe import SparseMoeBlock
 from fastllm.layers.norm import RMSNorm, ZeroCenteredRMSNorm
 from fastllm.layers.ops import TORCH_OPS
-from fastllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from fastllm.models.llama import (
+    GraniteForCausalLM,
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaMLP,
+)
 from fastllm.models.moe import expert_weight_specs, is_sparse, moe_flags, sparse_block
 from fastllm.models.weights import WeightSpec
 
@@ -479,3 +484,220 @@ class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
             "scale": float(scale),
             "selection_bias": bool(hf.get("use_expert_bias", True)),
         }
+
+
+class GroupGatedRMSNorm(Module):
+    """Mamba-2's output norm (``norm_before_gate`` false): ``x * silu(z)`` in
+    float32, RMS-normalised over each of ``groups`` equal slices of the
+    channels, then scaled by the weight."""
+
+    def __init__(self, dim: int, groups: int, eps: float) -> None:
+        super().__init__()
+        self.groups, self.eps = groups, eps
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x (float32), z [T, dim] -> [T, dim] in ``dtype``."""
+        h = x.float() * torch.nn.functional.silu(z.float())
+        g = h.view(h.shape[0], self.groups, -1)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * g.view_as(h)).to(dtype)
+
+
+class Mamba2Mixer(Module):
+    """Granite 4.0's Mamba-2 layer: one projection to the output gate z, the
+    convolved channels (x, B, C: a depthwise causal convolution of
+    ``mamba_d_conv`` taps with SiLU) and the per-head time step dt; the
+    selective scan ``S = exp(dt A) S + dt B x^T``, ``y = S^T C + D x`` per
+    head (``mamba_n_heads`` heads of ``mamba_d_head`` channels, B and C shared
+    by the heads of each of ``mamba_n_groups`` groups, ``mamba_d_state``
+    states) with ``dt = softplus(dt + dt_bias)`` clamped to
+    ``time_step_limit``; then the group-wise gated norm and ``out_proj``. Its
+    state per sequence: the convolution's last inputs and one [N, P] float32
+    matrix per head. The scan is the Gated DeltaNet kernel's linear rule
+    (``k = B``, ``v = x``, ``beta = dt``, ``g = dt A``, ``q = C``)."""
+
+    def __init__(self, config: ModelConfig, eps: float) -> None:
+        super().__init__()
+        hf, hidden = config.hf, config.hidden_size
+        self.num_heads = _config_int(hf, "mamba_n_heads", 128)
+        self.groups = _config_int(hf, "mamba_n_groups", 1)
+        self.state_size = _config_int(hf, "mamba_d_state", 256)
+        self.taps = _config_int(hf, "mamba_d_conv", 4)
+        self.inner = _config_int(hf, "mamba_expand", 2) * hidden
+        head_dim = hf.get("mamba_d_head", "auto")
+        self.head_dim = self.inner // self.num_heads if head_dim in ("auto", None) else head_dim
+        if self.num_heads * self.head_dim != self.inner:
+            raise ValueError(
+                f"config.json: mamba_n_heads ({self.num_heads}) x mamba_d_head "
+                f"({head_dim!r}) must equal mamba_expand x hidden_size ({self.inner})"
+            )
+        if self.num_heads % self.groups:
+            raise ValueError(
+                f"config.json: mamba_n_heads ({self.num_heads}) must be a multiple of "
+                f"mamba_n_groups ({self.groups})"
+            )
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"config.json: hidden_act {act!r}: Mamba-2 layers run SiLU only")
+        limit = hf.get("time_step_limit") or (0.0, float("inf"))
+        if (
+            not isinstance(limit, (list, tuple))
+            or len(limit) != 2
+            or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in limit)
+        ):
+            raise ValueError(f"config.json: time_step_limit must be [min, max], got {limit!r}")
+        self.time_step_limit = (float(limit[0]), float(limit[1]))
+        self.conv_dim = self.inner + 2 * self.groups * self.state_size
+        bias = bool(hf.get("mamba_proj_bias", False))
+        self.in_proj = Linear(hidden, self.inner + self.conv_dim + self.num_heads, bias=bias)
+        self.conv1d = ConvWeight(self.conv_dim, self.taps, bool(hf.get("mamba_conv_bias", True)))
+        self.dt_bias = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+        self.norm = GroupGatedRMSNorm(self.inner, self.groups, eps)
+        self.out_proj = Linear(self.inner, hidden, bias=bias)
+        self.ops = TORCH_OPS
+        #: [conv state, scan state], set by the model runner (``state_shapes``).
+        self.states: list[torch.Tensor] = []
+
+    def state_shapes(self, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """One sequence's state: the convolution's last inputs and the scan's matrices."""
+        return [
+            ((self.conv_dim, self.taps - 1), dtype),
+            ((self.num_heads, self.state_size, self.head_dim), torch.float32),
+        ]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        meta = get_context()
+        n, heads, bc = x.shape[0], self.num_heads, self.groups * self.state_size
+        z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, heads], dim=-1)
+        conv_state, state = self.states
+        xbc = self.ops.causal_conv1d(
+            xbc.contiguous(),
+            self.conv1d.weight.view(self.conv_dim, self.taps),
+            self.conv1d.bias,
+            conv_state,
+            meta.query_start_loc,
+            meta.state_slots,
+            True,
+        )
+        xs, b, c = xbc.split([self.inner, bc, bc], dim=-1)
+        lo, hi = self.time_step_limit
+        step = torch.nn.functional.softplus(dt.float() + self.dt_bias.float()).clamp(lo, hi)
+        xs = xs.reshape(n, heads, self.head_dim)
+        y = self.ops.gated_delta_rule(
+            c.reshape(n, self.groups, self.state_size),
+            b.reshape(n, self.groups, self.state_size),
+            xs,
+            -self.A_log.float().exp() * step,
+            step,
+            state,
+            meta.query_start_loc,
+            meta.state_slots,
+            1.0,
+            False,
+            linear=True,
+        )
+        y = y.float() + self.D.float()[:, None] * xs.float()
+        return self.out_proj(self.norm(y.reshape(n, self.inner), z, x.dtype))
+
+
+class GraniteHybridDecoderLayer(Module):
+    """Granite 4.0's block: a Mamba-2 or an attention mixer, then the dense
+    ``shared_mlp`` plus, with experts, the sparse block; each branch scaled
+    by the residual multiplier."""
+
+    def __init__(self, config: ModelConfig, layer: int, flags: dict[str, Any]) -> None:
+        super().__init__()
+        eps = float(config.hf.get("rms_norm_eps", 1e-6))
+        if flags["layer_types"][layer] == "linear_attention":
+            self.mamba: Mamba2Mixer | None = Mamba2Mixer(config, eps)
+            self.self_attn: LlamaAttention | None = None
+        else:
+            self.mamba, self.self_attn = None, LlamaAttention.of(config, layer, flags, eps)
+        self.residual_multiplier: float = flags["residual_multiplier"]
+        act = config.hf.get("hidden_act", "silu")
+        self.mlp = LlamaMLP(config.hidden_size, flags["shared_mlp_intermediate"], act, False)
+        self.block_sparse_moe = sparse_block(config, flags) if is_sparse(flags, layer) else None
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        m, h = self.residual_multiplier, self.input_layernorm(x)
+        if self.mamba is not None:
+            x = x + self.mamba(h) * m
+        else:
+            assert self.self_attn is not None
+            x = x + self.self_attn(h, cos, sin) * m
+        h = self.post_attention_layernorm(x)
+        out = self.mlp(h)
+        if self.block_sparse_moe is not None:
+            out = self.block_sparse_moe(h) + out
+        return x + out * m
+
+
+class GraniteMoeHybridForCausalLM(HybridForCausalLM):
+    """Granite 4.0 (``granitemoehybrid``): Granite 3.x's multipliers over
+    layers of Mamba-2 (``layer_types`` "mamba") or attention (rotary only
+    with ``position_embedding_type`` "rope", else none), each with the dense
+    ``shared_mlp`` (gate rows, then up rows of ``input_linear``: this model's
+    ``gate_up_proj``) and, with ``num_local_experts`` > 0, a sparse block of
+    softmax top-k experts (renormalised) beside it. Attention-only dense
+    models (granite-4.0-micro) run on the fused CPU stack; the others layer
+    by layer."""
+
+    LAYER_CLASS = GraniteHybridDecoderLayer
+    FUSED_LAYER_TYPES = (GraniteHybridDecoderLayer, LlamaAttention, (LlamaMLP,))
+
+    @staticmethod
+    def _flags(config: ModelConfig) -> dict[str, Any]:
+        hf = config.hf
+        n = config.num_hidden_layers
+        rope = hf.get("position_embedding_type") == "rope"
+        flags = {
+            **GraniteForCausalLM._flags(config),
+            "mlp_bias": False,
+            "rope_layers": (rope,) * n,
+            "layer_types": hybrid_layer_types(config, "linear_attention", []),
+            "shared_mlp_intermediate": _config_int(hf, "shared_intermediate_size", 1024),
+        }
+        if hf.get("num_local_experts"):
+            flags.update(moe_flags(config, "intermediate_size", every_layer=True))
+            flags["renormalize"] = True
+        return flags
+
+    def weight_specs(self) -> dict[str, WeightSpec]:
+        """q/k/v fused, the shared MLP's and the experts' stacked tensors."""
+        c = self.config
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        specs: dict[str, WeightSpec] = {}
+        for i, layer in enumerate(self.model.layers):
+            p = f"model.layers.{i}"
+            if layer.self_attn is not None:
+                kinds = ["weight"] + (["bias"] if layer.self_attn.qkv_proj.bias is not None else [])
+                for kind in kinds:
+                    specs[f"{p}.self_attn.qkv_proj.{kind}"] = WeightSpec(
+                        tuple(f"{p}.self_attn.{n}_proj.{kind}" for n in "qkv"), (q, kv, kv)
+                    )
+            specs[f"{p}.mlp.gate_up_proj.weight"] = WeightSpec(
+                (f"{p}.shared_mlp.input_linear.weight",)
+            )
+            specs[f"{p}.mlp.down_proj.weight"] = WeightSpec(
+                (f"{p}.shared_mlp.output_linear.weight",)
+            )
+            moe = layer.block_sparse_moe
+            if moe is None:
+                continue
+            ours = f"{p}.block_sparse_moe"
+            specs[f"{ours}.gate.weight"] = WeightSpec((f"{ours}.router.layer.weight",))
+            for j in range(len(moe.experts)):
+                specs[f"{ours}.experts.{j}.gate_up_proj.weight"] = WeightSpec(
+                    (f"{ours}.input_linear.weight",), select=j
+                )
+                specs[f"{ours}.experts.{j}.down_proj.weight"] = WeightSpec(
+                    (f"{ours}.output_linear.weight",), select=j
+                )
+        return specs

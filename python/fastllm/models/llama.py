@@ -360,36 +360,6 @@ class GraniteForCausalLM(LlamaForCausalLM):
         }
 
 
-class GraniteMoeHybridForCausalLM(GraniteForCausalLM):
-    """Granite 4.0 with attention in every layer and no experts
-    (granite-4.0-micro; ``config._granite4`` turns the others away): Granite
-    3.x's layers and multipliers, rotary only with ``position_embedding_type``
-    "rope" (else NoPE), and the MLP stored as ``shared_mlp.input_linear``
-    (gate rows, then up rows: this model's ``gate_up_proj``) and
-    ``shared_mlp.output_linear``."""
-
-    @staticmethod
-    def _flags(config: ModelConfig) -> dict[str, Any]:
-        rope = config.hf.get("position_embedding_type") == "rope"
-        return {
-            **GraniteForCausalLM._flags(config),
-            "mlp_bias": False,
-            "rope_layers": (rope,) * config.num_hidden_layers,
-        }
-
-    def weight_specs(self) -> dict[str, WeightSpec]:
-        specs = super().weight_specs()
-        for i in range(len(self.model.layers)):
-            p = f"model.layers.{i}"
-            specs[f"{p}.mlp.gate_up_proj.weight"] = WeightSpec(
-                (f"{p}.shared_mlp.input_linear.weight",)
-            )
-            specs[f"{p}.mlp.down_proj.weight"] = WeightSpec(
-                (f"{p}.shared_mlp.output_linear.weight",)
-            )
-        return specs
-
-
 class SmolLM3ForCausalLM(LlamaForCausalLM):
     """SmolLM3: Llama whose layers with ``no_rope_layers[i] == 0`` use no
     rotary embedding (NoPE), and sliding windows where ``layer_types`` says."""

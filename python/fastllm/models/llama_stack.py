@@ -76,7 +76,7 @@ FUSED_ARCHITECTURES = (
             "GraniteForCausalLM",
             "GraniteMoeForCausalLM",
             # Granite 4.0 (attention-only, dense): Granite's layers, with or
-            # without rotary.
+            # without rotary (its Mamba-2 layers and experts: layer by layer).
             "GraniteMoeHybridForCausalLM",
             # SmolLM3: the Llama layers, some without rotary (NoPE), some
             # windowed (their own KV group).
@@ -109,6 +109,12 @@ def why_not(model) -> str | None:
         return _hybrid_why_not(model)
     layer_type, attn_type, mlp_types = model.FUSED_LAYER_TYPES
     for i, layer in enumerate(model.model.layers):
+        if getattr(layer, "mamba", None) is not None:
+            return f"layer {i} is a Mamba-2 layer, which the fused stack does not implement"
+        if getattr(layer, "block_sparse_moe", None) is not None:
+            return (
+                f"layer {i} adds experts to its dense MLP, which the fused stack does not implement"
+            )
         kinds = ((layer, (layer_type,)), (layer.self_attn, (attn_type,)), (layer.mlp, mlp_types))
         if any(type(part) not in kind for part, kind in kinds):
             return f"layer {i} is not the {layer_type.__name__} the fused stack implements"
