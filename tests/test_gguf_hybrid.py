@@ -57,7 +57,7 @@ from fastllm.gguf.config import hf_config  # noqa: E402
 from fastllm.gguf.reader import GGUFError, GGUFFile  # noqa: E402
 from fastllm.layers.quantization import quantize_model  # noqa: E402
 from fastllm.models.loader import load_model  # noqa: E402
-from gguf_models import K_QUANTS, random_k_blocks  # noqa: E402
+from gguf_models import K_QUANTS, random_k_blocks, unpermute  # noqa: E402
 from test_gguf import _load_gguf  # noqa: E402
 from test_hybrid_models import (  # noqa: E402
     CONFIGS,
@@ -80,6 +80,8 @@ ARCH = {
     "lfm2": gguf.MODEL_ARCH.LFM2,
     "qwen3_5_moe": gguf.MODEL_ARCH.QWEN35MOE,
     "lfm2_moe": gguf.MODEL_ARCH.LFM2MOE,
+    "granite4": gguf.MODEL_ARCH.GRANITE_HYBRID,
+    "granite4_moe": gguf.MODEL_ARCH.GRANITE_HYBRID,  # one architecture with or without experts
 }
 # median over positions of max |fastllm - reference with the file's weights| /
 # max|reference| (the int8 activations; observed 1-2% for LFM2, 4.5% for the
@@ -92,13 +94,53 @@ LENGTHS = [14, 9, 21, 5]
 
 
 def _kind(name: str) -> str:
-    """The family of a config name: "qwen3_5" or "lfm2" (their MoE versions too)."""
-    return "qwen3_5" if name.startswith("qwen3_5") else "lfm2"
+    """The family of a config name: "qwen3_5", "lfm2" or "granite4" (their MoE
+    versions too)."""
+    return next(k for k in ("qwen3_5", "lfm2", "granite4") if name.startswith(k))
 
 
 def _arch(name: str):
     """The file's architecture of a config name (the MoE versions their own)."""
     return ARCH[_kind(name) + ("_moe" if "_moe" in name else "")]
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """HF's rotate-half rows -> llama.cpp's interleaved rows (its converter's permutation)."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def _granite_layout(model, hf_name: str, t: np.ndarray) -> Layout | None:
+    """Granite 4.0's tensors the gguf package's map does not name as the
+    converter writes them: the router, the dense MLP's gate/up (split; the
+    shared expert's with experts) and down, q/k rows permuted, Mamba-2's
+    ``A = -exp(A_log)`` and ``D`` as [heads, 1], its norm as [groups, inner / groups]."""
+    cfg, blk = model.config, f"blk.{hf_name.split('.')[2]}" if ".layers." in hf_name else ""
+    shexp = "_shexp" if cfg.num_local_experts else ""
+    one = lambda a: a[0]  # noqa: E731
+    if hf_name.endswith("block_sparse_moe.router.weight"):
+        return [f"{blk}.ffn_gate_inp.weight"], [t], one
+    if hf_name.endswith("shared_mlp.input_linear.weight"):
+        m = t.shape[0] // 2
+        names = [f"{blk}.ffn_gate{shexp}.weight", f"{blk}.ffn_up{shexp}.weight"]
+        return names, [t[:m], t[m:]], lambda a: np.concatenate(a)
+    if hf_name.endswith("shared_mlp.output_linear.weight"):
+        return [f"{blk}.ffn_down{shexp}.weight"], [t], one
+    for proj, heads in (("q", cfg.num_attention_heads), ("k", cfg.num_key_value_heads)):
+        if hf_name.endswith(f"self_attn.{proj}_proj.weight"):
+            back = lambda a, h=heads: unpermute(a[0], h)  # noqa: E731
+            return [f"{blk}.attn_{proj}.weight"], [_permute(t, heads)], back
+    if hf_name.endswith(".mamba.A_log"):
+        return [f"{blk}.ssm_a"], [-np.exp(t)[:, None]], lambda a: np.log(-a[0][:, 0])
+    if hf_name.endswith(".mamba.D"):
+        return [f"{blk}.ssm_d"], [t[:, None]], lambda a: a[0][:, 0]
+    if hf_name.endswith(".mamba.norm.weight"):
+        g = cfg.mamba_n_groups
+        return [f"{blk}.ssm_norm.weight"], [t.reshape(g, -1)], lambda a: a[0].reshape(-1)
+    if hf_name.endswith(".mamba.conv1d.weight"):
+        return [f"{blk}.ssm_conv1d.weight"], [t[:, 0]], lambda a: a[0][:, None]
+    return None
 
 
 def _variant(name: str, **changes) -> object:
@@ -119,6 +161,9 @@ EXTRA = {
     "qwen3_5_dv64": _variant("qwen3_5", linear_value_head_dim=64),
 }
 ALL = {**CONFIGS, **EXTRA}
+# A GGUF file has no key for Mamba-2's time_step_limit (llama.cpp clamps
+# nothing): its files are of the model without one.
+ALL["granite4_h_moe"] = _variant("granite4_h_moe", time_step_limit=(0.0, float("inf")))
 
 
 def _moved(a: np.ndarray, axis: int, offset: int, heads: tuple[int, int, int], tile: bool):
@@ -171,6 +216,8 @@ def _layout(model, name: str, hf_name: str, t: np.ndarray) -> Layout:
             [t[:, :m], t[:, m:]],
             lambda a: np.concatenate(a, axis=1),
         )
+    if kind == "granite4" and (special := _granite_layout(model, hf_name, t)) is not None:
+        return special
     if hf_name.endswith(".expert_bias"):  # LFM2-MoE's (the converter's ``.bias`` suffix)
         return [f"blk.{hf_name.split('.')[2]}.exp_probs_b.bias"], [t], lambda a: a[0]
     names = gguf.TensorNameMap(_arch(name), cfg.num_hidden_layers)
@@ -258,6 +305,31 @@ def _metadata(w, model, name: str, variant: str) -> None:
     w.add_head_count(cfg.num_attention_heads)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     moe = "_moe" in name
+    if kind == "granite4":  # GraniteHybridModel.set_gguf_parameters
+        w.add_block_count(n)
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_head_count_kv(
+            [0 if "linear" in t else cfg.num_key_value_heads for t in cfg.layer_types]
+        )
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        w.add_vocab_size(cfg.vocab_size)
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_attention_scale(cfg.attention_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
+        w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
+        if cfg.num_local_experts:
+            w.add_expert_count(cfg.num_local_experts)
+            w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_ssm_conv_kernel(cfg.mamba_d_conv)
+        w.add_ssm_state_size(cfg.mamba_d_state)
+        w.add_ssm_group_count(cfg.mamba_n_groups)
+        w.add_ssm_inner_size(cfg.mamba_n_heads * cfg.mamba_d_head)
+        w.add_ssm_time_step_rank(cfg.mamba_n_heads)
+        # the converter writes false for every hybrid (the released models have
+        # no rotary); here the config decides, so that both ways are read
+        w.add_rope_scaling_finetuned(cfg.position_embedding_type == "rope")
+        return
     if moe:
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
@@ -418,8 +490,11 @@ def test_config_from_the_file(saved, tmp_path):
         cfg = ref_model.config
         with GGUFFile(write_hybrid_gguf(ref_model, str(tmp_path / f"{name}.gguf"), name)) as g:
             hf = hf_config(g)
-        assert hf["layer_types"] == cfg.layer_types, name
         assert hf["tie_word_embeddings"] == cfg.tie_word_embeddings, name
+        if name.startswith("granite4"):
+            _check_granite4_config(hf, cfg)
+            continue
+        assert hf["layer_types"] == cfg.layer_types, name
         if "_moe" in name:
             keys = ["num_experts", "num_experts_per_tok", "moe_intermediate_size"]
             if name.startswith("lfm2"):
@@ -448,6 +523,24 @@ def test_config_from_the_file(saved, tmp_path):
             assert hf[key] == getattr(cfg, key), (name, key)
         assert hf["partial_rotary_factor"] == cfg.rope_parameters["partial_rotary_factor"]
         assert hf["rope_theta"] == cfg.rope_parameters["rope_theta"]
+
+
+def _check_granite4_config(hf: dict, cfg) -> None:
+    """A Granite 4.0 file's config against the folder's: layers, Mamba-2
+    shapes and biases, multipliers, the MLP widths, experts, rotary."""
+    words = {"linear_attention": "mamba", "full_attention": "attention"}
+    assert hf["layer_types"] == [words[t] for t in cfg.layer_types]
+    keys = ["mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv"]
+    keys += ["mamba_expand", "mamba_conv_bias", "mamba_proj_bias", "attention_bias"]
+    keys += ["shared_intermediate_size", "num_local_experts", "position_embedding_type"]
+    keys += ["num_key_value_heads"]
+    if cfg.num_local_experts:
+        keys += ["num_experts_per_tok", "intermediate_size"]
+    for key in keys:
+        assert hf[key] == getattr(cfg, key), key
+    for key in ("embedding_multiplier", "attention_multiplier", "residual_multiplier"):
+        assert hf[key] == pytest.approx(getattr(cfg, key), rel=1e-7), key  # float32 keys
+    assert hf["logits_scaling"] == pytest.approx(cfg.logits_scaling, rel=1e-7)
 
 
 def _assert_quantized_close(ours, refs, what: str) -> None:
@@ -498,10 +591,8 @@ def test_q8_0_file(name, saved, tmp_path):
     assert report.tensor_types["Q8_0"] > 0
     converted = _converted(ref_model.config)
     assert report.reordered == converted and report.converted == {}
-    layer = model.model.layers[0]
-    mixer = layer.linear_attn if name.startswith("qwen3_5") else layer.conv
-    if mixer is not None:
-        assert isinstance(mixer.in_proj.packed, _core.QuantizedLinear)
+    mixer = model.recurrent_layers()[0]  # the first recurrent layer's (qwen3_5's: layer 0's)
+    assert isinstance(mixer.in_proj.packed, _core.QuantizedLinear)
     if name == "qwen3_5_dv32":  # exactly the file's blocks, columns back in order
         want = _with_file_weights(ref_model, name, "Q8_0").model.layers[0].linear_attn
         np.testing.assert_array_equal(

@@ -26,6 +26,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "granite": ("GraniteForCausalLM", "granite"),
     "granitemoe": ("GraniteMoeForCausalLM", "granitemoe"),
+    "granitehybrid": ("GraniteMoeHybridForCausalLM", "granitemoehybrid"),
     "olmo2": ("Olmo2ForCausalLM", "olmo2"),
     "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
@@ -149,6 +150,8 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     heads = _int(gguf, p + "attention.head_count")
     if arch in ("lfm2", "lfm2moe"):  # one count per layer: 0 for the convolution layers
         kv_heads, lfm2_types = _lfm2_layers(gguf, p, heads)
+    elif arch == "granitehybrid":  # the same: 0 for the Mamba-2 layers
+        kv_heads, granite_types = _lfm2_layers(gguf, p, heads, "mamba")
     else:
         kv_heads = _int(gguf, p + "attention.head_count_kv", heads)
     hf: dict[str, Any] = {
@@ -175,7 +178,7 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
                 f"{gguf.path}: {p}attention.value_length ({value_dim}) differs from "
                 f"{p}attention.key_length ({hf['head_dim']}), which fastllm does not support"
             )
-    if experts and arch not in _MOE_ARCHS + _HYBRID_MOE_ARCHS:
+    if experts and arch not in _MOE_ARCHS + _HYBRID_MOE_ARCHS + ("granitehybrid",):
         raise GGUFError(
             f"{gguf.path}: {p}expert_count is {experts}: mixture-of-experts {arch} files are "
             f"not supported; supported: {', '.join(_MOE_ARCHS + _HYBRID_MOE_ARCHS)}"
@@ -194,6 +197,8 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
         _qwen35(gguf, p, hf, head_size)
         if arch in _HYBRID_MOE_ARCHS:
             _hybrid_moe(gguf, arch, p, hf)
+    elif arch == "granitehybrid":
+        _granite_hybrid(gguf, p, hf, granite_types)
     elif arch in ("lfm2", "lfm2moe"):
         _lfm2(gguf, p, hf, head_size, lfm2_types)
         if arch in _HYBRID_MOE_ARCHS:
@@ -270,19 +275,83 @@ def _llama_like(gguf: GGUFFile, arch: str, p: str, hf: dict[str, Any], head_size
     if window:
         _layer_types(gguf, p, hf)
     if arch in ("granite", "granitemoe"):
-        for key, name in (
-            ("embedding_scale", "embedding_multiplier"),
-            ("attention.scale", "attention_multiplier"),
-            ("residual_scale", "residual_multiplier"),
-            ("logit_scale", "logits_scaling"),
-        ):
-            if gguf.get(p + key) is not None:
-                hf[name] = _float(gguf, p + key)
+        _granite_multipliers(gguf, p, hf)
     elif arch == "smollm3":
         # llama.cpp's rule for SmolLM3: every 4th layer has no rotary embedding.
         hf["no_rope_layer_interval"] = 4
     elif arch in ("olmo2", "olmoe", "gpt-oss"):
         hf["attention_bias"] = "blk.0.attn_q.bias" in tensors
+
+
+def _granite_multipliers(gguf: GGUFFile, p: str, hf: dict[str, Any]) -> None:
+    """Granite's four multipliers, where the file has them."""
+    for key, name in (
+        ("embedding_scale", "embedding_multiplier"),
+        ("attention.scale", "attention_multiplier"),
+        ("residual_scale", "residual_multiplier"),
+        ("logit_scale", "logits_scaling"),
+    ):
+        if gguf.get(p + key) is not None:
+            hf[name] = _float(gguf, p + key)
+
+
+def _granite_hybrid(gguf: GGUFFile, p: str, hf: dict[str, Any], types: list[str]) -> None:
+    """Granite 4.0's hybrids (``granitehybrid``): Granite's multipliers; the
+    Mamba-2 layers (``attention.head_count_kv`` 0) from the ``ssm.*`` keys
+    (``time_step_rank`` heads sharing ``inner_size``, ``group_count`` groups
+    of ``state_size``, ``conv_kernel`` taps) and their tensors' biases;
+    rotary only where ``rope.scaling.finetuned`` is true or absent
+    (llama.cpp's switch: the converter writes false for the hybrids); the
+    experts' keys, and the dense MLP's width (the shared expert's with
+    experts)."""
+    tensors, n = gguf.tensors, hf["num_hidden_layers"]
+    hf["rms_norm_eps"] = _float(gguf, p + "attention.layer_norm_rms_epsilon", 1e-5)
+    hf["rope_theta"] = _float(gguf, p + "rope.freq_base", 10000.0)
+    scaling = _rope_scaling(gguf, p)
+    if scaling is not None:
+        hf["rope_scaling"] = scaling
+    rope = gguf.get(p + "rope.scaling.finetuned", True)
+    if not isinstance(rope, bool):
+        raise GGUFError(
+            f"{gguf.path}: metadata key {p + 'rope.scaling.finetuned'!r} must be a bool, "
+            f"got {rope!r}"
+        )
+    hf["position_embedding_type"] = "rope" if rope else None
+    _granite_multipliers(gguf, p, hf)
+    hf["layer_types"] = types
+    heads, inner = _int(gguf, p + "ssm.time_step_rank"), _int(gguf, p + "ssm.inner_size")
+    if inner % heads or inner % hf["hidden_size"]:
+        raise GGUFError(
+            f"{gguf.path}: {p}ssm.inner_size ({inner}) must be a multiple of "
+            f"{p}ssm.time_step_rank ({heads}) and of the embedding length ({hf['hidden_size']})"
+        )
+    hf.update(
+        mamba_n_heads=heads,
+        mamba_d_head=inner // heads,
+        mamba_expand=inner // hf["hidden_size"],
+        mamba_n_groups=_int(gguf, p + "ssm.group_count"),
+        mamba_d_state=_int(gguf, p + "ssm.state_size"),
+        mamba_d_conv=_int(gguf, p + "ssm.conv_kernel"),
+    )
+    ssm = next((i for i, t in enumerate(types) if t == "mamba"), 0)
+    attn = next((i for i, t in enumerate(types) if t == "attention"), 0)
+    hf["mamba_conv_bias"] = f"blk.{ssm}.ssm_conv1d.bias" in tensors
+    hf["mamba_proj_bias"] = f"blk.{ssm}.ssm_in.bias" in tensors
+    hf["attention_bias"] = f"blk.{attn}.attn_q.bias" in tensors
+    experts = gguf.get(p + "expert_count") or 0
+    hf["num_local_experts"] = experts
+    if experts:
+        hf["num_experts_per_tok"] = _int(gguf, p + "expert_used_count")
+        _, first, hf["intermediate_size"] = _experts(gguf, p, n)
+        shared = _shared_width(gguf, p, first)
+        if shared is None:
+            raise GGUFError(f"{gguf.path}: tensor '{first}.ffn_down_shexp.weight' is missing")
+        hf["shared_intermediate_size"] = shared
+    else:
+        down = tensors.get("blk.0.ffn_down.weight")
+        if down is None:
+            raise GGUFError(f"{gguf.path}: tensor 'blk.0.ffn_down.weight' is missing")
+        hf["shared_intermediate_size"] = int(down.shape[-1])
 
 
 def _moe(gguf: GGUFFile, arch: str, p: str, hf: dict[str, Any]) -> None:
@@ -575,10 +644,13 @@ def _qwen35(gguf: GGUFFile, p: str, hf: dict[str, Any], head_size: int) -> None:
     )
 
 
-def _lfm2_layers(gguf: GGUFFile, p: str, heads: int) -> tuple[int, list[str]]:
-    """LFM2's key/value heads and layer types from ``attention.head_count_kv``,
-    which the converter writes per layer: 0 for a convolution layer (as
-    llama.cpp reads it), the count for an attention layer."""
+def _lfm2_layers(
+    gguf: GGUFFile, p: str, heads: int, recurrent: str = "conv"
+) -> tuple[int, list[str]]:
+    """LFM2's (and Granite 4.0's) key/value heads and layer types from
+    ``attention.head_count_kv``, which the converter writes per layer: 0 for
+    a convolution (``recurrent``) layer, as llama.cpp reads it, the count for
+    an attention layer."""
     key = p + "attention.head_count_kv"
     n = _int(gguf, p + "block_count")
     value = _value(gguf, key, None)
@@ -598,7 +670,8 @@ def _lfm2_layers(gguf: GGUFFile, p: str, heads: int) -> tuple[int, list[str]]:
             f"{gguf.path}: metadata key {key!r} gives the attention layers different "
             f"key/value head counts ({counts}), which fastllm does not support"
         )
-    types = ["full_attention" if c else "conv" for c in counts]
+    attend = "attention" if recurrent == "mamba" else "full_attention"
+    types = [attend if c else recurrent for c in counts]
     return (attention[0] if attention else heads), types
 
 

@@ -121,6 +121,9 @@ _PARAM_NAMES = {
     "linear_attn.A_log": "ssm_a",  # stored as -exp(A_log)
     "linear_attn.dt_bias": "ssm_dt.bias",
     "feed_forward.expert_bias": "exp_probs_b.bias",  # LFM2-MoE's selection bias
+    "mamba.A_log": "ssm_a",  # stored as -exp(A_log)
+    "mamba.dt_bias": "ssm_dt.bias",
+    "mamba.D": "ssm_d",
 }
 # Gemma's four norms per block and OLMo 2's two post-norms.
 _GEMMA_LAYER = {
@@ -182,6 +185,26 @@ _LFM2_LAYER = {
 # LFM2-MoE: LFM2's layers and the sparse blocks' routers (the selection
 # bias: ``_PARAM_NAMES``).
 _LFM2MOE_LAYER = {**_LFM2_LAYER, "feed_forward.gate": "ffn_gate_inp"}
+# Granite 4.0's hybrids: Granite's attention, Mamba-2 layers, and the dense MLP
+# (``shared_mlp``, whose gate/up the file splits: the model's alternative spec)
+# as ``ffn_*``, or with experts as the shared expert ``ffn_*_shexp``.
+_GRANITE_HYBRID_LAYER = {
+    **{k: v for k, v in _LLAMA_LAYER.items() if not k.startswith("mlp.")},
+    "mamba.in_proj": "ssm_in",
+    "mamba.conv1d": "ssm_conv1d",
+    "mamba.norm": "ssm_norm",
+    "mamba.out_proj": "ssm_out",
+    "shared_mlp.gate": "ffn_gate",
+    "shared_mlp.up": "ffn_up",
+    "shared_mlp.output_linear": "ffn_down",
+}
+_GRANITE_HYBRID_MOE_LAYER = {
+    **_GRANITE_HYBRID_LAYER,
+    "shared_mlp.gate": "ffn_gate_shexp",
+    "shared_mlp.up": "ffn_up_shexp",
+    "shared_mlp.output_linear": "ffn_down_shexp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+}
 _LFM2_GLOBAL = {
     "model.embed_tokens": "token_embd",
     "model.embedding_norm": "token_embd_norm",  # the final norm
@@ -207,6 +230,9 @@ _NAMES: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
     "qwen35moe": (_LLAMA_GLOBAL, _QWEN35MOE_LAYER, "model.layers"),
     "lfm2": (_LFM2_GLOBAL, _LFM2_LAYER, "model.layers"),
     "lfm2moe": (_LFM2_GLOBAL, _LFM2MOE_LAYER, "model.layers"),
+    "granitehybrid": (_LLAMA_GLOBAL, _GRANITE_HYBRID_LAYER, "model.layers"),
+    # not an architecture: ``granitehybrid`` with experts (``_plan``)
+    "granitehybrid+experts": (_LLAMA_GLOBAL, _GRANITE_HYBRID_MOE_LAYER, "model.layers"),
     "phi2": (
         {
             "model.embed_tokens": "token_embd",
@@ -244,7 +270,14 @@ _NAMES: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
 }
 # llama.cpp's converter permutes these families' q/k rows into its
 # interleaved rotary layout (the others rotate neox-style, rows as stored).
-_PERMUTED_ARCHS = ("llama", "granite", "granitemoe", "smollm3")
+_PERMUTED_ARCHS = (
+    "llama",
+    "granite",
+    "granitemoe",
+    "smollm3",
+    "granitehybrid",
+    "granitehybrid+experts",
+)
 
 
 def gguf_name(arch: str, name: str) -> str | None:
@@ -264,7 +297,8 @@ def gguf_name(arch: str, name: str) -> str | None:
 
 # One expert's parameter in fastllm.
 _EXPERT = re.compile(
-    r"(.+)\.(\d+)\.(?:mlp|feed_forward)\.experts\.(\d+)\.(gate_up_proj|down_proj)\.(weight|bias)"
+    r"(.+)\.(\d+)\.(?:mlp|feed_forward|block_sparse_moe)\.experts\.(\d+)\."
+    r"(gate_up_proj|down_proj)\.(weight|bias)"
 )
 
 
@@ -393,6 +427,8 @@ def _plan(model: nn.Module, gguf: GGUFFile, arch: str, config: ModelConfig) -> l
     modules = dict(model.named_modules())
     routers = {n for n, m in modules.items() if isinstance(m, Router)}
     num_experts = {n: m.num_experts for n, m in modules.items() if isinstance(m, SparseMoeBlock)}
+    if arch == "granitehybrid" and num_experts:
+        arch = "granitehybrid+experts"  # its shared MLP is the shared expert's tensors
     plan = []
     for pname, param in model.named_parameters():
         shape = tuple(param.shape)
@@ -405,6 +441,7 @@ def _plan(model: nn.Module, gguf: GGUFFile, arch: str, config: ModelConfig) -> l
         spec = specs.get(pname, WeightSpec((pname,)))
         if pname.rpartition(".")[0] in routers:
             spec = WeightSpec((pname,))
+        spec = _file_spec(gguf, arch, spec)
         names = [gguf_name(arch, s) for s in spec.sources]
         # GGUF stores every matrix [out, in]: GPT-2's transposed checkpoints included.
         shapes = WeightSpec(spec.sources, spec.splits).source_shapes(shape)
@@ -427,7 +464,7 @@ def _plan(model: nn.Module, gguf: GGUFFile, arch: str, config: ModelConfig) -> l
                 source = replace(source, row_order=rows, col_order=cols)
             sources.append(source)
         transform = None
-        if arch in ("qwen35", "qwen35moe") and pname.endswith(".linear_attn.A_log"):
+        if pname.endswith((".linear_attn.A_log", ".mamba.A_log")):
             transform = _a_log_from_ssm_a(gguf.path, sources[0].name)
         elif arch in _ONE_PLUS_NORM_ARCHS and isinstance(
             modules.get(pname.rpartition(".")[0]), ZeroCenteredRMSNorm
@@ -435,6 +472,16 @@ def _plan(model: nn.Module, gguf: GGUFFile, arch: str, config: ModelConfig) -> l
             transform = _minus_one  # the file's 1 + w, the module's w
         plan.append(_Param(pname, shape, sources, transform))
     return plan
+
+
+def _file_spec(gguf: GGUFFile, arch: str, spec: WeightSpec) -> WeightSpec:
+    """``spec``, or the first of its ``alternatives`` whose tensors the file
+    has where its own are not there (Granite 4.0's dense MLP: gate and up apart)."""
+    for candidate in (spec, *spec.alternatives):
+        names = [gguf_name(arch, s) for s in candidate.sources]
+        if all(n is not None and n in gguf.tensors for n in names):
+            return candidate
+    return spec
 
 
 def _qwen35_v_order(label: str, modules: dict[str, nn.Module]) -> tuple[Any, Any]:
@@ -512,7 +559,9 @@ def _source(
     # A parameter with axes of 1 may be stored without them: Qwen2-MoE's [1, n]
     # shared-expert gate 1-D, a depthwise convolution's [C, 1, K] as [C, K].
     squeezed = tuple(d for d in want if d != 1)
-    flat = expert is None and info.shape != want and info.shape == squeezed
+    # A vector may be stored as a matrix of its groups (Mamba-2's group norm).
+    grouped = len(want) == 1 and int(np.prod(info.shape)) == want[0]
+    flat = expert is None and info.shape != want and (info.shape == squeezed or grouped)
     if info.shape != want and not flat:
         raise GGUFError(
             f"{gguf.path}: tensor {name!r} has shape {list(info.shape)}, expected {list(want)}"

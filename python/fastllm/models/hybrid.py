@@ -670,7 +670,8 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         return flags
 
     def weight_specs(self) -> dict[str, WeightSpec]:
-        """q/k/v fused, the shared MLP's and the experts' stacked tensors."""
+        """q/k/v fused, the shared MLP's and the experts' stacked tensors (a
+        GGUF file holds the dense MLP's gate and up apart: the alternative)."""
         c = self.config
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         specs: dict[str, WeightSpec] = {}
@@ -682,8 +683,10 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
                     specs[f"{p}.self_attn.qkv_proj.{kind}"] = WeightSpec(
                         tuple(f"{p}.self_attn.{n}_proj.{kind}" for n in "qkv"), (q, kv, kv)
                     )
+            m = layer.mlp.down_proj.in_features
+            apart = WeightSpec((f"{p}.shared_mlp.gate.weight", f"{p}.shared_mlp.up.weight"), (m, m))
             specs[f"{p}.mlp.gate_up_proj.weight"] = WeightSpec(
-                (f"{p}.shared_mlp.input_linear.weight",)
+                (f"{p}.shared_mlp.input_linear.weight",), alternatives=(apart,)
             )
             specs[f"{p}.mlp.down_proj.weight"] = WeightSpec(
                 (f"{p}.shared_mlp.output_linear.weight",)
