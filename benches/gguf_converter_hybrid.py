@@ -1,6 +1,9 @@
 """fastllm on hybrid recurrent GGUF files written by llama.cpp's own converter
-(``convert_hf_to_gguf.py``): Qwen3.5 (``qwen35``), LFM2 (``lfm2``) and their
-mixture-of-experts versions (``qwen35moe``, ``lfm2moe``).
+(``convert_hf_to_gguf.py``): Qwen3.5 (``qwen35``), LFM2 (``lfm2``), their
+mixture-of-experts versions (``qwen35moe``, ``lfm2moe``) and Granite 4.0's
+hybrids (``granitehybrid``, with and without experts; their ``layer_types``
+written as the released configs write them, "mamba" and "attention", which
+the converter reads).
 
     PYTHONPATH=python python benches/gguf_converter_hybrid.py [OUT_DIR] [--llama-dir DIR]
         [--pylib DIR] [--families qwen3_5,lfm2,...]
@@ -74,6 +77,15 @@ WRITABLE = {
         "'Can not map tensor lm_head.weight'); norm_topk_prob False -> True (the converter "
         "writes no expert_weights_norm, and llama.cpp's graph renormalises)",
     ),
+    "granite4_h": (
+        {"position_embedding_type": None},
+        "position_embedding_type rope -> None (the converter writes rope.scaling.finetuned "
+        "false for every hybrid, and llama.cpp then runs no rotary: the released hybrids have none)",
+    ),
+    "granite4_h_moe": (
+        {"time_step_limit": (0.0, float("inf"))},
+        "time_step_limit (0, 1.5) -> (0, inf) (a GGUF file has no key for it; llama.cpp clamps nothing)",
+    ),
 }
 # Converter arguments per family (Qwen3.5: no multi-token-prediction layers).
 EXTRA_ARGS = {"Qwen3_5TextConfig": ["--no-mtp"], "Qwen3_5MoeTextConfig": ["--no-mtp"]}
@@ -89,6 +101,14 @@ def make_folder(name: str, folder: str, tokenizer) -> torch.nn.Module:
     cfg.bos_token_id = cfg.eos_token_id = cfg.pad_token_id = 0  # <|endoftext|>
     os.makedirs(folder, exist_ok=True)
     model = tm._build("", folder, 0, cfg)
+    if name.startswith("granite4"):  # the released configs' words, which the converter reads
+        path = os.path.join(folder, "config.json")
+        with open(path) as f:
+            saved = json.load(f)
+        words = {"linear_attention": "mamba", "full_attention": "attention"}
+        saved["layer_types"] = [words[t] for t in saved["layer_types"]]
+        with open(path, "w") as f:
+            json.dump(saved, f)
     tokenizer.save(os.path.join(folder, "tokenizer.json"))
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
         json.dump({**fam.TOKENIZER_CONFIG, "tokenizer_class": "PreTrainedTokenizerFast"}, f)
