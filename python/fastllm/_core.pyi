@@ -772,6 +772,35 @@ def delta_gates(
     float32); ``a``, ``b`` [T, H] (one dtype, bf16 or f32), ``a_log`` (the model's
     ``A_log``), ``dt_bias`` [H] float32. Releases the GIL."""
 
+def mamba_gates(
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    dt: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lo: float,
+    hi: float,
+) -> None:
+    """Mamba-2's time steps (Granite 4.0): ``beta = clamp(softplus(dt + dt_bias), lo,
+    hi)`` and ``g = -exp(A_log) * beta`` (``g``, ``beta`` [T, H] float32) from ``dt``
+    [T, H] (bf16 or f32) and ``a_log``, ``dt_bias`` [H] float32: the write strength and
+    log decay of ``gated_delta_rule(..., linear=True)``. Releases the GIL."""
+
+def mamba_norm(
+    out: torch.Tensor,
+    y: torch.Tensor,
+    x: torch.Tensor,
+    z: torch.Tensor,
+    d: torch.Tensor,
+    weight: torch.Tensor,
+    groups: int,
+    eps: float,
+) -> None:
+    """Mamba-2's gated group norm: ``out = weight * rms_norm_g((y + D x) * silu(z))``
+    with ``y`` (the scan), ``x`` (its input), ``z`` (the gate), ``out`` [T, H * P] of one
+    dtype (bf16 or f32), ``D`` [H] float32 per head, ``weight`` [H * P]; in float32,
+    the RMS over each of ``groups`` slices of a row, rounded once. Releases the GIL."""
+
 def gated_delta_rule(
     out: torch.Tensor,
     q: torch.Tensor,

@@ -166,6 +166,84 @@ impl<T: Element> Kernel for DeltaGates<'_, T> {
     }
 }
 
+/// Mamba-2's per-head time steps of the rows of `dt` (`heads` each):
+/// `beta = clamp(softplus(dt + dt_bias), lo, hi)` (softplus as
+/// [`DeltaGates`]') and `g = -e^A_log * beta`, both f32.
+pub(super) struct MambaGates<'a, T> {
+    pub(super) g: &'a mut [f32],
+    pub(super) beta: &'a mut [f32],
+    pub(super) dt: &'a [T],
+    pub(super) a_log: &'a [f32],
+    pub(super) dt_bias: &'a [f32],
+    pub(super) limit: (f32, f32),
+}
+
+impl<T: Element> Kernel for MambaGates<'_, T> {
+    type Output = ();
+    #[inline(always)]
+    #[allow(clippy::manual_clamp)] // clamp panics on a NaN bound; max/min do as torch's clamp
+    fn run<S: Simd>(self) {
+        let heads = self.a_log.len();
+        let (lo, hi) = self.limit;
+        let rows = self.g.chunks_exact_mut(heads).zip(self.beta.chunks_exact_mut(heads));
+        for ((g, beta), dt) in rows.zip(self.dt.chunks_exact(heads)) {
+            let params = self.a_log.iter().zip(self.dt_bias);
+            for (((g, beta), &dt), (&al, &bias)) in g.iter_mut().zip(beta).zip(dt).zip(params) {
+                let x = dt.to_f32() + bias;
+                let softplus = if x > 20.0 { x } else { exp_f32(x).ln_1p() };
+                *beta = softplus.max(lo).min(hi);
+                *g = -exp_f32(al) * *beta;
+            }
+        }
+    }
+}
+
+/// Mamba-2's output of the rows of the scan `y` (`dim = heads x head_dim`
+/// each): `v = (y + D x) silu(z)` in f32 (`D` per head), RMS-normalised
+/// over each of `groups` equal slices, times the weight, rounded once.
+pub(super) struct MambaNorm<'a, T> {
+    pub(super) out: &'a mut [T],
+    pub(super) y: &'a [T],
+    pub(super) x: &'a [T],
+    pub(super) z: &'a [T],
+    pub(super) d: &'a [f32],
+    pub(super) w: &'a [T],
+    pub(super) head_dim: usize,
+    pub(super) groups: usize,
+    pub(super) eps: f32,
+}
+
+impl<T: Element> Kernel for MambaNorm<'_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn run<S: Simd>(self) {
+        let dim = self.w.len();
+        let group = dim / self.groups;
+        let mut v = vec![0f32; dim];
+        let rows = self.out.chunks_exact_mut(dim).zip(self.y.chunks_exact(dim));
+        for ((o, y), (x, z)) in rows.zip(self.x.chunks_exact(dim).zip(self.z.chunks_exact(dim))) {
+            for (h, d) in self.d.iter().enumerate() {
+                let at = h * self.head_dim..(h + 1) * self.head_dim;
+                let parts = v[at.clone()].iter_mut().zip(&y[at.clone()]).zip(&x[at.clone()]);
+                for (((v, &y), &x), &z) in parts.zip(&z[at]) {
+                    *v = (y.to_f32() + d * x.to_f32()) * silu(z.to_f32());
+                }
+            }
+            for ((o, v), w) in o
+                .chunks_exact_mut(group)
+                .zip(v.chunks_exact(group))
+                .zip(self.w.chunks_exact(group))
+            {
+                let s: f32 = v.iter().map(|a| a * a).sum();
+                let r = 1.0 / (s / group as f32 + self.eps).sqrt();
+                for ((o, &a), &wv) in o.iter_mut().zip(v).zip(w) {
+                    *o = T::from_f32(wv.to_f32() * (a * r));
+                }
+            }
+        }
+    }
+}
+
 /// Rotary embedding of the heads (`d` features) of one token.
 pub(super) struct Rotate<'a, T> {
     pub(super) out: &'a mut [T],

@@ -15,7 +15,9 @@
 
 mod kernels;
 
-use kernels::{Act, DeltaGates, GatedNorm, Gelu, LayerNorm, Norm, Rotate, SigmoidMul};
+use kernels::{
+    Act, DeltaGates, GatedNorm, Gelu, LayerNorm, MambaGates, MambaNorm, Norm, Rotate, SigmoidMul,
+};
 
 use crate::cpu::elem::SharedOut;
 use crate::cpu::simd::dispatch;
@@ -328,6 +330,127 @@ pub fn delta_gates(
         _ => return Err(CoreError::invalid("a and b must share one dtype")),
     }
     Ok(())
+}
+
+/// Mamba-2's time steps for rows of `heads = a_log.len()` values:
+/// `beta = clamp(softplus(dt + dt_bias), limit.0, limit.1)` and `g = -e^A_log
+/// * beta`, both f32 (the scan's write strength and log decay: its linear
+/// rule, `recurrent::Rule::Linear`). `dt` is bf16 or f32; `a_log` and
+/// `dt_bias` f32.
+pub fn mamba_gates(
+    g: &mut [f32],
+    beta: &mut [f32],
+    dt: Src<'_>,
+    a_log: &[f32],
+    dt_bias: &[f32],
+    limit: (f32, f32),
+) -> CoreResult<()> {
+    let heads = a_log.len();
+    if heads == 0 || dt_bias.len() != heads {
+        return Err(CoreError::invalid(format!(
+            "dt_bias: expected {heads} elements (as A_log, at least one), got {}",
+            dt_bias.len()
+        )));
+    }
+    if !dt.len().is_multiple_of(heads) || [g.len(), beta.len()] != [dt.len(); 2] {
+        return Err(CoreError::invalid(format!(
+            "dt, g, beta: expected rows of {heads} elements, {} each, got g {}, beta {}",
+            dt.len(),
+            g.len(),
+            beta.len()
+        )));
+    }
+    macro_rules! run {
+        ($dt:expr) => {
+            dispatch(
+                best_path(),
+                MambaGates {
+                    g,
+                    beta,
+                    dt: $dt,
+                    a_log,
+                    dt_bias,
+                    limit,
+                },
+            )
+        };
+    }
+    match dt {
+        Src::F32(dt) => run!(dt),
+        Src::Bf16(dt) => run!(dt),
+    }
+    Ok(())
+}
+
+/// Mamba-2's gated group norm of the scan's rows `y` (`dim = d.len() x
+/// head_dim` each; `x` the scan's input, `z` the gate, of the same shape):
+/// `out = round(weight * rms_norm_g((y + D x) * silu(z)))` with the sums,
+/// the skip `D` (per head) and the gate in f32 and the RMS over each of
+/// `groups` slices of the row. `y`, `x`, `z`, `weight` and `out` share one
+/// element type.
+#[allow(clippy::too_many_arguments)]
+pub fn mamba_norm(
+    out: Dst<'_>,
+    y: Src<'_>,
+    x: Src<'_>,
+    z: Src<'_>,
+    d: &[f32],
+    weight: Src<'_>,
+    groups: usize,
+    eps: f32,
+) -> CoreResult<()> {
+    let dim = weight.len();
+    if d.is_empty() || groups == 0 || !dim.is_multiple_of(d.len()) || !dim.is_multiple_of(groups) {
+        return Err(CoreError::invalid(format!(
+            "weight: {dim} elements must be whole heads ({} of them, D) and groups ({groups})",
+            d.len()
+        )));
+    }
+    if dim == 0 || !y.len().is_multiple_of(dim) || [x.len(), z.len(), out.len()] != [y.len(); 3] {
+        return Err(CoreError::invalid(format!(
+            "y, x, z, out: expected rows of {dim} elements, {} each, got x {}, z {}, out {}",
+            y.len(),
+            x.len(),
+            z.len(),
+            out.len()
+        )));
+    }
+    let (rows, head_dim) = (y.len() / dim, dim / d.len());
+    macro_rules! run {
+        ($o:expr, $y:expr, $x:expr, $z:expr, $w:expr) => {{
+            let shared = SharedOut($o.as_mut_ptr());
+            for_row_chunks(rows, dim, |r0, r1| {
+                let span = r0 * dim..r1 * dim;
+                // SAFETY: rows r0..r1 of out belong to this chunk only.
+                let o = unsafe {
+                    std::slice::from_raw_parts_mut(shared.ptr().add(span.start), span.len())
+                };
+                dispatch(
+                    best_path(),
+                    MambaNorm {
+                        out: o,
+                        y: &$y[span.clone()],
+                        x: &$x[span.clone()],
+                        z: &$z[span],
+                        d,
+                        w: $w,
+                        head_dim,
+                        groups,
+                        eps,
+                    },
+                );
+            })
+        }};
+    }
+    match (out, y, x, z, weight) {
+        (Dst::F32(o), Src::F32(y), Src::F32(x), Src::F32(z), Src::F32(w)) => run!(o, y, x, z, w),
+        (Dst::Bf16(o), Src::Bf16(y), Src::Bf16(x), Src::Bf16(z), Src::Bf16(w)) => {
+            run!(o, y, x, z, w)
+        }
+        _ => Err(CoreError::invalid(
+            "y, x, z, weight and out must share one dtype",
+        )),
+    }
 }
 
 /// The activation of a fused gate/up projection: rows of `2d` elements,

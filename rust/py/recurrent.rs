@@ -266,7 +266,111 @@ fn delta_gates(
     Ok(())
 }
 
+/// Mamba-2's time steps: g, beta [T, H] f32 from dt [T, H] (bf16 or f32)
+/// and A_log, dt_bias [H] f32: `beta = clamp(softplus(dt + dt_bias), lo,
+/// hi)`, `g = -exp(A_log) * beta`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn mamba_gates(
+    py: Python<'_>,
+    g: &Bound<'_, PyAny>,
+    beta: &Bound<'_, PyAny>,
+    dt: &Bound<'_, PyAny>,
+    a_log: &Bound<'_, PyAny>,
+    dt_bias: &Bound<'_, PyAny>,
+    lo: f32,
+    hi: f32,
+) -> PyResult<()> {
+    let dt = TensorArg::extract("dt", dt)?;
+    dt.check(&[DType::BF16, DType::F32], 2)?;
+    let heads = dt.shape[1];
+    let mut params = Vec::with_capacity(2);
+    for (name, obj) in [("A_log", a_log), ("dt_bias", dt_bias)] {
+        let t = TensorArg::extract(name, obj)?;
+        t.check(&[DType::F32], 1)?;
+        t.expect_dim(0, heads, "heads of dt")?;
+        params.push(t);
+    }
+    let mut outs = Vec::with_capacity(2);
+    for (name, obj) in [("g", g), ("beta", beta)] {
+        let t = TensorArg::extract(name, obj)?;
+        t.check(&[DType::F32], 2)?;
+        t.expect_shape_of(&dt)?;
+        for input in [&dt, &params[0], &params[1]] {
+            check_no_overlap(&t, input)?;
+        }
+        outs.push(t);
+    }
+    check_no_overlap(&outs[0], &outs[1])?;
+    // SAFETY: every tensor was checked (dtype, CPU, contiguity, shape); the
+    // outputs share no memory with each other or the inputs; the caller
+    // keeps them alive.
+    let (gs, bs, dts, al, bias) = unsafe {
+        (
+            outs[0].slice_mut::<f32>(),
+            outs[1].slice_mut::<f32>(),
+            kernel_src(&dt),
+            params[0].slice::<f32>(),
+            params[1].slice::<f32>(),
+        )
+    };
+    py.detach(move || crate::layers::mamba_gates(gs, bs, dts, al, bias, (lo, hi)))?;
+    Ok(())
+}
+
+/// Mamba-2's gated group norm: out, y, x, z [T, H * P] (one dtype, bf16 or
+/// f32), D [H] f32, weight [H * P]: `weight * rms_norm_g((y + D x) *
+/// silu(z))` over `groups` slices of each row, in f32, rounded once.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn mamba_norm(
+    py: Python<'_>,
+    out: &Bound<'_, PyAny>,
+    y: &Bound<'_, PyAny>,
+    x: &Bound<'_, PyAny>,
+    z: &Bound<'_, PyAny>,
+    d: &Bound<'_, PyAny>,
+    weight: &Bound<'_, PyAny>,
+    groups: usize,
+    eps: f32,
+) -> PyResult<()> {
+    let y = TensorArg::extract("y", y)?;
+    y.check(&[DType::BF16, DType::F32], 2)?;
+    let dt = [y.dtype];
+    let mut rows = Vec::with_capacity(3);
+    for (name, obj) in [("x", x), ("z", z), ("out", out)] {
+        let t = TensorArg::extract(name, obj)?;
+        t.check(&dt, 2)?;
+        t.expect_shape_of(&y)?;
+        rows.push(t);
+    }
+    let d = TensorArg::extract("D", d)?;
+    d.check(&[DType::F32], 1)?;
+    let weight = TensorArg::extract("weight", weight)?;
+    weight.check(&dt, 1)?;
+    weight.expect_dim(0, y.shape[1], "columns of y")?;
+    for input in [&y, &rows[0], &rows[1], &d, &weight] {
+        check_no_overlap(&rows[2], input)?;
+    }
+    // SAFETY: every tensor was checked (dtype, CPU, contiguity, shape); out
+    // shares no memory with the inputs; the caller keeps them alive.
+    let (o, ys, xs, zs, ds, ws) = unsafe {
+        (
+            kernel_dst(&rows[2]),
+            kernel_src(&y),
+            kernel_src(&rows[0]),
+            kernel_src(&rows[1]),
+            d.slice::<f32>(),
+            kernel_src(&weight),
+        )
+    };
+    py.detach(move || crate::layers::mamba_norm(o, ys, xs, zs, ds, ws, groups, eps))?;
+    Ok(())
+}
+
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(mamba_gates, m)?)?;
+    m.add_function(wrap_pyfunction!(mamba_norm, m)?)?;
     m.add_function(wrap_pyfunction!(causal_conv1d, m)?)?;
     m.add_function(wrap_pyfunction!(gated_delta_rule, m)?)?;
     m.add_function(wrap_pyfunction!(delta_gates, m)?)?;

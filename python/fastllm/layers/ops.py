@@ -62,6 +62,10 @@ class LayerOps:
     gated_rms_norm: Callable[..., Tensor] = recurrent.gated_rms_norm_torch
     # (a, b [T, H], A_log, dt_bias [H]) -> (g, beta) [T, H] float32
     delta_gates: Callable[..., tuple[Tensor, Tensor]] = recurrent.delta_gates_torch
+    # Mamba-2's parts (Granite 4.0): (dt [T, H], A_log, dt_bias [H], (lo, hi)) -> (g, beta)
+    mamba_gates: Callable[..., tuple[Tensor, Tensor]] = recurrent.mamba_gates_torch
+    # (y, x, z [T, H*P], D [H], weight [H*P], groups, eps) -> the gated group norm
+    mamba_norm: Callable[..., Tensor] = recurrent.mamba_norm_torch
 
 
 # ---- torch ----------------------------------------------------------------
@@ -208,6 +212,8 @@ RUST_OPS = LayerOps(
     sigmoid_mul=recurrent.sigmoid_mul_rust,
     gated_rms_norm=recurrent.gated_rms_norm_rust,
     delta_gates=recurrent.delta_gates_rust,
+    mamba_gates=recurrent.mamba_gates_rust,
+    mamba_norm=recurrent.mamba_norm_rust,
 )
 
 

@@ -185,3 +185,51 @@ def delta_gates_rust(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tu
     beta = torch.empty(a.shape, dtype=torch.float32)
     _core.delta_gates(g, beta, a, b, a_log.float().contiguous(), dt_bias.float().contiguous())
     return g, beta
+
+
+# ---- Mamba-2's elementwise parts (Granite 4.0; torch reference and Rust kernels) ----
+
+
+def mamba_gates_torch(
+    dt: Tensor, a_log: Tensor, dt_bias: Tensor, limit: tuple[float, float]
+) -> tuple[Tensor, Tensor]:
+    """Mamba-2's time steps: ``beta = clamp(softplus(dt + dt_bias), *limit)`` and
+    ``g = -exp(A_log) * beta`` (the linear rule's write strength and log decay),
+    both float32 [T, H]."""
+    beta = F.softplus(dt.float() + dt_bias.float()).clamp(*limit)
+    return -a_log.float().exp() * beta, beta
+
+
+def mamba_norm_torch(
+    y: Tensor, x: Tensor, z: Tensor, d: Tensor, weight: Tensor, groups: int, eps: float
+) -> Tensor:
+    """Mamba-2's gated group norm of the scan ``y`` [T, H*P]: ``(y + D x) *
+    silu(z)`` in float32, RMS-normalised over each of ``groups`` slices of a
+    row, times the weight, rounded to y's dtype once."""
+    n, heads = y.shape[0], d.shape[0]
+    v = y.float().reshape(n, heads, -1) + d.float()[:, None] * x.float().reshape(n, heads, -1)
+    v = v.reshape(y.shape) * F.silu(z.float())
+    g = v.view(v.shape[0], groups, -1)
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * g.view_as(v)).to(y.dtype)
+
+
+def mamba_gates_rust(
+    dt: Tensor, a_log: Tensor, dt_bias: Tensor, limit: tuple[float, float]
+) -> tuple[Tensor, Tensor]:
+    """``mamba_gates_torch`` by the Rust kernel."""
+    dt = dt.contiguous()
+    g = torch.empty(dt.shape, dtype=torch.float32)
+    beta = torch.empty(dt.shape, dtype=torch.float32)
+    _core.mamba_gates(g, beta, dt, a_log.float().contiguous(), dt_bias.float().contiguous(), *limit)
+    return g, beta
+
+
+def mamba_norm_rust(
+    y: Tensor, x: Tensor, z: Tensor, d: Tensor, weight: Tensor, groups: int, eps: float
+) -> Tensor:
+    """``mamba_norm_torch`` by the Rust kernel."""
+    y, x, z = y.contiguous(), x.contiguous(), z.contiguous()
+    out = torch.empty_like(y)
+    _core.mamba_norm(out, y, x, z, d.float().contiguous(), weight, groups, eps)
+    return out

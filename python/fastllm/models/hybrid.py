@@ -486,22 +486,22 @@ class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
         }
 
 
-class GroupGatedRMSNorm(Module):
-    """Mamba-2's output norm (``norm_before_gate`` false): ``x * silu(z)`` in
-    float32, RMS-normalised over each of ``groups`` equal slices of the
-    channels, then scaled by the weight."""
+class MambaNorm(Module):
+    """Mamba-2's output norm (``norm_before_gate`` false): ``(y + D x) *
+    silu(z)`` in float32, RMS-normalised over each of ``groups`` equal slices
+    of the channels, then scaled by the weight (``ops.mamba_norm``)."""
 
     def __init__(self, dim: int, groups: int, eps: float) -> None:
         super().__init__()
         self.groups, self.eps = groups, eps
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.ops = TORCH_OPS
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """x (float32), z [T, dim] -> [T, dim] in ``dtype``."""
-        h = x.float() * torch.nn.functional.silu(z.float())
-        g = h.view(h.shape[0], self.groups, -1)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * g.view_as(h)).to(dtype)
+    def forward(
+        self, y: torch.Tensor, x: torch.Tensor, z: torch.Tensor, d: torch.Tensor
+    ) -> torch.Tensor:
+        """y (the scan), x (its input), z (the gate) [T, dim]; d [heads] -> [T, dim]."""
+        return self.ops.mamba_norm(y, x, z, d, self.weight, self.groups, self.eps)
 
 
 class Mamba2Mixer(Module):
@@ -555,7 +555,7 @@ class Mamba2Mixer(Module):
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         self.D = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
-        self.norm = GroupGatedRMSNorm(self.inner, self.groups, eps)
+        self.norm = MambaNorm(self.inner, self.groups, eps)
         self.out_proj = Linear(self.inner, hidden, bias=bias)
         self.ops = TORCH_OPS
         #: [conv state, scan state], set by the model runner (``state_shapes``).
@@ -584,15 +584,14 @@ class Mamba2Mixer(Module):
             True,
         )
         xs, b, c = xbc.split([self.inner, bc, bc], dim=-1)
-        lo, hi = self.time_step_limit
-        step = torch.nn.functional.softplus(dt.float() + self.dt_bias.float()).clamp(lo, hi)
-        xs = xs.reshape(n, heads, self.head_dim)
+        g, beta = self.ops.mamba_gates(dt, self.A_log, self.dt_bias, self.time_step_limit)
+        xs = xs.contiguous()
         y = self.ops.gated_delta_rule(
             c.reshape(n, self.groups, self.state_size),
             b.reshape(n, self.groups, self.state_size),
-            xs,
-            -self.A_log.float().exp() * step,
-            step,
+            xs.view(n, heads, self.head_dim),
+            g,
+            beta,
             state,
             meta.query_start_loc,
             meta.state_slots,
@@ -600,8 +599,8 @@ class Mamba2Mixer(Module):
             False,
             linear=True,
         )
-        y = y.float() + self.D.float()[:, None] * xs.float()
-        return self.out_proj(self.norm(y.reshape(n, self.inner), z, x.dtype))
+        y = self.norm(y.view(n, self.inner), xs, z, self.D)
+        return self.out_proj(y)
 
 
 class GraniteHybridDecoderLayer(Module):
