@@ -1,5 +1,6 @@
 """The recurrent token mixers' CPU kernels (``_core.causal_conv1d``,
-``_core.gated_delta_rule``) against torch, over packed batches: several
+``_core.gated_delta_rule`` and its linear rule, Mamba-2's scan, with
+``_core.mamba_gates`` / ``_core.mamba_norm``) against torch, over packed batches: several
 sequences of different lengths (empty ones too) in one call, each with its
 state at a slot of its own, updated in place.
 
@@ -339,3 +340,118 @@ def test_qwen3_5_elementwise_ops_reject_bad_arguments():
         _core.delta_gates(g, beta, x, x, torch.zeros(8), torch.zeros(8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="g: must not share memory with beta"):
         _core.delta_gates(g, g, x, x, torch.zeros(8), torch.zeros(8))
+
+
+granite4 = pytest.importorskip("transformers.models.granitemoehybrid.modeling_granitemoehybrid")
+
+
+def mamba_reference(chunked, x, dt, a_log, dt_bias, b, c, state, qsl, ids, limit, chunk):
+    """transformers' Granite 4.0 scan per sequence from its slot's state (ours
+    [H, N, P], theirs [H, P, N]): the chunked form (``mamba2_chunk_scan``,
+    chunks of ``chunk``) or token by token (``mamba2_selective_state_update``,
+    which clamps nothing: its rows are drawn inside the limit)."""
+    p = x.shape[2]
+    a = -torch.exp(a_log.float())
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    state = state.clone()
+    for first, end, slot in spans(qsl, ids):
+        if first == end:
+            continue
+        theirs = state[slot].transpose(1, 2).contiguous()
+        if chunked:
+            o, final = granite4.mamba2_chunk_scan(
+                x[None, first:end].float(), dt[None, first:end].float(), a,
+                b[None, first:end].float(), c[None, first:end].float(), chunk,
+                dt_bias=dt_bias, initial_states=theirs[None], dt_softplus=True,
+                dt_limit=limit, return_final_states=True,
+            )  # fmt: skip
+            out[first:end], theirs = o[0], final[0]
+        else:
+            for t in range(first, end):
+                n = b.shape[-1]
+                s = theirs[None].clone()
+                o = granite4.mamba2_selective_state_update(
+                    s, x[None, t].float(), dt[None, t, :, None].float().expand(-1, -1, p),
+                    a[:, None, None].expand(-1, p, n), b[None, t].float(), c[None, t].float(),
+                    dt_bias=dt_bias[:, None].expand(-1, p), dt_softplus=True,
+                )  # fmt: skip
+                out[t], theirs = o[0], s[0]
+        state[slot] = theirs.transpose(1, 2)
+    return out, state
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lens=LENGTHS,
+    groups=st.sampled_from([1, 2]),
+    per_group=st.sampled_from([1, 3]),
+    n=st.sampled_from([4, 16, 64]),
+    p=st.sampled_from([8, 32, 40]),
+    dtype=st.sampled_from(list(DTYPES)),
+    chunked=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_mamba2_scan_matches_transformers(lens, groups, per_group, n, p, dtype, chunked, seed):
+    """``_core.mamba_gates`` then ``_core.gated_delta_rule(..., linear=True)``
+    (Mamba-2's scan: k = B, v = x, q = C, beta = dt, g = dt A) against
+    transformers' Granite 4.0 scan, chunked (with a time-step limit that
+    clamps) and token by token, from each sequence's state."""
+    g = torch.Generator().manual_seed(seed)
+    dt_ = DTYPES[dtype]
+    heads, tokens = groups * per_group, sum(lens)
+    qsl, ids, slots = packed(lens, g)
+    x = torch.randn(tokens, heads, p, generator=g).to(dt_)
+    b = (torch.randn(tokens, groups, n, generator=g) / n**0.5).to(dt_)
+    c = torch.randn(tokens, groups, n, generator=g).to(dt_)
+    dt = (torch.randn(tokens, heads, generator=g) * 2).to(dt_)
+    a_log, dt_bias = torch.randn(heads, generator=g), torch.randn(heads, generator=g)
+    limit = (0.05, 1.5) if chunked else (0.0, float("inf"))
+    state = torch.randn(slots, heads, n, p, generator=g) * 0.5
+    ref, ref_state = mamba_reference(
+        chunked, x, dt, a_log, dt_bias, b, c, state, qsl, ids, limit, 16
+    )
+    gate, beta = torch.empty(tokens, heads), torch.empty(tokens, heads)
+    _core.mamba_gates(gate, beta, dt, a_log, dt_bias, *limit)
+    out = torch.full_like(x, float("nan"))
+    _core.gated_delta_rule(out, c, b, x, gate, beta, state, qsl, ids, 1.0, False, True)
+    top = max(1.0, ref.abs().max().item()) if ref.numel() else 1.0
+    rtol = 1e-4 if dtype == "f32" else 2**-8
+    torch.testing.assert_close(out.float(), ref, rtol=rtol, atol=1e-4 * top)
+    state_top = max(1.0, ref_state.abs().max().item())
+    torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-4 * state_top)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(1, 9),
+    heads=st.sampled_from([1, 2, 4, 6]),
+    p=st.sampled_from([1, 8, 33]),
+    groups=st.sampled_from([1, 2]),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_mamba2_norm_matches_transformers(rows, heads, p, groups, dtype, seed):
+    """``_core.mamba_norm`` against transformers' ``GraniteMoeHybridRMSNormGated``
+    of ``y + D x`` (the scan and its skip, in float32 as its prompt path
+    adds them) gated by z: within a step of bfloat16, a few of float32."""
+    if heads % groups:
+        groups = 1
+    dt = DTYPES[dtype]
+    g = torch.Generator().manual_seed(seed)
+    dim = heads * p
+    y, x, z = ((torch.randn(rows, dim, generator=g) * 3).to(dt) for _ in range(3))
+    d = torch.randn(heads, generator=g)
+    norm = granite4.GraniteMoeHybridRMSNormGated(dim, dim // groups, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim, generator=g))
+    skip = (y.float().view(rows, heads, p) + d[:, None] * x.float().view(rows, heads, p)).view(
+        rows, dim
+    )
+    want = norm.to(dt)(skip, z)
+    got = torch.empty_like(y)
+    _core.mamba_norm(got, y, x, z, d, norm.weight.detach(), groups, 1e-5)
+    assert _ulps(got, want.to(dt), dt) <= (1.0 if dt == torch.bfloat16 else 64.0)
+    with pytest.raises(ValueError, match="weight: dimension 0"):
+        _core.mamba_norm(got, y, x, z, d, torch.ones(dim + 1, dtype=dt), groups, 1e-5)
+    with pytest.raises(ValueError, match="whole heads"):
+        _core.mamba_norm(got, y, x, z, torch.ones(dim + 1), norm.weight.detach(), groups, 1e-5)
