@@ -349,7 +349,7 @@ def mamba_reference(chunked, x, dt, a_log, dt_bias, b, c, state, qsl, ids, limit
     """transformers' Granite 4.0 scan per sequence from its slot's state (ours
     [H, N, P], theirs [H, P, N]): the chunked form (``mamba2_chunk_scan``,
     chunks of ``chunk``) or token by token (``mamba2_selective_state_update``,
-    which clamps nothing: its rows are drawn inside the limit)."""
+    which clamps nothing: those cases have no limit)."""
     p = x.shape[2]
     a = -torch.exp(a_log.float())
     out = torch.zeros(x.shape, dtype=torch.float32)
