@@ -49,7 +49,10 @@ LFM2_NAMES = ["lfm2", "lfm2_bias", "lfm2_moe", "lfm2_moe_plain"]
 # configs: the default pattern, attention first with biases and 2 taps, MoE;
 # and the text part of the multimodal checkpoints, "_vl").
 QWEN3_5_NAMES = ["qwen3_5", "qwen3_5_pattern", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl"]
-HYBRID_NAMES = LFM2_NAMES + QWEN3_5_NAMES
+# Granite 4.0's Mamba-2 layers around an attention layer, with Granite's
+# multipliers (its dense hybrid; with experts it runs layer by layer).
+GRANITE4_NAMES = ["granite4_h"]
+HYBRID_NAMES = LFM2_NAMES + QWEN3_5_NAMES + GRANITE4_NAMES
 NAMES = [
     "llama",
     "llama3-rope",
@@ -505,3 +508,35 @@ def test_bad_delta_net_layers_are_clear_errors(folders) -> None:
     assert torch.equal(d["delta_state"], before)  # nothing ran
     stack.forward(x, cos, cos, *meta, torch.tensor([0]))
     assert torch.isfinite(x).all() and not torch.equal(d["delta_state"], before)
+
+
+def test_bad_mamba2_layers_are_clear_errors(folders) -> None:
+    """Granite 4.0's Mamba-2 layers in the stack: misshapen weights,
+    parameters or states, and states sharing memory are errors naming them."""
+    _, layers, kw = _hybrid_stack_arguments(folders["granite4_h"])
+    i = next(j for j, d in enumerate(layers) if d.get("mamba_in_proj") is not None)
+    d = layers[i]
+    slots, heads, n, p = d["mamba_state"].shape
+    channels = d["mamba_conv_weight"].shape[0]
+    cases = [
+        ({"mamba_conv_weight": torch.zeros(channels, 1)}, r"mamba_conv_weight: expected 2 to 8"),
+        ({"mamba_conv_weight": torch.zeros(channels + 2, 4)}, r"mamba_conv_weight: \d+ channels"),
+        ({"mamba_groups": 3}, r"mamba_conv_weight: \d+ channels"),
+        ({"mamba_conv_bias": torch.zeros(channels + 1)}, r"mamba_conv_bias: dimension 0"),
+        ({"mamba_conv_state": torch.zeros(slots, channels, 2)}, r"mamba_conv_state: dimension 2"),
+        ({"mamba_a_log": torch.zeros(heads + 1)}, r"mamba_a_log: dimension 0 must be"),
+        ({"mamba_d": torch.zeros(heads, dtype=torch.bfloat16)}, r"mamba_d: expected dtype"),
+        ({"mamba_norm": torch.zeros(heads * p + 1)}, r"mamba_norm: dimension 0 must be"),
+        ({"mamba_state": torch.zeros(slots + 1, heads, n, p)}, r"mamba_state: expected \[slots"),
+        ({"mamba_out_proj": d["mamba_in_proj"]}, r"mamba_out_proj: expected a \["),
+        ({"mamba_in_proj": d["mamba_out_proj"]}, r"mamba_in_proj: expected a \["),
+    ]
+    for change, message in cases:
+        bad = [*layers[:i], {**d, **change}, *layers[i + 1 :]]
+        with pytest.raises(ValueError, match=rf"layers\[{i}\]\S* ?{message}"):
+            _core.DecoderStack(bad, **kw)
+    other = next(j for j, e in enumerate(layers) if j != i and e.get("mamba_state") is not None)
+    shared = [dict(e) for e in layers]
+    shared[other]["mamba_state"] = d["mamba_state"]
+    with pytest.raises(ValueError, match="its KV cache or state shares memory"):
+        _core.DecoderStack(shared, **kw)

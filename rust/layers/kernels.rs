@@ -185,7 +185,10 @@ impl<T: Element> Kernel for MambaGates<'_, T> {
     fn run<S: Simd>(self) {
         let heads = self.a_log.len();
         let (lo, hi) = self.limit;
-        let rows = self.g.chunks_exact_mut(heads).zip(self.beta.chunks_exact_mut(heads));
+        let rows = self
+            .g
+            .chunks_exact_mut(heads)
+            .zip(self.beta.chunks_exact_mut(heads));
         for ((g, beta), dt) in rows.zip(self.dt.chunks_exact(heads)) {
             let params = self.a_log.iter().zip(self.dt_bias);
             for (((g, beta), &dt), (&al, &bias)) in g.iter_mut().zip(beta).zip(dt).zip(params) {
@@ -224,7 +227,10 @@ impl<T: Element> Kernel for MambaNorm<'_, T> {
         for ((o, y), (x, z)) in rows.zip(self.x.chunks_exact(dim).zip(self.z.chunks_exact(dim))) {
             for (h, d) in self.d.iter().enumerate() {
                 let at = h * self.head_dim..(h + 1) * self.head_dim;
-                let parts = v[at.clone()].iter_mut().zip(&y[at.clone()]).zip(&x[at.clone()]);
+                let parts = v[at.clone()]
+                    .iter_mut()
+                    .zip(&y[at.clone()])
+                    .zip(&x[at.clone()]);
                 for (((v, &y), &x), &z) in parts.zip(&z[at]) {
                     *v = (y.to_f32() + d * x.to_f32()) * silu(z.to_f32());
                 }

@@ -35,6 +35,13 @@
 //! x = x + (rms_norm(o) * silu(z)) W_out
 //! ```
 //!
+//! or Granite 4.0's Mamba-2 ([`Mamba2`]):
+//!
+//! ```text
+//! z, xBC, dt = h W_in ; x, B, C = silu(causal_conv1d(xBC, state) + bias)
+//! y = scan(x, B, C, dt) (the delta rule's linear rule) ; x = x + norm((y + D x) silu(z)) W_out
+//! ```
+//!
 //! Qwen3.5's attention layers add an output gate (`Attention::gate`: the
 //! attention output times `sigmoid(gate)`, the gate projected beside each
 //! query head), and its norms scale by `1 + w` in f32 ([`NormWeight::Float`]).
@@ -53,12 +60,14 @@ use crate::cpu::Element;
 use crate::cpu::{Dst, Src};
 use crate::error::{CoreError, CoreResult};
 use crate::layers::{
-    delta_gates, gated_act, gated_rms_norm, qkv_rotary, rms_norm, sigmoid_mul, GatedAct, QkvShape,
+    delta_gates, gated_act, gated_rms_norm, mamba_gates, mamba_norm, qkv_rotary, rms_norm,
+    sigmoid_mul, GatedAct, QkvShape,
 };
 use crate::linear::LinearWeight;
 use crate::moe::SparseMlp;
 use crate::recurrent::{
-    causal_conv1d, gated_delta_rule, ConvShape, DeltaInputs, DeltaShape, Packed, MAX_CONV_WIDTH,
+    causal_conv1d, gated_delta_rule, gated_delta_rule_with, ConvShape, DeltaInputs, DeltaOptions,
+    DeltaShape, Packed, Rule, MAX_CONV_WIDTH,
 };
 
 /// The sizes every layer of a model shares.
@@ -153,11 +162,12 @@ impl<T> NormWeight<'_, T> {
 }
 
 /// What mixes a layer's tokens: paged attention, LFM2's short convolution,
-/// or Qwen3.5's Gated DeltaNet.
+/// Qwen3.5's Gated DeltaNet or Granite 4.0's Mamba-2.
 pub enum Mixer<'a, T> {
     Attention(Attention<'a, T>),
     ShortConv(ShortConv<'a, T>),
     DeltaNet(DeltaNet<'a, T>),
+    Mamba2(Mamba2<'a, T>),
 }
 
 /// An attention mixer's weights and KV cache.
@@ -278,6 +288,72 @@ impl<T> DeltaNet<'_, T> {
     }
 }
 
+/// The head counts and sizes of a Mamba-2 layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MambaHeads {
+    /// Heads and their channels (`inner = heads x head_dim`).
+    pub heads: usize,
+    pub head_dim: usize,
+    /// Groups of B and C (the heads of a group share them) and their size.
+    pub groups: usize,
+    pub d_state: usize,
+    /// Taps of the x/B/C convolution.
+    pub taps: usize,
+}
+
+impl MambaHeads {
+    fn inner(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    /// Channels of the convolution: x, B and C.
+    fn conv_dim(&self) -> usize {
+        self.inner() + 2 * self.groups * self.d_state
+    }
+
+    /// Rows of `in_proj`: z, then x, B, C, then dt.
+    fn in_width(&self) -> usize {
+        self.inner() + self.conv_dim() + self.heads
+    }
+
+    /// Elements of one slot of the convolution state and of the scan's state.
+    fn slot_sizes(&self) -> (usize, usize) {
+        (
+            self.conv_dim() * self.taps.saturating_sub(1),
+            self.heads * self.d_state * self.head_dim,
+        )
+    }
+}
+
+/// Granite 4.0's Mamba-2 mixer: `in_proj` [inner + conv_dim + heads, H]
+/// (z, x/B/C, dt; its bias inside), the x/B/C convolution (`conv_weight`
+/// [conv_dim, taps], `conv_bias`, SiLU) with its `conv_state` ([slots,
+/// conv_dim, taps - 1]), the time steps' `a_log`, `dt_bias` and the skip
+/// `d` ([heads], f32) clamped to `dt_limit`, the scan's `state` ([slots,
+/// heads, d_state, head_dim], f32), the gated group norm's `norm` [inner]
+/// and `out_proj` [H, inner].
+pub struct Mamba2<'a, T> {
+    pub in_proj: &'a LinearWeight,
+    pub conv_weight: &'a [T],
+    pub conv_bias: Option<&'a [T]>,
+    pub conv_state: &'a mut [T],
+    pub a_log: &'a [f32],
+    pub dt_bias: &'a [f32],
+    pub d: &'a [f32],
+    pub dt_limit: (f32, f32),
+    pub norm: &'a [T],
+    pub out_proj: &'a LinearWeight,
+    pub state: &'a mut [f32],
+    pub heads: MambaHeads,
+}
+
+impl<T> Mamba2<'_, T> {
+    /// The state slots (`check_layer` has checked both states hold as many).
+    fn slots(&self) -> usize {
+        self.state.len() / self.heads.slot_sizes().1.max(1)
+    }
+}
+
 /// A layer's MLP: Llama's gated SiLU MLP (gate/up fused), or a mixture of
 /// experts (Qwen3-MoE, Mixtral: `moe::SparseMlp`).
 #[derive(Clone, Copy)]
@@ -392,6 +468,61 @@ pub fn check_layer<T>(
                     h.taps - 1,
                     n.state.len(),
                     n.conv_state.len()
+                )));
+            }
+            (None, None)
+        }
+        Mixer::Mamba2(m) => {
+            let h = m.heads;
+            if h.heads == 0
+                || h.head_dim == 0
+                || h.d_state == 0
+                || h.groups == 0
+                || !h.heads.is_multiple_of(h.groups)
+            {
+                return Err(CoreError::invalid(format!(
+                    "layers[{index}].mamba_state: {} heads must be a positive multiple of the \
+                     {} groups, sizes positive (got {}, {})",
+                    h.heads, h.groups, h.d_state, h.head_dim
+                )));
+            }
+            if !(2..=MAX_CONV_WIDTH).contains(&h.taps) {
+                return Err(CoreError::invalid(format!(
+                    "layers[{index}].mamba_conv_weight: expected 2 to {MAX_CONV_WIDTH} taps, got {}",
+                    h.taps
+                )));
+            }
+            linears.push(("mamba_in_proj", m.in_proj, s.hidden, h.in_width()));
+            linears.push(("mamba_out_proj", m.out_proj, h.inner(), s.hidden));
+            let conv = h.conv_dim();
+            sizes_match(&[
+                ("mamba_conv_weight", m.conv_weight.len(), conv * h.taps),
+                (
+                    "mamba_conv_bias",
+                    m.conv_bias.map_or(conv, |b| b.len()),
+                    conv,
+                ),
+                ("mamba_a_log", m.a_log.len(), h.heads),
+                ("mamba_dt_bias", m.dt_bias.len(), h.heads),
+                ("mamba_d", m.d.len(), h.heads),
+                ("mamba_norm", m.norm.len(), h.inner()),
+            ])?;
+            let (conv_slot, scan_slot) = h.slot_sizes();
+            let slots = m.slots();
+            if slots == 0
+                || m.state.len() != slots * scan_slot
+                || m.conv_state.len() != slots * conv_slot
+            {
+                return Err(CoreError::invalid(format!(
+                    "layers[{index}].mamba_state: expected [slots, {}, {}, {}] and a \
+                     mamba_conv_state of [slots, {conv}, {}] with as many slots, got {} and {} \
+                     elements",
+                    h.heads,
+                    h.d_state,
+                    h.head_dim,
+                    h.taps - 1,
+                    m.state.len(),
+                    m.conv_state.len()
                 )));
             }
             (None, None)
@@ -595,6 +726,7 @@ pub fn decoder_stack<T: Element, L: Layers<T> + ?Sized>(
             let slots = match &layer.mixer {
                 Mixer::ShortConv(c) => c.slots(s.hidden),
                 Mixer::DeltaNet(n) => n.slots(),
+                Mixer::Mamba2(m) => m.slots(),
                 Mixer::Attention(a) if a.group > step.groups.len() => {
                     return Err(CoreError::invalid(format!(
                         "layers[{i}]: KV group {} but the step gives {} groups",
@@ -635,6 +767,7 @@ fn run_layer<T: Element>(
         Mixer::Attention(a) => attention(a, b, s, step, tokens)?,
         Mixer::ShortConv(c) => short_conv(c, b, s, step, tokens)?,
         Mixer::DeltaNet(n) => delta_net(n, b, s, step, tokens)?,
+        Mixer::Mamba2(m) => mamba2(m, b, s, step, tokens)?,
     }
     add_output(x, b, layer.mixer_out_norm, s)?;
     pre_norm(b, x, layer.post_norm, s)?;
@@ -1032,6 +1165,110 @@ fn delta_net<T: Element>(
     )?;
     let proj = sized(&mut b.proj, tokens * s.hidden);
     n.out_proj
+        .forward(T::dst(proj), T::src(&b.delta_normed), tokens)
+}
+
+/// Granite 4.0's Mamba-2 on the step's normed rows (`b.normed`), its output
+/// projection in `b.proj`, with the kernels and roundings of the
+/// layer-by-layer path (`models/hybrid.py`'s `Mamba2Mixer`).
+fn mamba2<T: Element>(
+    m: &mut Mamba2<'_, T>,
+    b: &mut Scratch<T>,
+    s: &DecoderShape,
+    step: &StepInputs<'_, T>,
+    tokens: usize,
+) -> CoreResult<()> {
+    let h = m.heads;
+    let (inner, cd, heads, bc) = (h.inner(), h.conv_dim(), h.heads, h.groups * h.d_state);
+    let width = h.in_width();
+    let mix = sized(&mut b.mix, tokens * width);
+    m.in_proj.forward(T::dst(mix), T::src(&b.normed), tokens)?;
+    let z = sized(&mut b.z, tokens * inner);
+    let conv_in = sized(&mut b.conv_in, tokens * cd);
+    let dt = sized(&mut b.a, tokens * heads);
+    for (t, row) in b.mix.chunks_exact(width).enumerate() {
+        let (zr, rest) = row.split_at(inner);
+        let (c, dr) = rest.split_at(cd);
+        z[t * inner..(t + 1) * inner].copy_from_slice(zr);
+        conv_in[t * cd..(t + 1) * cd].copy_from_slice(c);
+        dt[t * heads..(t + 1) * heads].copy_from_slice(dr);
+    }
+    let packed = Packed {
+        query_start_loc: step.batch.query_start_loc,
+        state_slots: step.state_slots,
+    };
+    let slots = m.slots();
+    let conv_out = sized(&mut b.conv_out, tokens * cd);
+    causal_conv1d(
+        T::dst(conv_out),
+        T::src(&b.conv_in),
+        T::src(m.conv_weight),
+        m.conv_bias.map(T::src),
+        T::dst(m.conv_state),
+        packed,
+        ConvShape {
+            tokens,
+            channels: cd,
+            width: h.taps,
+            slots,
+        },
+        true,
+    )?;
+    let (x, bk, cq) = (
+        sized(&mut b.v, tokens * inner),
+        sized(&mut b.k, tokens * bc),
+        sized(&mut b.q, tokens * bc),
+    );
+    for (t, row) in b.conv_out.chunks_exact(cd).enumerate() {
+        x[t * inner..(t + 1) * inner].copy_from_slice(&row[..inner]);
+        bk[t * bc..(t + 1) * bc].copy_from_slice(&row[inner..inner + bc]);
+        cq[t * bc..(t + 1) * bc].copy_from_slice(&row[inner + bc..]);
+    }
+    let (g, beta) = (
+        sized(&mut b.g, tokens * heads),
+        sized(&mut b.beta, tokens * heads),
+    );
+    mamba_gates(g, beta, T::src(&b.a), m.a_log, m.dt_bias, m.dt_limit)?;
+    let out = sized(&mut b.delta_out, tokens * inner);
+    gated_delta_rule_with(
+        T::dst(out),
+        DeltaInputs {
+            q: T::src(&b.q),
+            k: T::src(&b.k),
+            v: T::src(&b.v),
+            g: &b.g,
+            beta: &b.beta,
+        },
+        m.state,
+        packed,
+        DeltaShape {
+            tokens,
+            k_heads: h.groups,
+            v_heads: heads,
+            k_dim: h.d_state,
+            v_dim: h.head_dim,
+            slots,
+        },
+        1.0,
+        false,
+        DeltaOptions {
+            rule: Rule::Linear,
+            ..DeltaOptions::default()
+        },
+    )?;
+    let normed = sized(&mut b.delta_normed, tokens * inner);
+    mamba_norm(
+        T::dst(normed),
+        T::src(&b.delta_out),
+        T::src(&b.v),
+        T::src(&b.z),
+        m.d,
+        T::src(m.norm),
+        h.groups,
+        s.eps,
+    )?;
+    let proj = sized(&mut b.proj, tokens * s.hidden);
+    m.out_proj
         .forward(T::dst(proj), T::src(&b.delta_normed), tokens)
 }
 

@@ -25,7 +25,7 @@ use crate::layers::GatedAct;
 use crate::linear::LinearWeight;
 use crate::models::llama::{
     self as decoder, Attention, DecoderLayer, DecoderShape, DeltaHeads, DeltaNet, KvGroup, Layers,
-    Mixer, Mlp, NormWeight, ShortConv, StepInputs,
+    Mamba2, MambaHeads, Mixer, Mlp, NormWeight, ShortConv, StepInputs,
 };
 use crate::moe::SparseMlp;
 
@@ -129,6 +129,20 @@ enum LayerMixer {
         state: Span,
         heads: DeltaHeads,
     },
+    Mamba2 {
+        in_proj: LinearWeight,
+        conv_weight: Span,
+        conv_bias: Option<Span>,
+        conv_state: Span,
+        a_log: Span,
+        dt_bias: Span,
+        d: Span,
+        dt_limit: (f32, f32),
+        norm: Span,
+        out_proj: LinearWeight,
+        state: Span,
+        heads: MambaHeads,
+    },
 }
 
 impl Layer {
@@ -144,6 +158,9 @@ impl Layer {
             } => vec![(*key_cache, cache), (*value_cache, cache)],
             LayerMixer::ShortConv { state, .. } => vec![(*state, model)],
             LayerMixer::DeltaNet {
+                conv_state, state, ..
+            }
+            | LayerMixer::Mamba2 {
                 conv_state, state, ..
             } => vec![(*conv_state, model), (*state, 4)],
         }
@@ -216,7 +233,13 @@ impl PyDecoderStack {
     /// `delta_conv_state` [slots, C, taps - 1] (the model's dtype),
     /// `delta_a_log` and `delta_dt_bias` ([Hv] float32), `delta_norm` [Dv],
     /// `delta_out_proj` [H, Hv Dv] and `delta_state` ([slots, Hv, Dk, Dv]
-    /// float32). `attn_output_gate` (Qwen3.5's attention, default False):
+    /// float32). A Mamba-2 layer (Granite 4.0) gives `mamba_in_proj` [inner +
+    /// C + Hm, H] (z, x/B/C, dt; C = inner + 2 G N), `mamba_conv_weight` [C,
+    /// taps], `mamba_conv_bias` ([C] or None), `mamba_conv_state` [slots, C,
+    /// taps - 1] (the model's dtype), `mamba_a_log`, `mamba_dt_bias` and
+    /// `mamba_d` ([Hm] float32), `mamba_dt_limit` ((min, max)), `mamba_groups`
+    /// (G), `mamba_norm` [inner], `mamba_out_proj` [H, inner] and
+    /// `mamba_state` ([slots, Hm, N, inner / Hm] float32). `attn_output_gate` (Qwen3.5's attention, default False):
     /// `qkv` yields each query head followed by its gate. In a bf16 model the
     /// norm weights (`input_norm`, `post_norm`, `q_norm`, `k_norm`) may be
     /// float32: such a norm runs in float32 and rounds once (Qwen3.5's `1 + w`).
@@ -561,6 +584,8 @@ impl PyDecoderStack {
             Self::short_conv(d, &in_proj, bias, shape, dtype, tensors)?
         } else if let Some(in_proj) = present("delta_in_proj")? {
             Self::delta_net(d, &in_proj, dtype, tensors)?
+        } else if let Some(in_proj) = present("mamba_in_proj")? {
+            Self::mamba2(d, &in_proj, dtype, tensors)?
         } else {
             let qk_norm = match (
                 // Per head or over the whole projection: `check_layer` checks.
@@ -775,6 +800,81 @@ impl PyDecoderStack {
         })
     }
 
+    /// A Mamba-2 layer's projections, time-step parameters, norm and states
+    /// (its head counts read from the scan state's shape and `mamba_groups`).
+    fn mamba2(
+        d: &Bound<'_, PyDict>,
+        in_proj: &Bound<'_, PyAny>,
+        dtype: DType,
+        tensors: &mut Vec<Py<PyAny>>,
+    ) -> PyResult<LayerMixer> {
+        let mut tensor = |key: &'static str, dtypes: &[DType], ndim: usize| {
+            let obj = item(d, key)?;
+            let t = TensorArg::extract(key, &obj)?;
+            t.check(dtypes, ndim)?;
+            tensors.push(obj.unbind());
+            Ok::<_, PyErr>(t)
+        };
+        let state = tensor("mamba_state", &[DType::F32], 4)?;
+        let (heads, d_state, head_dim) = (state.shape[1], state.shape[2], state.shape[3]);
+        let conv_weight = tensor("mamba_conv_weight", &[dtype], 2)?;
+        let (conv_dim, taps) = (conv_weight.shape[0], conv_weight.shape[1]);
+        if !(2..=crate::recurrent::MAX_CONV_WIDTH).contains(&taps) {
+            return Err(PyValueError::new_err(format!(
+                "mamba_conv_weight: expected 2 to {} taps, got {taps}",
+                crate::recurrent::MAX_CONV_WIDTH
+            )));
+        }
+        let groups: usize = item(d, "mamba_groups")?.extract()?;
+        if groups == 0 || conv_dim != heads * head_dim + 2 * groups * d_state {
+            return Err(PyValueError::new_err(format!(
+                "mamba_conv_weight: {conv_dim} channels are not x of {heads} heads of {head_dim} \
+                 and B, C of {groups} groups of {d_state}"
+            )));
+        }
+        let conv_state = tensor("mamba_conv_state", &[dtype], 3)?;
+        conv_state.expect_dim(1, conv_dim, "channels of mamba_conv_weight")?;
+        conv_state.expect_dim(2, taps.saturating_sub(1), "taps - 1")?;
+        let conv_bias = match d.get_item("mamba_conv_bias")?.filter(|v| !v.is_none()) {
+            None => None,
+            Some(_) => {
+                let t = tensor("mamba_conv_bias", &[dtype], 1)?;
+                t.expect_dim(0, conv_dim, "channels of mamba_conv_weight")?;
+                Some(Span::of(&t))
+            }
+        };
+        let mut span = |key: &'static str, dtypes: &[DType], dim: usize| {
+            let t = tensor(key, dtypes, 1)?;
+            t.expect_dim(0, dim, "its layer's heads")?;
+            Ok::<_, PyErr>(Span::of(&t))
+        };
+        let a_log = span("mamba_a_log", &[DType::F32], heads)?;
+        let dt_bias = span("mamba_dt_bias", &[DType::F32], heads)?;
+        let skip = span("mamba_d", &[DType::F32], heads)?;
+        let norm = span("mamba_norm", &[dtype], heads * head_dim)?;
+        let dt_limit: (f32, f32) = item(d, "mamba_dt_limit")?.extract()?;
+        Ok(LayerMixer::Mamba2 {
+            in_proj: linear_weight(in_proj, "mamba_in_proj")?,
+            conv_weight: Span::of(&conv_weight),
+            conv_bias,
+            conv_state: Span::of(&conv_state),
+            a_log,
+            dt_bias,
+            d: skip,
+            dt_limit,
+            norm,
+            out_proj: linear_weight(&item(d, "mamba_out_proj")?, "mamba_out_proj")?,
+            state: Span::of(&state),
+            heads: MambaHeads {
+                heads,
+                head_dim,
+                groups,
+                d_state,
+                taps,
+            },
+        })
+    }
+
     /// Shape check of layer `i` by the pure-Rust side.
     fn check<T: Element>(&self, i: usize) -> PyResult<()> {
         // SAFETY: only lengths are read; nothing runs on these slices.
@@ -848,6 +948,33 @@ impl PyDecoderStack {
                 conv_state: conv_state.slice_mut(),
                 a_log: a_log.slice(),
                 dt_bias: dt_bias.slice(),
+                norm: norm.slice(),
+                out_proj,
+                state: state.slice_mut(),
+                heads: *heads,
+            }),
+            LayerMixer::Mamba2 {
+                in_proj,
+                conv_weight,
+                conv_bias,
+                conv_state,
+                a_log,
+                dt_bias,
+                d,
+                dt_limit,
+                norm,
+                out_proj,
+                state,
+                heads,
+            } => Mixer::Mamba2(Mamba2 {
+                in_proj,
+                conv_weight: conv_weight.slice(),
+                conv_bias: conv_bias.map(|b| b.slice()),
+                conv_state: conv_state.slice_mut(),
+                a_log: a_log.slice(),
+                dt_bias: dt_bias.slice(),
+                d: d.slice(),
+                dt_limit: *dt_limit,
                 norm: norm.slice(),
                 out_proj,
                 state: state.slice_mut(),

@@ -644,12 +644,15 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
     with ``position_embedding_type`` "rope", else none), each with the dense
     ``shared_mlp`` (gate rows, then up rows of ``input_linear``: this model's
     ``gate_up_proj``) and, with ``num_local_experts`` > 0, a sparse block of
-    softmax top-k experts (renormalised) beside it. Attention-only dense
-    models (granite-4.0-micro) run on the fused CPU stack; the others layer
-    by layer."""
+    softmax top-k experts (renormalised) beside it. Without experts every
+    layer runs on the fused CPU stack (``llama_stack.build_hybrid``); with
+    them, layer by layer."""
 
     LAYER_CLASS = GraniteHybridDecoderLayer
-    FUSED_LAYER_TYPES = (GraniteHybridDecoderLayer, LlamaAttention, (LlamaMLP,))
+    #: The classes whose maths ``rust/models/llama.rs`` implements for Granite
+    #: 4.0: the layer, its attention, its Mamba-2, its dense MLP (a layer with
+    #: experts beside it runs layer by layer).
+    FUSED_LAYER_TYPES = (GraniteHybridDecoderLayer, LlamaAttention, Mamba2Mixer, (LlamaMLP,))
 
     @staticmethod
     def _flags(config: ModelConfig) -> dict[str, Any]:

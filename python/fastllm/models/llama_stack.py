@@ -1,5 +1,5 @@
-"""The Llama family's (and Gemma's, and the hybrids': LFM2, Qwen3.5) decoder
-layers in one Rust call per step.
+"""The Llama family's (and Gemma's, and the hybrids': LFM2, Qwen3.5, Granite
+4.0) decoder layers in one Rust call per step.
 
 On the CPU, once a model is packed and its KV caches exist, the model runner
 asks the model to fuse its layers (``LlamaForCausalLM.fuse_decoder_layers``).
@@ -44,9 +44,12 @@ def _packed(linear) -> object | None:
 # attention layers with q/k norms, and short convolutions whose states the
 # runner keeps) and Qwen3.5 (dense and MoE, and the text part of their
 # multimodal checkpoints: gated attention with float32 ``1 + w`` norms, and
-# Gated DeltaNet layers with their two states).
+# Gated DeltaNet layers with their two states) and Granite 4.0 (Granite's
+# attention with or without rotary, Mamba-2 layers with their two states, the
+# dense MLP; its experts beside the dense MLP run layer by layer).
 _HYBRID = frozenset(
     {
+        "GraniteMoeHybridForCausalLM",
         "Lfm2ForCausalLM",
         "Lfm2MoeForCausalLM",
         "Qwen3_5ForCausalLM",
@@ -75,9 +78,6 @@ FUSED_ARCHITECTURES = (
             # logits factors lie outside the decoder layers.
             "GraniteForCausalLM",
             "GraniteMoeForCausalLM",
-            # Granite 4.0 (attention-only, dense): Granite's layers, with or
-            # without rotary (its Mamba-2 layers and experts: layer by layer).
-            "GraniteMoeHybridForCausalLM",
             # SmolLM3: the Llama layers, some without rotary (NoPE), some
             # windowed (their own KV group).
             "SmolLM3ForCausalLM",
@@ -185,6 +185,14 @@ def _hybrid_parts(layer) -> tuple:
     attention or None, MLP): LFM2's names or Qwen3.5's."""
     if hasattr(layer, "operator_norm"):
         return layer.operator_norm, layer.ffn_norm, layer.conv, layer.self_attn, layer.feed_forward
+    if hasattr(layer, "mamba"):  # Granite 4.0
+        return (
+            layer.input_layernorm,
+            layer.post_attention_layernorm,
+            layer.mamba,
+            layer.self_attn,
+            layer.mlp,
+        )
     return (
         layer.input_layernorm,
         layer.post_attention_layernorm,
@@ -194,9 +202,12 @@ def _hybrid_parts(layer) -> tuple:
     )
 
 
-def _is_delta_net(mixer) -> bool:
-    """Whether a recurrent mixer is a Gated DeltaNet (else LFM2's short convolution)."""
-    return hasattr(mixer, "A_log")
+def _mixer_kind(mixer) -> str:
+    """A recurrent mixer's kind: "mamba" (Granite 4.0's Mamba-2, which has a
+    skip ``D``), "delta" (Qwen3.5's Gated DeltaNet) or "conv" (LFM2's)."""
+    if hasattr(mixer, "D"):
+        return "mamba"
+    return "delta" if hasattr(mixer, "A_log") else "conv"
 
 
 def _norm_weight(norm) -> torch.Tensor:
@@ -220,6 +231,12 @@ def _hybrid_why_not(model) -> str | None:
     for i, layer in enumerate(layers):
         if type(layer) is not layer_type:
             return f"layer {i} is not the {layer_type.__name__} the fused stack implements"
+        if getattr(layer, "block_sparse_moe", None) is not None:
+            return (
+                f"layer {i} adds experts to its dense MLP, which the fused stack does not implement"
+            )
+        if _residual_multiplier(layer) != _residual_multiplier(layers[0]):
+            return f"layer {i}'s residual multiplier differs from layer 0's"
         in_norm, post_norm, mixer, attn, mlp = _hybrid_parts(layer)
         if type(mlp) not in mlp_types:
             return f"layer {i}'s MLP is not one the fused stack implements"
@@ -242,7 +259,13 @@ def _hybrid_why_not(model) -> str | None:
         want = [dt for _, dt in mixer.state_shapes(dtype)]
         if [t.dtype for t in mixer.states] != want:
             return f"layer {i}'s recurrent mixer has no states of {want}"
-        if _is_delta_net(mixer):
+        kind = _mixer_kind(mixer)
+        if kind == "mamba":
+            bias = mixer.conv1d.bias
+            tensors = [mixer.conv1d.weight, mixer.norm.weight] + (
+                [bias] if bias is not None else []
+            )
+        elif kind == "delta":
             tensors = [mixer.conv1d.weight, mixer.norm.weight]
         else:
             tensors = [mixer.conv.weight] + (
@@ -325,8 +348,26 @@ def _stack(model, layers: list[dict], attn, norm, mlps: list) -> _core.DecoderSt
 
 def _recurrent_entries(mixer) -> dict:
     """A layer dict's entries for a recurrent mixer: a short convolution's
-    ``conv_*`` or a Gated DeltaNet's ``delta_*``."""
-    if _is_delta_net(mixer):
+    ``conv_*``, a Gated DeltaNet's ``delta_*`` or a Mamba-2's ``mamba_*``."""
+    kind = _mixer_kind(mixer)
+    if kind == "mamba":
+        conv_state, state = mixer.states
+        bias = mixer.conv1d.bias
+        return {
+            "mamba_in_proj": _packed(mixer.in_proj),
+            "mamba_conv_weight": mixer.conv1d.weight.detach().view(mixer.conv_dim, mixer.taps),
+            "mamba_conv_bias": None if bias is None else bias.detach(),
+            "mamba_conv_state": conv_state,
+            "mamba_a_log": mixer.A_log.detach().float().contiguous(),
+            "mamba_dt_bias": mixer.dt_bias.detach().float().contiguous(),
+            "mamba_d": mixer.D.detach().float().contiguous(),
+            "mamba_dt_limit": mixer.time_step_limit,
+            "mamba_groups": mixer.groups,
+            "mamba_norm": mixer.norm.weight.detach(),
+            "mamba_out_proj": _packed(mixer.out_proj),
+            "mamba_state": state,
+        }
+    if kind == "delta":
         conv_state, state = mixer.states
         return {
             "delta_in_proj": _packed(mixer.in_proj),
