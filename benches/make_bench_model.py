@@ -66,6 +66,15 @@
    32 experts, 4 active (sigmoid scores with an expert bias, renormalised) of
    FFN 768, tied head (llama.cpp's converter cannot write an untied LFM2-MoE
    head). 1.14B parameters, 0.18B active per token.
+   granite4-h-350m-random (--models=granite4-h-350m), GraniteMoeHybridForCausalLM
+   shaped like granite-4.0-h-350m: 32 layers of 768, attention (12 heads and 4
+   KV heads of 64, no rotary) at layers 7, 15, 23, 31 and Mamba-2 elsewhere
+   (48 heads of 32 channels, one group of 128 states, 4 taps, expand 2), the
+   dense MLP of 2048, Granite's multipliers (embedding 12, attention 1/64,
+   residual 0.246, logits 3), tied head; config.json's layer_types written as
+   the released configs write them ("mamba", "attention"), which llama.cpp's
+   converter reads. 0.27B parameters: Mamba-2 0.11B, MLPs 0.15B, attention
+   0.006B (the real 100352-token embedding would make it 0.34B).
 8. llama3.2-1b-random (with --models=llama3.2-1b): LlamaForCausalLM with Llama
    3.2 1B's shape: 16 layers of 2048, 32 heads and 8 KV heads of 64, FFN 8192,
    rope theta 500000 with Llama 3's frequency scaling (factor 32, low / high
@@ -73,7 +82,7 @@
    1e-5, tied head, 131072 positions; random bf16 weights, the tokenizer's
    vocabulary. 0.99B parameters: MLPs 0.81B, attention 0.17B (the real
    128256-token embedding would make it 1.24B).
-Usage: python benches/make_bench_model.py [OUT_DIR] [--models=qwen2,tiny,gemma3-1b,phi4-mini,bert-base,nomic-embed,mpnet-base,embeddinggemma,qwen3-embed,qwen3-moe,qwen3.5-2b,lfm2-1.2b,llama3.2-1b,qwen3.5-moe,lfm2-moe]
+Usage: python benches/make_bench_model.py [OUT_DIR] [--models=qwen2,tiny,gemma3-1b,phi4-mini,bert-base,nomic-embed,mpnet-base,embeddinggemma,qwen3-embed,qwen3-moe,qwen3.5-2b,lfm2-1.2b,granite4-h-350m,llama3.2-1b,qwen3.5-moe,lfm2-moe]
 (default qwen2,tiny; needs torch, transformers, tokenizers; `pip install "fastllm[bench]"`
 has them)
 """
@@ -124,6 +133,7 @@ LFM2_MOE_DIR = os.path.join(ROOT, "lfm2-moe-random")
 QWEN3_5_DIR = os.path.join(ROOT, "qwen3.5-2b-random")
 LFM2_DIR = os.path.join(ROOT, "lfm2-1.2b-random")
 LLAMA3_2_DIR = os.path.join(ROOT, "llama3.2-1b-random")
+GRANITE4_H_DIR = os.path.join(ROOT, "granite4-h-350m-random")
 TOK_VOCAB = 8192
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -392,6 +402,53 @@ def lfm2_1_2b(V, eos):
     )
 
 
+def granite4_h_350m(V, eos):
+    from transformers import GraniteMoeHybridConfig
+
+    attention = (7, 15, 23, 31)
+    return GraniteMoeHybridConfig(
+        vocab_size=V,
+        hidden_size=768,
+        intermediate_size=2048,
+        shared_intermediate_size=2048,
+        num_hidden_layers=32,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        layer_types=["attention" if i in attention else "mamba" for i in range(32)],
+        position_embedding_type=None,
+        num_local_experts=0,
+        num_experts_per_tok=0,  # else the converter writes 2 used of 0 experts
+        mamba_n_heads=48,
+        mamba_d_head=32,
+        mamba_n_groups=1,
+        mamba_d_state=128,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        embedding_multiplier=12.0,
+        attention_multiplier=1 / 64,
+        residual_multiplier=0.246,
+        logits_scaling=3.0,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
+
+
+def release_layer_types(folder):
+    """Granite 4.0's config.json with layer_types in the released configs'
+    words ("mamba", "attention"), which llama.cpp's converter reads."""
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    words = {"linear_attention": "mamba", "full_attention": "attention"}
+    cfg["layer_types"] = [words.get(t, t) for t in cfg["layer_types"]]
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
 def llama3_2_1b(V, eos):
     return LlamaConfig(
         vocab_size=V,
@@ -590,12 +647,15 @@ def main():
         ("qwen3-moe", QWEN3_MOE_DIR, qwen3_moe),
         ("qwen3.5-2b", QWEN3_5_DIR, qwen3_5_2b),
         ("lfm2-1.2b", LFM2_DIR, lfm2_1_2b),
+        ("granite4-h-350m", GRANITE4_H_DIR, granite4_h_350m),
         ("llama3.2-1b", LLAMA3_2_DIR, llama3_2_1b),
         ("qwen3.5-moe", QWEN3_5_MOE_DIR, qwen3_5_moe),
         ("lfm2-moe", LFM2_MOE_DIR, lfm2_moe),
     ):
         if name in MODELS:
             save_large(make(V, eos), folder, tok, eos)
+            if name.startswith("granite4"):
+                release_layer_types(folder)
             built.append(folder)
     if "qwen2" not in MODELS and "tiny" not in MODELS:
         _plain_tokenizer_class(built)
