@@ -50,8 +50,8 @@ LFM2_NAMES = ["lfm2", "lfm2_bias", "lfm2_moe", "lfm2_moe_plain"]
 # and the text part of the multimodal checkpoints, "_vl").
 QWEN3_5_NAMES = ["qwen3_5", "qwen3_5_pattern", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl"]
 # Granite 4.0's Mamba-2 layers around an attention layer, with Granite's
-# multipliers (its dense hybrid; with experts it runs layer by layer).
-GRANITE4_NAMES = ["granite4_h"]
+# multipliers; and with experts beside the dense MLP (its ungated shared expert).
+GRANITE4_NAMES = ["granite4_h", "granite4_h_moe"]
 HYBRID_NAMES = LFM2_NAMES + QWEN3_5_NAMES + GRANITE4_NAMES
 NAMES = [
     "llama",

@@ -310,16 +310,18 @@ def test_recurrent_layers_only(tmp_path, family: str) -> None:
 
 
 def test_granite4_runs_fused_where_the_stack_implements_it(tmp_path) -> None:
-    """Granite 4.0's dense models, attention-only or hybrid, run on the fused
-    CPU stack; its experts beside the dense MLP run layer by layer, the
-    reason named."""
+    """Granite 4.0's models, attention-only, hybrid, and hybrid with experts
+    (the dense MLP as their ungated shared expert), run on the fused CPU
+    stack; a model without attention layers runs layer by layer, the reason
+    named."""
     from fastllm import LLM
     from fastllm.models import llama_stack
 
     for family, kinds, experts, reason in (
         ("granite4", ["full_attention"] * 2, 0, None),
         ("granite4_h", ["linear_attention", "full_attention"], 0, None),
-        ("granite4_h", ["full_attention"] * 2, 4, "layer 0 adds experts"),
+        ("granite4_h", ["full_attention", "linear_attention"], 4, None),
+        ("granite4_h", ["linear_attention"] * 2, 0, "the model has no attention layer"),
     ):
         rng = random.Random(f"{family}-fused")
         config = draw_config(family, rng)

@@ -41,13 +41,14 @@ pub struct SparseMlp {
 }
 
 /// A dense expert every token runs through, scaled by `sigmoid(x w_gate)`
-/// and added: `gate_up` [2I, H], `down` [H, I] (the experts' activation),
-/// `gate` [1, H] (float, float32 logits).
+/// (Qwen2-MoE; without `gate`, Granite 4.0's dense MLP beside its experts,
+/// unscaled) and added: `gate_up` [2I, H], `down` [H, I] (the experts'
+/// activation), `gate` [1, H] (float, float32 logits).
 #[derive(Debug)]
 pub struct SharedExpert {
     pub gate_up: LinearWeight,
     pub down: LinearWeight,
-    pub gate: LinearWeight,
+    pub gate: Option<LinearWeight>,
 }
 
 impl SparseMlp {
@@ -61,11 +62,13 @@ impl SparseMlp {
         let (e, h) = (experts.num_experts(), experts.hidden());
         if let Some(sh) = &shared {
             let i = sh.down.in_features();
-            let shapes = [
+            let mut shapes = vec![
                 ("shared_gate_up", &sh.gate_up, 2 * i, h),
                 ("shared_down", &sh.down, h, i),
-                ("shared_gate", &sh.gate, 1, h),
             ];
+            if let Some(gate) = &sh.gate {
+                shapes.push(("shared_gate", gate, 1, h));
+            }
             for (name, w, n, k) in shapes {
                 if w.out_features() != n || w.in_features() != k {
                     return Err(CoreError::invalid(format!(
@@ -108,8 +111,9 @@ impl SparseMlp {
         }
     }
 
-    /// `out += sigmoid(x w_gate) * shared(x)`, each product and sum rounded
-    /// to the element type as torch does in the model's dtype.
+    /// `out += sigmoid(x w_gate) * shared(x)` (without a gate `out +=
+    /// shared(x)`), each product and sum rounded to the element type as
+    /// torch does in the model's dtype.
     fn add_shared<T: Element>(
         &self,
         sh: &SharedExpert,
@@ -126,8 +130,14 @@ impl SparseMlp {
         gated_act(T::dst(&mut act), T::src(&gate_up), i, self.experts.act)?;
         let mut y = vec![zero; tokens * h];
         sh.down.forward(T::dst(&mut y), T::src(&act), tokens)?;
+        let Some(gate) = &sh.gate else {
+            for (a, &b) in out.iter_mut().zip(&y) {
+                *a = T::from_f32(a.to_f32() + b.to_f32());
+            }
+            return Ok(());
+        };
         let mut g = vec![0f32; tokens];
-        sh.gate.forward(f32::dst(&mut g), T::src(x), tokens)?;
+        gate.forward(f32::dst(&mut g), T::src(x), tokens)?;
         for ((o, yr), &gt) in out.chunks_exact_mut(h).zip(y.chunks_exact(h)).zip(&g) {
             let gate = T::from_f32(1.0 / (1.0 + (-gt).exp())).to_f32();
             for (a, &b) in o.iter_mut().zip(yr) {

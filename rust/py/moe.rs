@@ -257,8 +257,9 @@ impl PyMoeBlock {
     /// `router`: a float `PackedLinear` [experts, hidden] (float32 logits);
     /// `experts`: a `MoeExperts`; each token's `top_k` best experts by
     /// `scoring` ("softmax" or "sigmoid"), renormalised when `renormalize`;
-    /// the shared expert (all three or none): `shared_gate_up` [2I, H],
-    /// `shared_down` [H, I], `shared_gate` [1, H] (float); `selection_bias`,
+    /// the shared expert (none, or `shared_gate_up` [2I, H] and `shared_down`
+    /// [H, I] with `shared_gate` [1, H] (float: a sigmoid gate) or None
+    /// (added ungated: Granite 4.0's dense MLP)); `selection_bias`,
     /// `renorm_eps` and `scale` as `moe_route`'s.
     #[new]
     #[pyo3(signature = (router, experts, top_k, scoring="softmax", renormalize=true,
@@ -292,7 +293,7 @@ impl PyMoeBlock {
             optional_weight(shared_gate, "shared_gate")?,
         );
         let shared = match parts {
-            (Some(gate_up), Some(down), Some(gate)) => Some(SharedExpert {
+            (Some(gate_up), Some(down), gate) => Some(SharedExpert {
                 gate_up,
                 down,
                 gate,
@@ -300,7 +301,8 @@ impl PyMoeBlock {
             (None, None, None) => None,
             _ => {
                 return Err(PyValueError::new_err(
-                    "shared_gate_up, shared_down, shared_gate: give all three or none",
+                    "shared_gate_up, shared_down, shared_gate: give the first two (and the \
+                     gate, or None for an ungated shared expert) or none",
                 ))
             }
         };

@@ -203,7 +203,7 @@ _GRANITE_HYBRID_MOE_LAYER = {
     "shared_mlp.gate": "ffn_gate_shexp",
     "shared_mlp.up": "ffn_up_shexp",
     "shared_mlp.output_linear": "ffn_down_shexp",
-    "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.gate": "ffn_gate_inp",
 }
 _LFM2_GLOBAL = {
     "model.embed_tokens": "token_embd",
@@ -297,8 +297,7 @@ def gguf_name(arch: str, name: str) -> str | None:
 
 # One expert's parameter in fastllm.
 _EXPERT = re.compile(
-    r"(.+)\.(\d+)\.(?:mlp|feed_forward|block_sparse_moe)\.experts\.(\d+)\."
-    r"(gate_up_proj|down_proj)\.(weight|bias)"
+    r"(.+)\.(\d+)\.(?:mlp|feed_forward)\.experts\.(\d+)\.(gate_up_proj|down_proj)\.(weight|bias)"
 )
 
 

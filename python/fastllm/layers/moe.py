@@ -118,7 +118,8 @@ def route_torch(
 
 class SparseMoeBlock(Module):
     """Router, experts and (Qwen2-MoE, Qwen3.5-MoE) a shared expert behind a
-    sigmoid gate. ``selection_bias`` (LFM2-MoE's ``expert_bias``, a float32
+    sigmoid gate (``shared_gated``; Granite 4.0's dense MLP beside its
+    experts is a shared expert added ungated). ``selection_bias`` (LFM2-MoE's ``expert_bias``, a float32
     buffer of one value per expert) shifts which experts are chosen but not
     their weights; ``renorm_eps`` joins the renormalising sum and ``scale``
     multiplies the weights (``route_torch``)."""
@@ -138,6 +139,7 @@ class SparseMoeBlock(Module):
         alpha: float = 1.702,
         limit: float = 7.0,
         shared_intermediate: int = 0,
+        shared_gated: bool = True,
         selection_bias: bool = False,
         renorm_eps: float = 0.0,
         scale: float = 1.0,
@@ -170,7 +172,8 @@ class SparseMoeBlock(Module):
         self.shared_expert_gate: Router | None = None
         if shared_intermediate:
             self.shared_expert = ExpertMLP(hidden, shared_intermediate, act, False, alpha, limit)
-            self.shared_expert_gate = Router(hidden, 1, False)
+            if shared_gated:
+                self.shared_expert_gate = Router(hidden, 1, False)
         # The Rust block (``_core.MoeBlock``) over the packed experts (``packed_kernel``).
         self.kernel = None
         self._kernel_of = None
@@ -201,12 +204,13 @@ class SparseMoeBlock(Module):
             limit=self.limit,
         )
         shared = {}
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
+        if self.shared_expert is not None:
             shared = {
                 "shared_gate_up": self.shared_expert.gate_up_proj.packed,
                 "shared_down": self.shared_expert.down_proj.packed,
-                "shared_gate": self.shared_expert_gate.packed,
             }
+            if self.shared_expert_gate is not None:
+                shared["shared_gate"] = self.shared_expert_gate.packed
             if any(v is None for v in shared.values()):
                 return None
         bias = self.selection_bias
@@ -252,4 +256,6 @@ class SparseMoeBlock(Module):
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x)).to(x.dtype)
             out = out + gate * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(x)
         return out

@@ -605,8 +605,8 @@ class Mamba2Mixer(Module):
 
 class GraniteHybridDecoderLayer(Module):
     """Granite 4.0's block: a Mamba-2 or an attention mixer, then the dense
-    ``shared_mlp`` plus, with experts, the sparse block; each branch scaled
-    by the residual multiplier."""
+    ``shared_mlp`` or, with experts, a sparse block whose ungated shared
+    expert is that dense MLP; each branch scaled by the residual multiplier."""
 
     def __init__(self, config: ModelConfig, layer: int, flags: dict[str, Any]) -> None:
         super().__init__()
@@ -618,8 +618,11 @@ class GraniteHybridDecoderLayer(Module):
             self.mamba, self.self_attn = None, LlamaAttention.of(config, layer, flags, eps)
         self.residual_multiplier: float = flags["residual_multiplier"]
         act = config.hf.get("hidden_act", "silu")
-        self.mlp = LlamaMLP(config.hidden_size, flags["shared_mlp_intermediate"], act, False)
-        self.block_sparse_moe = sparse_block(config, flags) if is_sparse(flags, layer) else None
+        self.mlp: Module = (
+            sparse_block(config, flags)
+            if is_sparse(flags, layer)
+            else LlamaMLP(config.hidden_size, flags["shared_intermediate"], act, False)
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
 
@@ -631,11 +634,7 @@ class GraniteHybridDecoderLayer(Module):
         else:
             assert self.self_attn is not None
             x = x + self.self_attn(h, cos, sin) * m
-        h = self.post_attention_layernorm(x)
-        out = self.mlp(h)
-        if self.block_sparse_moe is not None:
-            out = self.block_sparse_moe(h) + out
-        return x + out * m
+        return x + self.mlp(self.post_attention_layernorm(x)) * m
 
 
 class GraniteMoeHybridForCausalLM(HybridForCausalLM):
@@ -644,15 +643,19 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
     with ``position_embedding_type`` "rope", else none), each with the dense
     ``shared_mlp`` (gate rows, then up rows of ``input_linear``: this model's
     ``gate_up_proj``) and, with ``num_local_experts`` > 0, a sparse block of
-    softmax top-k experts (renormalised) beside it. Without experts every
-    layer runs on the fused CPU stack (``llama_stack.build_hybrid``); with
-    them, layer by layer."""
+    softmax top-k experts (renormalised) with that MLP as its ungated shared
+    expert. Every layer runs on the fused CPU stack
+    (``llama_stack.build_hybrid``)."""
 
     LAYER_CLASS = GraniteHybridDecoderLayer
     #: The classes whose maths ``rust/models/llama.rs`` implements for Granite
-    #: 4.0: the layer, its attention, its Mamba-2, its dense MLP (a layer with
-    #: experts beside it runs layer by layer).
-    FUSED_LAYER_TYPES = (GraniteHybridDecoderLayer, LlamaAttention, Mamba2Mixer, (LlamaMLP,))
+    #: 4.0: the layer, its attention, its Mamba-2, its MLPs.
+    FUSED_LAYER_TYPES = (
+        GraniteHybridDecoderLayer,
+        LlamaAttention,
+        Mamba2Mixer,
+        (LlamaMLP, SparseMoeBlock),
+    )
 
     @staticmethod
     def _flags(config: ModelConfig) -> dict[str, Any]:
@@ -664,11 +667,11 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
             "mlp_bias": False,
             "rope_layers": (rope,) * n,
             "layer_types": hybrid_layer_types(config, "linear_attention", []),
-            "shared_mlp_intermediate": _config_int(hf, "shared_intermediate_size", 1024),
+            "shared_intermediate": _config_int(hf, "shared_intermediate_size", 1024),
         }
         if hf.get("num_local_experts"):
             flags.update(moe_flags(config, "intermediate_size", every_layer=True))
-            flags["renormalize"] = True
+            flags.update(renormalize=True, shared_gated=False)
         return flags
 
     def weight_specs(self) -> dict[str, WeightSpec]:
@@ -685,24 +688,26 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
                     specs[f"{p}.self_attn.qkv_proj.{kind}"] = WeightSpec(
                         tuple(f"{p}.self_attn.{n}_proj.{kind}" for n in "qkv"), (q, kv, kv)
                     )
-            m = layer.mlp.down_proj.in_features
+            block = layer.mlp
+            dense = block.shared_expert if isinstance(block, SparseMoeBlock) else block
+            ours = f"{p}.mlp.shared_expert" if isinstance(block, SparseMoeBlock) else f"{p}.mlp"
+            m = dense.down_proj.in_features
             apart = WeightSpec((f"{p}.shared_mlp.gate.weight", f"{p}.shared_mlp.up.weight"), (m, m))
-            specs[f"{p}.mlp.gate_up_proj.weight"] = WeightSpec(
+            specs[f"{ours}.gate_up_proj.weight"] = WeightSpec(
                 (f"{p}.shared_mlp.input_linear.weight",), alternatives=(apart,)
             )
-            specs[f"{p}.mlp.down_proj.weight"] = WeightSpec(
+            specs[f"{ours}.down_proj.weight"] = WeightSpec(
                 (f"{p}.shared_mlp.output_linear.weight",)
             )
-            moe = layer.block_sparse_moe
-            if moe is None:
+            if not isinstance(block, SparseMoeBlock):
                 continue
-            ours = f"{p}.block_sparse_moe"
-            specs[f"{ours}.gate.weight"] = WeightSpec((f"{ours}.router.layer.weight",))
-            for j in range(len(moe.experts)):
-                specs[f"{ours}.experts.{j}.gate_up_proj.weight"] = WeightSpec(
-                    (f"{ours}.input_linear.weight",), select=j
+            theirs = f"{p}.block_sparse_moe"
+            specs[f"{p}.mlp.gate.weight"] = WeightSpec((f"{theirs}.router.layer.weight",))
+            for j in range(len(block.experts)):
+                specs[f"{p}.mlp.experts.{j}.gate_up_proj.weight"] = WeightSpec(
+                    (f"{theirs}.input_linear.weight",), select=j
                 )
-                specs[f"{ours}.experts.{j}.down_proj.weight"] = WeightSpec(
-                    (f"{ours}.output_linear.weight",), select=j
+                specs[f"{p}.mlp.experts.{j}.down_proj.weight"] = WeightSpec(
+                    (f"{theirs}.output_linear.weight",), select=j
                 )
         return specs

@@ -46,7 +46,7 @@ def _packed(linear) -> object | None:
 # multimodal checkpoints: gated attention with float32 ``1 + w`` norms, and
 # Gated DeltaNet layers with their two states) and Granite 4.0 (Granite's
 # attention with or without rotary, Mamba-2 layers with their two states, the
-# dense MLP; its experts beside the dense MLP run layer by layer).
+# dense MLP, or experts with it as their ungated shared expert).
 _HYBRID = frozenset(
     {
         "GraniteMoeHybridForCausalLM",
@@ -109,12 +109,6 @@ def why_not(model) -> str | None:
         return _hybrid_why_not(model)
     layer_type, attn_type, mlp_types = model.FUSED_LAYER_TYPES
     for i, layer in enumerate(model.model.layers):
-        if getattr(layer, "mamba", None) is not None:
-            return f"layer {i} is a Mamba-2 layer, which the fused stack does not implement"
-        if getattr(layer, "block_sparse_moe", None) is not None:
-            return (
-                f"layer {i} adds experts to its dense MLP, which the fused stack does not implement"
-            )
         kinds = ((layer, (layer_type,)), (layer.self_attn, (attn_type,)), (layer.mlp, mlp_types))
         if any(type(part) not in kind for part, kind in kinds):
             return f"layer {i} is not the {layer_type.__name__} the fused stack implements"
@@ -231,10 +225,6 @@ def _hybrid_why_not(model) -> str | None:
     for i, layer in enumerate(layers):
         if type(layer) is not layer_type:
             return f"layer {i} is not the {layer_type.__name__} the fused stack implements"
-        if getattr(layer, "block_sparse_moe", None) is not None:
-            return (
-                f"layer {i} adds experts to its dense MLP, which the fused stack does not implement"
-            )
         if _residual_multiplier(layer) != _residual_multiplier(layers[0]):
             return f"layer {i}'s residual multiplier differs from layer 0's"
         in_norm, post_norm, mixer, attn, mlp = _hybrid_parts(layer)

@@ -165,6 +165,7 @@ def sparse_block(
         flags["renormalize"],
         act or config.hf.get("hidden_act", "silu"),
         shared_intermediate=flags.get("shared_intermediate", 0),
+        shared_gated=flags.get("shared_gated", True),
         scoring=flags.get("scoring", "softmax"),
         selection_bias=flags.get("selection_bias", False),
         renorm_eps=flags.get("renorm_eps", 0.0),
