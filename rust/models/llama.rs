@@ -1085,15 +1085,7 @@ fn delta_net<T: Element>(
     let z = sized(&mut b.z, tokens * vd);
     let gb = sized(&mut b.b, tokens * hv);
     let ga = sized(&mut b.a, tokens * hv);
-    for (t, row) in b.mix.chunks_exact(width).enumerate() {
-        let (c, rest) = row.split_at(cd);
-        let (zr, rest) = rest.split_at(vd);
-        let (br, ar) = rest.split_at(hv);
-        conv_in[t * cd..(t + 1) * cd].copy_from_slice(c);
-        z[t * vd..(t + 1) * vd].copy_from_slice(zr);
-        gb[t * hv..(t + 1) * hv].copy_from_slice(br);
-        ga[t * hv..(t + 1) * hv].copy_from_slice(ar);
-    }
+    split_columns(&b.mix, tokens, &mut [conv_in, z, gb, ga]);
     let packed = Packed {
         query_start_loc: step.batch.query_start_loc,
         state_slots: step.state_slots,
@@ -1120,11 +1112,7 @@ fn delta_net<T: Element>(
         sized(&mut b.k, tokens * kd),
         sized(&mut b.v, tokens * vd),
     );
-    for (t, row) in b.conv_out.chunks_exact(cd).enumerate() {
-        q[t * kd..(t + 1) * kd].copy_from_slice(&row[..kd]);
-        k[t * kd..(t + 1) * kd].copy_from_slice(&row[kd..2 * kd]);
-        v[t * vd..(t + 1) * vd].copy_from_slice(&row[2 * kd..]);
-    }
+    split_columns(&b.conv_out, tokens, &mut [q, k, v]);
     let (g, beta) = (
         sized(&mut b.g, tokens * hv),
         sized(&mut b.beta, tokens * hv),
@@ -1168,6 +1156,23 @@ fn delta_net<T: Element>(
         .forward(T::dst(proj), T::src(&b.delta_normed), tokens)
 }
 
+/// Splits the `tokens` rows of `src` into `parts`, in order: part `i` takes
+/// the next `parts[i].len() / tokens` columns of every row.
+fn split_columns<T: Copy>(src: &[T], tokens: usize, parts: &mut [&mut [T]]) {
+    if tokens == 0 {
+        return;
+    }
+    let widths: Vec<usize> = parts.iter().map(|p| p.len() / tokens).collect();
+    let width: usize = widths.iter().sum();
+    for (t, row) in src.chunks_exact(width).enumerate() {
+        let mut at = 0;
+        for (part, &w) in parts.iter_mut().zip(&widths) {
+            part[t * w..(t + 1) * w].copy_from_slice(&row[at..at + w]);
+            at += w;
+        }
+    }
+}
+
 /// Granite 4.0's Mamba-2 on the step's normed rows (`b.normed`), its output
 /// projection in `b.proj`, with the kernels and roundings of the
 /// layer-by-layer path (`models/hybrid.py`'s `Mamba2Mixer`).
@@ -1186,13 +1191,7 @@ fn mamba2<T: Element>(
     let z = sized(&mut b.z, tokens * inner);
     let conv_in = sized(&mut b.conv_in, tokens * cd);
     let dt = sized(&mut b.a, tokens * heads);
-    for (t, row) in b.mix.chunks_exact(width).enumerate() {
-        let (zr, rest) = row.split_at(inner);
-        let (c, dr) = rest.split_at(cd);
-        z[t * inner..(t + 1) * inner].copy_from_slice(zr);
-        conv_in[t * cd..(t + 1) * cd].copy_from_slice(c);
-        dt[t * heads..(t + 1) * heads].copy_from_slice(dr);
-    }
+    split_columns(&b.mix, tokens, &mut [z, conv_in, dt]);
     let packed = Packed {
         query_start_loc: step.batch.query_start_loc,
         state_slots: step.state_slots,
@@ -1219,11 +1218,7 @@ fn mamba2<T: Element>(
         sized(&mut b.k, tokens * bc),
         sized(&mut b.q, tokens * bc),
     );
-    for (t, row) in b.conv_out.chunks_exact(cd).enumerate() {
-        x[t * inner..(t + 1) * inner].copy_from_slice(&row[..inner]);
-        bk[t * bc..(t + 1) * bc].copy_from_slice(&row[inner..inner + bc]);
-        cq[t * bc..(t + 1) * bc].copy_from_slice(&row[inner + bc..]);
-    }
+    split_columns(&b.conv_out, tokens, &mut [x, bk, cq]);
     let (g, beta) = (
         sized(&mut b.g, tokens * heads),
         sized(&mut b.beta, tokens * heads),

@@ -205,6 +205,33 @@ fn in_layer(py: Python<'_>, i: usize, err: PyErr) -> PyErr {
     }
 }
 
+/// Tensor `key` of a layer dict, checked (dtype, rank), and kept alive with
+/// the stack (`tensors`).
+fn kept_tensor(
+    d: &Bound<'_, PyDict>,
+    key: &'static str,
+    dtypes: &[DType],
+    ndim: usize,
+    tensors: &mut Vec<Py<PyAny>>,
+) -> PyResult<TensorArg> {
+    let obj = item(d, key)?;
+    let t = TensorArg::extract(key, &obj)?;
+    t.check(dtypes, ndim)?;
+    tensors.push(obj.unbind());
+    Ok(t)
+}
+
+/// A recurrent layer's convolution width `taps`, checked against what the kernel takes.
+fn check_taps(key: &str, taps: usize) -> PyResult<()> {
+    if !(2..=crate::recurrent::MAX_CONV_WIDTH).contains(&taps) {
+        return Err(PyValueError::new_err(format!(
+            "{key}: expected 2 to {} taps, got {taps}",
+            crate::recurrent::MAX_CONV_WIDTH
+        )));
+    }
+    Ok(())
+}
+
 fn item<'py>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Bound<'py, PyAny>> {
     d.get_item(key)?
         .ok_or_else(|| PyValueError::new_err(format!("missing key '{key}'")))
@@ -714,12 +741,7 @@ impl PyDecoderStack {
         w.check(&[dtype], 2)?;
         w.expect_dim(0, shape.hidden, "hidden_size")?;
         let taps = w.shape[1];
-        if !(2..=crate::recurrent::MAX_CONV_WIDTH).contains(&taps) {
-            return Err(PyValueError::new_err(format!(
-                "conv_weight: expected 2 to {} taps, got {taps}",
-                crate::recurrent::MAX_CONV_WIDTH
-            )));
-        }
+        check_taps("conv_weight", taps)?;
         let s_obj = item(d, "conv_state")?;
         let st = TensorArg::extract("conv_state", &s_obj)?;
         st.check(&[dtype], 3)?;
@@ -747,22 +769,13 @@ impl PyDecoderStack {
         tensors: &mut Vec<Py<PyAny>>,
     ) -> PyResult<LayerMixer> {
         let mut tensor = |key: &'static str, dtypes: &[DType], ndim: usize| {
-            let obj = item(d, key)?;
-            let t = TensorArg::extract(key, &obj)?;
-            t.check(dtypes, ndim)?;
-            tensors.push(obj.unbind());
-            Ok::<_, PyErr>(t)
+            kept_tensor(d, key, dtypes, ndim, tensors)
         };
         let state = tensor("delta_state", &[DType::F32], 4)?;
         let (v_heads, k_dim, v_dim) = (state.shape[1], state.shape[2], state.shape[3]);
         let conv_weight = tensor("delta_conv_weight", &[dtype], 2)?;
         let (conv_dim, taps) = (conv_weight.shape[0], conv_weight.shape[1]);
-        if !(2..=crate::recurrent::MAX_CONV_WIDTH).contains(&taps) {
-            return Err(PyValueError::new_err(format!(
-                "delta_conv_weight: expected 2 to {} taps, got {taps}",
-                crate::recurrent::MAX_CONV_WIDTH
-            )));
-        }
+        check_taps("delta_conv_weight", taps)?;
         let keys = conv_dim.checked_sub(v_heads * v_dim).unwrap_or(1);
         if k_dim == 0 || !keys.is_multiple_of(2 * k_dim) || keys == 0 {
             return Err(PyValueError::new_err(format!(
@@ -809,22 +822,13 @@ impl PyDecoderStack {
         tensors: &mut Vec<Py<PyAny>>,
     ) -> PyResult<LayerMixer> {
         let mut tensor = |key: &'static str, dtypes: &[DType], ndim: usize| {
-            let obj = item(d, key)?;
-            let t = TensorArg::extract(key, &obj)?;
-            t.check(dtypes, ndim)?;
-            tensors.push(obj.unbind());
-            Ok::<_, PyErr>(t)
+            kept_tensor(d, key, dtypes, ndim, tensors)
         };
         let state = tensor("mamba_state", &[DType::F32], 4)?;
         let (heads, d_state, head_dim) = (state.shape[1], state.shape[2], state.shape[3]);
         let conv_weight = tensor("mamba_conv_weight", &[dtype], 2)?;
         let (conv_dim, taps) = (conv_weight.shape[0], conv_weight.shape[1]);
-        if !(2..=crate::recurrent::MAX_CONV_WIDTH).contains(&taps) {
-            return Err(PyValueError::new_err(format!(
-                "mamba_conv_weight: expected 2 to {} taps, got {taps}",
-                crate::recurrent::MAX_CONV_WIDTH
-            )));
-        }
+        check_taps("mamba_conv_weight", taps)?;
         let groups: usize = item(d, "mamba_groups")?.extract()?;
         if groups == 0 || conv_dim != heads * head_dim + 2 * groups * d_state {
             return Err(PyValueError::new_err(format!(

@@ -105,7 +105,39 @@ class GatedRMSNorm(Module):
         return self.ops.gated_rms_norm(x, z, self.weight, self.eps)
 
 
-class GatedDeltaNet(Module):
+class ConvScanMixer(Module):
+    """What Gated DeltaNet and Mamba-2 share: a causal depthwise convolution
+    with SiLU over their ``conv_dim`` channels (``conv1d``, ``taps`` taps),
+    then a scan whose state is one float32 matrix of ``scan_state`` per
+    sequence. ``states`` ([conv state, scan state]) are set by the model
+    runner from ``state_shapes``."""
+
+    conv_dim: int
+    taps: int
+    conv1d: ConvWeight
+    #: One sequence's scan state: [heads, rows, columns].
+    scan_state: tuple[int, int, int]
+
+    def state_shapes(self, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """One sequence's state: the convolution's last inputs and the scan's matrices."""
+        return [((self.conv_dim, self.taps - 1), dtype), (self.scan_state, torch.float32)]
+
+    def convolve(self, channels: torch.Tensor) -> torch.Tensor:
+        """SiLU of the causal convolution of ``channels`` [T, conv_dim] over the
+        step's sequences, each from its state (updated in place)."""
+        meta = get_context()
+        return self.ops.causal_conv1d(
+            channels.contiguous(),
+            self.conv1d.weight.view(self.conv_dim, self.taps),
+            self.conv1d.bias,
+            self.states[0],
+            meta.query_start_loc,
+            meta.state_slots,
+            True,
+        )
+
+
+class GatedDeltaNet(ConvScanMixer):
     """Qwen3.5's linear-attention layer (module docstring). Its state per
     sequence: the convolution's last inputs and one [Dk, Dv] matrix per value head."""
 
@@ -135,32 +167,15 @@ class GatedDeltaNet(Module):
         self.norm = GatedRMSNorm(self.head_v_dim, eps)
         self.out_proj = Linear(self.value_dim, config.hidden_size)
         self.ops = TORCH_OPS
-        #: [conv state, delta-rule state], set by the model runner (``state_shapes``).
+        self.scan_state = (self.num_v_heads, self.head_k_dim, self.head_v_dim)
         self.states: list[torch.Tensor] = []
-
-    def state_shapes(self, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """One sequence's state: the convolution's last inputs and the delta rule's matrices."""
-        return [
-            ((self.conv_dim, self.taps - 1), dtype),
-            ((self.num_v_heads, self.head_k_dim, self.head_v_dim), torch.float32),
-        ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         meta = get_context()
         n, hv = x.shape[0], self.num_v_heads
         mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
-        conv_state, state = self.states
-        weight = self.conv1d.weight.view(self.conv_dim, self.taps)
-        mixed = self.ops.causal_conv1d(
-            mixed.contiguous(),
-            weight,
-            None,
-            conv_state,
-            meta.query_start_loc,
-            meta.state_slots,
-            True,
-        )
+        mixed = self.convolve(mixed)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         g, beta = self.ops.delta_gates(a, b, self.A_log, self.dt_bias)
         out = self.ops.gated_delta_rule(
@@ -169,7 +184,7 @@ class GatedDeltaNet(Module):
             v.reshape(n, hv, self.head_v_dim),
             g,
             beta,
-            state,
+            self.states[1],
             meta.query_start_loc,
             meta.state_slots,
             self.head_k_dim**-0.5,
@@ -504,7 +519,7 @@ class MambaNorm(Module):
         return self.ops.mamba_norm(y, x, z, d, self.weight, self.groups, self.eps)
 
 
-class Mamba2Mixer(Module):
+class Mamba2Mixer(ConvScanMixer):
     """Granite 4.0's Mamba-2 layer: one projection to the output gate z, the
     convolved channels (x, B, C: a depthwise causal convolution of
     ``mamba_d_conv`` taps with SiLU) and the per-head time step dt; the
@@ -558,32 +573,15 @@ class Mamba2Mixer(Module):
         self.norm = MambaNorm(self.inner, self.groups, eps)
         self.out_proj = Linear(self.inner, hidden, bias=bias)
         self.ops = TORCH_OPS
-        #: [conv state, scan state], set by the model runner (``state_shapes``).
+        self.scan_state = (self.num_heads, self.state_size, self.head_dim)
         self.states: list[torch.Tensor] = []
-
-    def state_shapes(self, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """One sequence's state: the convolution's last inputs and the scan's matrices."""
-        return [
-            ((self.conv_dim, self.taps - 1), dtype),
-            ((self.num_heads, self.state_size, self.head_dim), torch.float32),
-        ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         meta = get_context()
         n, heads, bc = x.shape[0], self.num_heads, self.groups * self.state_size
         z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, heads], dim=-1)
-        conv_state, state = self.states
-        xbc = self.ops.causal_conv1d(
-            xbc.contiguous(),
-            self.conv1d.weight.view(self.conv_dim, self.taps),
-            self.conv1d.bias,
-            conv_state,
-            meta.query_start_loc,
-            meta.state_slots,
-            True,
-        )
-        xs, b, c = xbc.split([self.inner, bc, bc], dim=-1)
+        xs, b, c = self.convolve(xbc).split([self.inner, bc, bc], dim=-1)
         g, beta = self.ops.mamba_gates(dt, self.A_log, self.dt_bias, self.time_step_limit)
         xs = xs.contiguous()
         y = self.ops.gated_delta_rule(
@@ -592,7 +590,7 @@ class Mamba2Mixer(Module):
             xs.view(n, heads, self.head_dim),
             g,
             beta,
-            state,
+            self.states[1],
             meta.query_start_loc,
             meta.state_slots,
             1.0,
