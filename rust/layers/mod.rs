@@ -39,6 +39,25 @@ fn for_row_chunks(rows: usize, dim: usize, f: impl Fn(usize, usize) + Sync) -> C
     crate::cpu::threads::team_run(chunks, &|c| f(c * rows / chunks, (c + 1) * rows / chunks))
 }
 
+/// Runs `f(out rows, span)` over chunks of the `rows` rows (`dim` elements
+/// each) of `out` (see [`for_row_chunks`]): `span` is the chunk's element
+/// range, the same in every input of `out`'s shape.
+fn for_out_chunks<T: Send>(
+    out: &mut [T],
+    rows: usize,
+    dim: usize,
+    f: impl Fn(&mut [T], std::ops::Range<usize>) + Sync,
+) -> CoreResult<()> {
+    let shared = SharedOut(out.as_mut_ptr());
+    for_row_chunks(rows, dim, |r0, r1| {
+        let span = r0 * dim..r1 * dim;
+        // SAFETY: rows r0..r1 of out belong to this chunk only, and `out`
+        // holds every row (the callers checked its length).
+        let o = unsafe { std::slice::from_raw_parts_mut(shared.ptr().add(span.start), span.len()) };
+        f(o, span)
+    })
+}
+
 /// `out[r] = weight * round(x[r] / rms(x[r]))` over rows of `dim` elements.
 /// `x`, `weight` and `out` share one element type.
 pub fn rms_norm(out: Dst<'_>, x: Src<'_>, weight: Src<'_>, eps: f32, dim: usize) -> CoreResult<()> {
@@ -243,13 +262,7 @@ pub fn gated_rms_norm(
     let rows = x.len() / dim;
     macro_rules! run {
         ($o:expr, $x:expr, $z:expr, $w:expr) => {{
-            let shared = SharedOut($o.as_mut_ptr());
-            for_row_chunks(rows, dim, |r0, r1| {
-                let span = r0 * dim..r1 * dim;
-                // SAFETY: rows r0..r1 of out belong to this chunk only.
-                let o = unsafe {
-                    std::slice::from_raw_parts_mut(shared.ptr().add(span.start), span.len())
-                };
+            for_out_chunks($o, rows, dim, |o, span| {
                 let (x, z) = (&$x[span.clone()], &$z[span]);
                 dispatch(
                     best_path(),
@@ -418,13 +431,7 @@ pub fn mamba_norm(
     let (rows, head_dim) = (y.len() / dim, dim / d.len());
     macro_rules! run {
         ($o:expr, $y:expr, $x:expr, $z:expr, $w:expr) => {{
-            let shared = SharedOut($o.as_mut_ptr());
-            for_row_chunks(rows, dim, |r0, r1| {
-                let span = r0 * dim..r1 * dim;
-                // SAFETY: rows r0..r1 of out belong to this chunk only.
-                let o = unsafe {
-                    std::slice::from_raw_parts_mut(shared.ptr().add(span.start), span.len())
-                };
+            for_out_chunks($o, rows, dim, |o, span| {
                 dispatch(
                     best_path(),
                     MambaNorm {
