@@ -119,10 +119,11 @@ def route_torch(
 class SparseMoeBlock(Module):
     """Router, experts and (Qwen2-MoE, Qwen3.5-MoE) a shared expert behind a
     sigmoid gate (``shared_gated``; Granite 4.0's dense MLP beside its
-    experts is a shared expert added ungated). ``selection_bias`` (LFM2-MoE's ``expert_bias``, a float32
-    buffer of one value per expert) shifts which experts are chosen but not
-    their weights; ``renorm_eps`` joins the renormalising sum and ``scale``
-    multiplies the weights (``route_torch``)."""
+    experts is a shared expert added ungated). ``selection_bias``
+    (LFM2-MoE's ``expert_bias``, a float32 buffer of one value per expert)
+    shifts which experts are chosen but not their weights; ``renorm_eps``
+    joins the renormalising sum and ``scale`` multiplies the weights
+    (``route_torch``)."""
 
     def __init__(
         self,

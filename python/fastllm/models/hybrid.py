@@ -20,6 +20,15 @@
   with per-head q/k norms; SwiGLU MLPs whose width follows
   ``block_auto_adjust_ff_dim``; the final norm is ``embedding_norm``.
 
+* **Granite 4.0** (``GraniteMoeHybridForCausalLM``): ``layer_types`` of
+  Mamba-2 (``mamba``) and attention layers with Granite's multipliers. A
+  Mamba-2 layer projects the gate z, the channels x, B, C (one causal
+  convolution with SiLU) and a time step per head; its scan ``S = exp(dt A)
+  S + dt B x^T``, ``y = S^T C + D x`` is the Gated DeltaNet kernel's linear
+  rule; the output is gated by ``silu(z)`` and RMS-normalised per group.
+  The dense ``shared_mlp``, or with experts a sparse block whose ungated
+  shared expert is that MLP.
+
 * **Qwen3.5-MoE** (``Qwen3_5MoeForCausalLM``, and the text part of
   ``Qwen3_5MoeForConditionalGeneration`` checkpoints) and **LFM2-MoE**
   (``Lfm2MoeForCausalLM``): the same layers with sparse MLPs
@@ -31,7 +40,7 @@
 On the CPU, once packed, every one of these families runs its layers in the
 fused decoder stack (``llama_stack.build_hybrid``: a layer's mixer is
 attention, with Qwen3.5's output gate and float32 ``1 + w`` norms, the short
-convolution or the Gated DeltaNet); elsewhere (or with ``FASTLLM_CPU_FUSED=0``)
+convolution, the Gated DeltaNet or the Mamba-2); elsewhere (or with ``FASTLLM_CPU_FUSED=0``)
 layer by layer, with the model's op table for every kernel (Qwen3.5's gates
 and gated norm included, so that both paths round alike).
 """
