@@ -528,8 +528,7 @@ def test_config_from_the_file(saved, tmp_path):
 def _check_granite4_config(hf: dict, cfg) -> None:
     """A Granite 4.0 file's config against the folder's: layers, Mamba-2
     shapes and biases, multipliers, the MLP widths, experts, rotary."""
-    words = {"linear_attention": "mamba", "full_attention": "attention"}
-    assert hf["layer_types"] == [words[t] for t in cfg.layer_types]
+    assert hf["layer_types"] == cfg.layer_types
     keys = ["mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv"]
     keys += ["mamba_expand", "mamba_conv_bias", "mamba_proj_bias", "attention_bias"]
     keys += ["shared_intermediate_size", "num_local_experts", "position_embedding_type"]

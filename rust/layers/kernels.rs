@@ -240,8 +240,7 @@ impl<T: Element> Kernel for MambaNorm<'_, T> {
                 .zip(v.chunks_exact(group))
                 .zip(self.w.chunks_exact(group))
             {
-                let s: f32 = v.iter().map(|a| a * a).sum();
-                let r = 1.0 / (s / group as f32 + self.eps).sqrt();
+                let r = 1.0 / (sum16(v, |a| a * a) / group as f32 + self.eps).sqrt();
                 for ((o, &a), &wv) in o.iter_mut().zip(v).zip(w) {
                     *o = T::from_f32(wv.to_f32() * (a * r));
                 }

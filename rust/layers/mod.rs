@@ -287,6 +287,19 @@ pub fn gated_rms_norm(
     }
 }
 
+/// The heads of a gate's per-head parameters `a_log` and `dt_bias` (one
+/// each, at least one head).
+fn gate_heads(a_log: &[f32], dt_bias: &[f32]) -> CoreResult<usize> {
+    let heads = a_log.len();
+    if heads == 0 || dt_bias.len() != heads {
+        return Err(CoreError::invalid(format!(
+            "dt_bias: expected {heads} elements (as A_log, at least one), got {}",
+            dt_bias.len()
+        )));
+    }
+    Ok(heads)
+}
+
 /// Gated DeltaNet's gates for rows of `heads = a_log.len()` values:
 /// `beta = round(sigmoid(b))` and `g = -e^A_log * softplus(a + dt_bias)`,
 /// both f32, as Qwen3.5's torch code computes them (`b.sigmoid().float()`;
@@ -300,13 +313,7 @@ pub fn delta_gates(
     a_log: &[f32],
     dt_bias: &[f32],
 ) -> CoreResult<()> {
-    let heads = a_log.len();
-    if heads == 0 || dt_bias.len() != heads {
-        return Err(CoreError::invalid(format!(
-            "dt_bias: expected {heads} elements (as A_log, at least one), got {}",
-            dt_bias.len()
-        )));
-    }
+    let heads = gate_heads(a_log, dt_bias)?;
     if !a.len().is_multiple_of(heads) || [b.len(), g.len(), beta.len()] != [a.len(); 3] {
         return Err(CoreError::invalid(format!(
             "a, b, g, beta: expected rows of {heads} elements, {} each, got a {}, b {}, g {}, beta {}",
@@ -358,13 +365,7 @@ pub fn mamba_gates(
     dt_bias: &[f32],
     limit: (f32, f32),
 ) -> CoreResult<()> {
-    let heads = a_log.len();
-    if heads == 0 || dt_bias.len() != heads {
-        return Err(CoreError::invalid(format!(
-            "dt_bias: expected {heads} elements (as A_log, at least one), got {}",
-            dt_bias.len()
-        )));
-    }
+    let heads = gate_heads(a_log, dt_bias)?;
     if !dt.len().is_multiple_of(heads) || [g.len(), beta.len()] != [dt.len(); 2] {
         return Err(CoreError::invalid(format!(
             "dt, g, beta: expected rows of {heads} elements, {} each, got g {}, beta {}",

@@ -397,6 +397,16 @@ pub struct StepInputs<'a, T> {
     pub state_slots: &'a [i64],
 }
 
+/// A recurrent layer's convolution width against what the kernel takes.
+fn check_taps(index: usize, key: &str, taps: usize) -> CoreResult<()> {
+    if !(2..=MAX_CONV_WIDTH).contains(&taps) {
+        return Err(CoreError::invalid(format!(
+            "layers[{index}].{key}: expected 2 to {MAX_CONV_WIDTH} taps, got {taps}"
+        )));
+    }
+    Ok(())
+}
+
 /// Checks the weights of layer `index` against the model's shape (no
 /// allocation unless it fails: this runs for every layer of every step).
 pub fn check_layer<T>(
@@ -437,12 +447,7 @@ pub fn check_layer<T>(
                     h.v_heads, h.k_heads, h.k_dim, h.v_dim
                 )));
             }
-            if !(2..=MAX_CONV_WIDTH).contains(&h.taps) {
-                return Err(CoreError::invalid(format!(
-                    "layers[{index}].delta_conv_weight: expected 2 to {MAX_CONV_WIDTH} taps, got {}",
-                    h.taps
-                )));
-            }
+            check_taps(index, "delta_conv_weight", h.taps)?;
             linears.push(("delta_in_proj", n.in_proj, s.hidden, h.in_width()));
             linears.push(("delta_out_proj", n.out_proj, h.value_dim(), s.hidden));
             sizes_match(&[
@@ -486,12 +491,7 @@ pub fn check_layer<T>(
                     h.heads, h.groups, h.d_state, h.head_dim
                 )));
             }
-            if !(2..=MAX_CONV_WIDTH).contains(&h.taps) {
-                return Err(CoreError::invalid(format!(
-                    "layers[{index}].mamba_conv_weight: expected 2 to {MAX_CONV_WIDTH} taps, got {}",
-                    h.taps
-                )));
-            }
+            check_taps(index, "mamba_conv_weight", h.taps)?;
             linears.push(("mamba_in_proj", m.in_proj, s.hidden, h.in_width()));
             linears.push(("mamba_out_proj", m.out_proj, h.inner(), s.hidden));
             let conv = h.conv_dim();

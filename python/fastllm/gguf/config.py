@@ -151,7 +151,7 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     if arch in ("lfm2", "lfm2moe"):  # one count per layer: 0 for the convolution layers
         kv_heads, lfm2_types = _lfm2_layers(gguf, p, heads)
     elif arch == "granitehybrid":  # the same: 0 for the Mamba-2 layers
-        kv_heads, granite_types = _lfm2_layers(gguf, p, heads, "mamba")
+        kv_heads, granite_types = _lfm2_layers(gguf, p, heads, "linear_attention")
     else:
         kv_heads = _int(gguf, p + "attention.head_count_kv", heads)
     hf: dict[str, Any] = {
@@ -333,8 +333,8 @@ def _granite_hybrid(gguf: GGUFFile, p: str, hf: dict[str, Any], types: list[str]
         mamba_d_state=_int(gguf, p + "ssm.state_size"),
         mamba_d_conv=_int(gguf, p + "ssm.conv_kernel"),
     )
-    ssm = next((i for i, t in enumerate(types) if t == "mamba"), 0)
-    attn = next((i for i, t in enumerate(types) if t == "attention"), 0)
+    ssm = next((i for i, t in enumerate(types) if t == "linear_attention"), 0)
+    attn = next((i for i, t in enumerate(types) if t == "full_attention"), 0)
     hf["mamba_conv_bias"] = f"blk.{ssm}.ssm_conv1d.bias" in tensors
     hf["mamba_proj_bias"] = f"blk.{ssm}.ssm_in.bias" in tensors
     hf["attention_bias"] = f"blk.{attn}.attn_q.bias" in tensors
@@ -670,8 +670,7 @@ def _lfm2_layers(
             f"{gguf.path}: metadata key {key!r} gives the attention layers different "
             f"key/value head counts ({counts}), which fastllm does not support"
         )
-    attend = "attention" if recurrent == "mamba" else "full_attention"
-    types = [attend if c else recurrent for c in counts]
+    types = ["full_attention" if c else recurrent for c in counts]
     return (attention[0] if attention else heads), types
 
 

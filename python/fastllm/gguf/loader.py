@@ -186,24 +186,13 @@ _LFM2_LAYER = {
 # bias: ``_PARAM_NAMES``).
 _LFM2MOE_LAYER = {**_LFM2_LAYER, "feed_forward.gate": "ffn_gate_inp"}
 # Granite 4.0's hybrids: Granite's attention, Mamba-2 layers, and the dense MLP
-# (``shared_mlp``, whose gate/up the file splits: the model's alternative spec)
-# as ``ffn_*``, or with experts as the shared expert ``ffn_*_shexp``.
+# as a dense MLP's or (with experts) a shared expert's tensors, the routers.
 _GRANITE_HYBRID_LAYER = {
-    **{k: v for k, v in _LLAMA_LAYER.items() if not k.startswith("mlp.")},
+    **_MOE_LAYER,
     "mamba.in_proj": "ssm_in",
     "mamba.conv1d": "ssm_conv1d",
     "mamba.norm": "ssm_norm",
     "mamba.out_proj": "ssm_out",
-    "shared_mlp.gate": "ffn_gate",
-    "shared_mlp.up": "ffn_up",
-    "shared_mlp.output_linear": "ffn_down",
-}
-_GRANITE_HYBRID_MOE_LAYER = {
-    **_GRANITE_HYBRID_LAYER,
-    "shared_mlp.gate": "ffn_gate_shexp",
-    "shared_mlp.up": "ffn_up_shexp",
-    "shared_mlp.output_linear": "ffn_down_shexp",
-    "mlp.gate": "ffn_gate_inp",
 }
 _LFM2_GLOBAL = {
     "model.embed_tokens": "token_embd",
@@ -231,8 +220,6 @@ _NAMES: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
     "lfm2": (_LFM2_GLOBAL, _LFM2_LAYER, "model.layers"),
     "lfm2moe": (_LFM2_GLOBAL, _LFM2MOE_LAYER, "model.layers"),
     "granitehybrid": (_LLAMA_GLOBAL, _GRANITE_HYBRID_LAYER, "model.layers"),
-    # not an architecture: ``granitehybrid`` with experts (``_plan``)
-    "granitehybrid+experts": (_LLAMA_GLOBAL, _GRANITE_HYBRID_MOE_LAYER, "model.layers"),
     "phi2": (
         {
             "model.embed_tokens": "token_embd",
@@ -270,14 +257,7 @@ _NAMES: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
 }
 # llama.cpp's converter permutes these families' q/k rows into its
 # interleaved rotary layout (the others rotate neox-style, rows as stored).
-_PERMUTED_ARCHS = (
-    "llama",
-    "granite",
-    "granitemoe",
-    "smollm3",
-    "granitehybrid",
-    "granitehybrid+experts",
-)
+_PERMUTED_ARCHS = ("llama", "granite", "granitemoe", "smollm3", "granitehybrid")
 
 
 def gguf_name(arch: str, name: str) -> str | None:
@@ -426,8 +406,6 @@ def _plan(model: nn.Module, gguf: GGUFFile, arch: str, config: ModelConfig) -> l
     modules = dict(model.named_modules())
     routers = {n for n, m in modules.items() if isinstance(m, Router)}
     num_experts = {n: m.num_experts for n, m in modules.items() if isinstance(m, SparseMoeBlock)}
-    if arch == "granitehybrid" and num_experts:
-        arch = "granitehybrid+experts"  # its shared MLP is the shared expert's tensors
     plan = []
     for pname, param in model.named_parameters():
         shape = tuple(param.shape)
@@ -474,11 +452,17 @@ def _plan(model: nn.Module, gguf: GGUFFile, arch: str, config: ModelConfig) -> l
 
 
 def _file_spec(gguf: GGUFFile, arch: str, spec: WeightSpec) -> WeightSpec:
-    """``spec``, or the first of its ``alternatives`` whose tensors the file
-    has where its own are not there (Granite 4.0's dense MLP: gate and up apart)."""
-    for candidate in (spec, *spec.alternatives):
-        names = [gguf_name(arch, s) for s in candidate.sources]
-        if all(n is not None and n in gguf.tensors for n in names):
+    """``spec``, or the first of its ``alternatives`` the file has (Granite
+    4.0's dense MLP, stored as a checkpoint's ``input_linear`` but as gate
+    and up apart in a file); else the first the file's names cover, so that
+    a missing tensor is named."""
+    candidates = (spec, *spec.alternatives)
+    names = [[gguf_name(arch, s) for s in c.sources] for c in candidates]
+    for candidate, known in zip(candidates, names, strict=True):
+        if all(n is not None and n in gguf.tensors for n in known):
+            return candidate
+    for candidate, known in zip(candidates, names, strict=True):
+        if all(n is not None for n in known):
             return candidate
     return spec
 

@@ -682,8 +682,7 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         return flags
 
     def weight_specs(self) -> dict[str, WeightSpec]:
-        """q/k/v fused, the shared MLP's and the experts' stacked tensors (a
-        GGUF file holds the dense MLP's gate and up apart: the alternative)."""
+        """q/k/v fused, the shared MLP's and the experts' stacked tensors."""
         c = self.config
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         specs: dict[str, WeightSpec] = {}
@@ -699,12 +698,15 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
             dense = block.shared_expert if isinstance(block, SparseMoeBlock) else block
             ours = f"{p}.mlp.shared_expert" if isinstance(block, SparseMoeBlock) else f"{p}.mlp"
             m = dense.down_proj.in_features
-            apart = WeightSpec((f"{p}.shared_mlp.gate.weight", f"{p}.shared_mlp.up.weight"), (m, m))
+            # A GGUF file holds the dense MLP under the names of a dense MLP or,
+            # with experts, of a shared expert, gate and up apart: the alternatives.
+            apart = WeightSpec((f"{ours}.gate_proj.weight", f"{ours}.up_proj.weight"), (m, m))
             specs[f"{ours}.gate_up_proj.weight"] = WeightSpec(
                 (f"{p}.shared_mlp.input_linear.weight",), alternatives=(apart,)
             )
             specs[f"{ours}.down_proj.weight"] = WeightSpec(
-                (f"{p}.shared_mlp.output_linear.weight",)
+                (f"{p}.shared_mlp.output_linear.weight",),
+                alternatives=(WeightSpec((f"{ours}.down_proj.weight",)),),
             )
             if not isinstance(block, SparseMoeBlock):
                 continue
