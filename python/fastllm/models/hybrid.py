@@ -61,10 +61,12 @@ from fastllm.layers.moe import SparseMoeBlock
 from fastllm.layers.norm import RMSNorm, ZeroCenteredRMSNorm
 from fastllm.layers.ops import TORCH_OPS
 from fastllm.models.llama import (
+    QKV,
     GraniteForCausalLM,
     LlamaAttention,
     LlamaForCausalLM,
     LlamaMLP,
+    fused_specs,
 )
 from fastllm.models.moe import expert_weight_specs, is_sparse, moe_flags, sparse_block
 from fastllm.models.weights import WeightSpec
@@ -310,11 +312,8 @@ class Qwen3_5ForCausalLM(HybridForCausalLM):
         for i, layer in enumerate(self.model.layers):
             p = f"model.layers.{i}"
             if layer.self_attn is not None:
-                kinds = ["weight"] + (["bias"] if layer.self_attn.qkv_proj.bias is not None else [])
-                for kind in kinds:
-                    specs[f"{p}.self_attn.qkv_proj.{kind}"] = WeightSpec(
-                        tuple(f"{p}.self_attn.{n}_proj.{kind}" for n in "qkv"), (2 * q, kv, kv)
-                    )
+                qkv = layer.self_attn.qkv_proj
+                specs.update(fused_specs(p, qkv, "self_attn.qkv_proj", QKV, (2 * q, kv, kv)))
             else:
                 la = layer.linear_attn
                 specs[f"{p}.linear_attn.in_proj.weight"] = WeightSpec(
@@ -689,11 +688,8 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         for i, layer in enumerate(self.model.layers):
             p = f"model.layers.{i}"
             if layer.self_attn is not None:
-                kinds = ["weight"] + (["bias"] if layer.self_attn.qkv_proj.bias is not None else [])
-                for kind in kinds:
-                    specs[f"{p}.self_attn.qkv_proj.{kind}"] = WeightSpec(
-                        tuple(f"{p}.self_attn.{n}_proj.{kind}" for n in "qkv"), (q, kv, kv)
-                    )
+                qkv = layer.self_attn.qkv_proj
+                specs.update(fused_specs(p, qkv, "self_attn.qkv_proj", QKV, (q, kv, kv)))
             block = layer.mlp
             dense = block.shared_expert if isinstance(block, SparseMoeBlock) else block
             ours = f"{p}.mlp.shared_expert" if isinstance(block, SparseMoeBlock) else f"{p}.mlp"

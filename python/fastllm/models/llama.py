@@ -42,6 +42,23 @@ def positive_number(hf: dict[str, Any], name: str) -> float | None:
     return float(value)
 
 
+def fused_specs(
+    p: str, linear: Linear, fused: str, parts: tuple[str, ...], splits: tuple[int, ...]
+) -> dict[str, WeightSpec]:
+    """The specs of the fused linear ``{p}.{fused}`` (its weight, and its bias
+    where it has one) from the checkpoint's ``{p}.{part}`` linears."""
+    kinds = ["weight"] + (["bias"] if linear.bias is not None else [])
+    return {
+        f"{p}.{fused}.{kind}": WeightSpec(tuple(f"{p}.{n}.{kind}" for n in parts), splits)
+        for kind in kinds
+    }
+
+
+#: The checkpoint's linears of a fused q/k/v and a fused gate/up.
+QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
+
+
 class LlamaAttention(Module):
     """Self-attention with fused q/k/v, rotary positions and a paged KV cache."""
 
@@ -293,19 +310,14 @@ class LlamaForCausalLM(Module):
         specs: dict[str, WeightSpec] = {}
         for i, layer in enumerate(self.model.layers):
             p = f"model.layers.{i}"
-            kinds = ["weight"] + (["bias"] if layer.self_attn.qkv_proj.bias is not None else [])
-            for kind in kinds:
-                specs[f"{p}.self_attn.qkv_proj.{kind}"] = WeightSpec(
-                    tuple(f"{p}.self_attn.{n}_proj.{kind}" for n in "qkv"), (q, kv, kv)
-                )
+            attn = layer.self_attn
+            specs.update(fused_specs(p, attn.qkv_proj, "self_attn.qkv_proj", QKV, (q, kv, kv)))
             if not isinstance(layer.mlp, LlamaMLP):  # a mixture of experts (``models/moe.py``)
                 continue
             m = c.intermediate_size
-            kinds = ["weight"] + (["bias"] if layer.mlp.gate_up_proj.bias is not None else [])
-            for kind in kinds:
-                specs[f"{p}.mlp.gate_up_proj.{kind}"] = WeightSpec(
-                    (f"{p}.mlp.gate_proj.{kind}", f"{p}.mlp.up_proj.{kind}"), (m, m)
-                )
+            specs.update(
+                fused_specs(p, layer.mlp.gate_up_proj, "mlp.gate_up_proj", GATE_UP, (m, m))
+            )
         return specs
 
 
