@@ -400,6 +400,72 @@ def test_cpu_simd_path_switch_is_validated(make_model, monkeypatch):
         _core.simd_path()
 
 
+@pytest.mark.parametrize("path", _core.quant_paths())
+def test_cpu_int_path_switch_runs_quantized_models_on_that_path(make_model, path):
+    """``FASTLLM_CPU_INT_PATH`` (read once per process, so in a fresh one)
+    puts every quantized layer on the named integer path: the process
+    reports it, and its int8 and int4 greedy tokens and logprobs are those
+    of this process's default path (the integer sums are exact on every
+    path, the float steps after them the same)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    folder = make_model("qwen2")
+    ids = LLM(folder, device="cpu").get_tokenizer().encode(PROMPTS[1])
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=0)
+
+    def greedy(llm):
+        (o,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        c = o.outputs[0]
+        return c.token_ids, [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]
+
+    want = {
+        q: greedy(LLM(folder, dtype="float32", device="cpu", quantization=q))
+        for q in ("int8", "int4")
+    }
+    script = (
+        "import json, sys\n"
+        "from fastllm import LLM, SamplingParams, _core\n"
+        "from fastllm.env_report import collect_env, format_env\n"
+        "p = SamplingParams(temperature=0, max_tokens=10, logprobs=0)\n"
+        "seen = {}\n"
+        "for q in ('int8', 'int4'):\n"
+        "    llm = LLM(sys.argv[1], dtype='float32', device='cpu', quantization=q)\n"
+        "    (o,) = llm.generate([{'prompt_token_ids': json.loads(sys.argv[2])}], p,"
+        " use_tqdm=False)\n"
+        "    c = o.outputs[0]\n"
+        "    seen[q] = [c.token_ids, [c.logprobs[i][t].logprob for i, t in"
+        " enumerate(c.token_ids)]]\n"
+        "print(json.dumps([_core.quant_default_path(), seen, format_env(collect_env())]))\n"
+    )
+    env = {**os.environ, "FASTLLM_CPU_INT_PATH": path}
+    run = subprocess.run(
+        [sys.executable, "-c", script, folder, json.dumps(ids)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    got_path, seen, report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got_path == path
+    assert f"GGUF files): {path} (" in report
+    for q, (tokens, lps) in want.items():
+        assert seen[q][0] == tokens, (path, q)
+        assert seen[q][1] == pytest.approx(lps, abs=1e-4), (path, q)
+
+
+def test_cpu_int_path_switch_is_validated(make_model, monkeypatch):
+    folder = make_model("qwen2")
+    monkeypatch.setenv("FASTLLM_CPU_INT_PATH", "avx1024")
+    with pytest.raises(ValueError, match='FASTLLM_CPU_INT_PATH="avx1024": unknown quantized'):
+        _core.quant_default_path()
+    with pytest.raises(ValueError, match="FASTLLM_CPU_INT_PATH"):
+        LLM(folder, device="cpu")
+
+
 def test_interrupted_generation_returns_blocks_cut_off_from_their_sequence(llama, monkeypatch):
     """A Ctrl-C between a block's allocation and its sequence's block table
     (simulated: the allocation raises KeyboardInterrupt after taking blocks)

@@ -576,7 +576,9 @@ def quant_paths() -> list[str]:
     avx512, avx512vnni)."""
 
 def quant_default_path() -> str:
-    """The path ``QuantizedLinear`` runs when none is named: the fastest this CPU has."""
+    """The path ``QuantizedLinear`` runs when none is named: the fastest this CPU has, or
+    the one ``FASTLLM_CPU_INT_PATH`` named when it first ran (read once per process); a
+    ``ValueError`` naming the switch when its value now names no path this CPU runs."""
 
 def quant_formats() -> list[str]:
     """Names of the quantized formats."""

@@ -82,7 +82,10 @@ def collect_env() -> dict[str, Any]:
             info["simd_path"] = _core.simd_path()
         except ValueError as exc:
             info["simd_path"] = f"the fastest this CPU runs ({exc})"
-        info["quant_path"] = _core.quant_default_path()
+        try:
+            info["quant_path"] = _core.quant_default_path()
+        except ValueError as exc:
+            info["quant_path"] = f"the fastest this CPU runs ({exc})"
         info["quant_formats"] = list(_core.quant_formats())
     except Exception as exc:
         info["cpu_features"] = {}
@@ -173,7 +176,8 @@ def _format_cpu(info: dict[str, Any]) -> list[str]:
         lines.append(f"  float matrix products (f32/bf16 linear layers): {gemm}")
         lines.append(
             f"  integer matrix products ({', '.join(info['quant_formats'])}; quantization="
-            f"'int8'/'int4', GGUF files): {quant} ({_INT_PATH_INSTRUCTIONS.get(quant, quant)})"
+            f"'int8'/'int4', GGUF files): {quant}"
+            + (f" ({_INT_PATH_INSTRUCTIONS[quant]})" if quant in _INT_PATH_INSTRUCTIONS else "")
         )
         simd = info.get("simd_path", gemm)
         lines.append(f"  paged attention, sampling, norms and activations: {simd}")

@@ -51,6 +51,13 @@ SWITCHES: tuple[Switch, ...] = (
         " default: the CPU's fastest",
         "rust",
     ),
+    Switch(
+        "FASTLLM_CPU_INT_PATH",
+        "",
+        "integer kernel path of quantized weights (`avx2`, `avxvnni`, `avx512`, `avx512vnni`,"
+        " `scalar`); default: the CPU's fastest",
+        "rust",
+    ),
     Switch("FASTLLM_CPU_FUSED", "1", "`0`: run decoder layers one by one, not as one fused call"),
     Switch("FASTLLM_CUDA_KERNELS", "1", "`0`: run torch instead of fastllm's CUDA kernels"),
     Switch("FASTLLM_CONFIGURE_LOGGING", "1", "`0`: leave the `fastllm` logger as it is"),

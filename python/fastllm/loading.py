@@ -349,6 +349,7 @@ def prepare_for_kernels(
         from fastllm import _core
 
         _core.simd_path()  # a bad FASTLLM_CPU_SIMD_PATH: a ValueError naming it
+        _core.quant_default_path()  # the same for FASTLLM_CPU_INT_PATH
     if quantization is not None:
         from fastllm.layers.quantization import quantize_model
 

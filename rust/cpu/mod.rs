@@ -139,6 +139,21 @@ pub fn check_path(name: &str) -> Result<Path, String> {
     Ok(path)
 }
 
+/// The switch naming the integer kernels' path (quantized weights), to
+/// compare paths on one CPU.
+pub const INT_PATH_ENV: &str = "FASTLLM_CPU_INT_PATH";
+
+/// The path `INT_PATH_ENV` names (the fastest when it is unset or empty),
+/// or an error naming the switch when it names no path this CPU runs.
+pub fn int_path_from_env() -> Result<IntPath, String> {
+    let value = std::env::var(INT_PATH_ENV).unwrap_or_default();
+    let name = value.trim();
+    if name.is_empty() {
+        return Ok(IntPath::best());
+    }
+    IntPath::check(name).map_err(|e| format!("{INT_PATH_ENV}={name:?}: {e}"))
+}
+
 /// One instruction-set path of the integer (quantized-weight) kernels: how
 /// int8 dot products are computed, from the most portable to the fastest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

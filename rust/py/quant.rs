@@ -289,8 +289,9 @@ fn quant_paths() -> Vec<&'static str> {
 
 /// The path `QuantizedLinear` uses when none is named.
 #[pyfunction]
-fn quant_default_path() -> &'static str {
-    crate::quant::default_path().name()
+fn quant_default_path() -> PyResult<&'static str> {
+    crate::cpu::int_path_from_env().map_err(pyo3::exceptions::PyValueError::new_err)?;
+    Ok(crate::quant::default_path().name())
 }
 
 /// Names of the quantized formats.

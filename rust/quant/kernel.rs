@@ -9,8 +9,10 @@
 //!   `u8 = w + 128`, `iq4_nl` levels from a table offset by 128, and `q4_0`
 //!   nibbles as they are; the offsets come back out through the group sums
 //!   of the activations (`corr * sum(x)` starts the accumulator);
-//! - with `vpmaddubsw` (i16 pairs): `q4_0` nibbles as they are, and signed
-//!   weights against `|x|`, with the sign of `x` moved onto the weight.
+//! - with `vpmaddubsw` (i16 pairs): `q4_0`/`q4_1` nibbles as they are, their
+//!   pair sums kept in i16 across the group and widened once (`vpmaddwd`),
+//!   and signed weights against `|x|`, with the sign of `x` moved onto the
+//!   weight.
 
 use super::{QuantFormat, GROUP, NR};
 use crate::cpu::simd::{IntKernel, IntSimd};
@@ -251,11 +253,13 @@ impl IntKernel for QuantTile<'_> {
 /// As for [`QuantTile`], inside `S`'s entry point.
 #[inline(always)]
 unsafe fn tile_rows<S: IntSimd, const R: usize>(mut t: QuantTile<'_>) {
-    // `q4_1`'s minimum term is compiled only into its own passes.
-    if t.format == QuantFormat::Q4_1 {
-        passes::<S, R, true>(&mut t);
-    } else {
-        passes::<S, R, false>(&mut t);
+    // `q4_1`'s minimum term, and the i16 pair sums of 4-bit indices
+    // without VNNI (see `pass`), are compiled only into their own passes.
+    match (t.format, S::VNNI) {
+        (QuantFormat::Q4_1, false) => passes::<S, R, true, true>(&mut t),
+        (QuantFormat::Q4_1, true) => passes::<S, R, true, false>(&mut t),
+        (QuantFormat::Q4_0, false) => passes::<S, R, false, true>(&mut t),
+        _ => passes::<S, R, false, false>(&mut t),
     }
 }
 
@@ -264,24 +268,28 @@ unsafe fn tile_rows<S: IntSimd, const R: usize>(mut t: QuantTile<'_>) {
 /// # Safety
 /// As for [`tile_rows`].
 #[inline(always)]
-unsafe fn passes<S: IntSimd, const R: usize, const MIN: bool>(t: &mut QuantTile<'_>) {
+unsafe fn passes<S: IntSimd, const R: usize, const MIN: bool, const PAIRS: bool>(
+    t: &mut QuantTile<'_>,
+) {
     let vectors = NR / S::LANES;
     if R == 1 && vectors == 4 {
-        pass::<S, R, 4, MIN>(t, 0);
+        pass::<S, R, 4, MIN, PAIRS>(t, 0);
     } else {
         for v0 in (0..vectors).step_by(2) {
-            pass::<S, R, 2, MIN>(t, v0);
+            pass::<S, R, 2, MIN, PAIRS>(t, v0);
         }
     }
 }
 
 /// Vectors `v0..v0 + V` of the panel's features for `R` rows; `MIN`: the
-/// format has a minimum per group (`q4_1`).
+/// format has a minimum per group (`q4_1`); `PAIRS`: 4-bit indices
+/// (`q4_0`, `q4_1`) on a path without VNNI, whose pair sums stay in i16
+/// across the group.
 ///
 /// # Safety
 /// As for [`tile_rows`].
 #[inline(always)]
-unsafe fn pass<S: IntSimd, const R: usize, const V: usize, const MIN: bool>(
+unsafe fn pass<S: IntSimd, const R: usize, const V: usize, const MIN: bool, const PAIRS: bool>(
     t: &mut QuantTile<'_>,
     v0: usize,
 ) {
@@ -340,7 +348,13 @@ unsafe fn pass<S: IntSimd, const R: usize, const V: usize, const MIN: bool>(
                 [S::bcast4(t.offsets.as_ptr().add(at) as *const u8); V]
             };
         }
-        match format {
+        // A pass of 4-bit pairs (or of `q4_1`) has its format's branch only.
+        let branch = if PAIRS || MIN {
+            QuantFormat::Q4_0
+        } else {
+            format
+        };
+        match branch {
             QuantFormat::Q8_0 => {
                 for quad in 0..GROUP / 4 {
                     let mut w = [S::splat_i32(0); V];
@@ -367,6 +381,13 @@ unsafe fn pass<S: IntSimd, const R: usize, const V: usize, const MIN: bool>(
             }
             QuantFormat::Q4_0 | QuantFormat::Iq4Nl | QuantFormat::Q4_1 => {
                 let levels = format == QuantFormat::Iq4Nl;
+                // Without VNNI, 4-bit indices (0-15) against int8 (|x| <=
+                // 127) keep their pair sums in i16 for the whole group:
+                // each pair is at most 2 * 15 * 127 = 3810, and a lane's
+                // eight pairs of the group at most 30480 < 2^15, so one
+                // `vpmaddwd` widens them per group instead of one per pair.
+                let in_pairs = PAIRS && !levels;
+                let mut pairs = [[S::splat_i32(0); V]; R];
                 for oct in 0..GROUP / 8 {
                     let (mut lo, mut hi) = ([S::splat_i32(0); V], [S::splat_i32(0); V]);
                     for v in 0..V {
@@ -378,10 +399,15 @@ unsafe fn pass<S: IntSimd, const R: usize, const V: usize, const MIN: bool>(
                             hi[v] = S::lookup(table, hi[v]);
                         }
                     }
-                    for (r, a) in acc.iter_mut().enumerate() {
+                    for (r, (a, p)) in acc.iter_mut().zip(pairs.iter_mut()).enumerate() {
                         let xl = S::bcast4(xq(r, g, oct * 8));
                         let xh = S::bcast4(xq(r, g, oct * 8 + 4));
-                        if !levels || offset {
+                        if in_pairs {
+                            for v in 0..V {
+                                let both = S::add_pairs(S::pairs(lo[v], xl), S::pairs(hi[v], xh));
+                                p[v] = S::add_pairs(p[v], both);
+                            }
+                        } else if !levels || offset {
                             for v in 0..V {
                                 a[v] = S::dot(S::dot(a[v], lo[v], xl), hi[v], xh);
                             }
@@ -392,6 +418,13 @@ unsafe fn pass<S: IntSimd, const R: usize, const V: usize, const MIN: bool>(
                                 let s = S::dot(a[v], al, S::sign(lo[v], xl));
                                 a[v] = S::dot(s, ah, S::sign(hi[v], xh));
                             }
+                        }
+                    }
+                }
+                if in_pairs {
+                    for (a, p) in acc.iter_mut().zip(&pairs) {
+                        for v in 0..V {
+                            a[v] = S::widen_pairs(a[v], p[v]);
                         }
                     }
                 }

@@ -124,9 +124,13 @@ impl QuantFormat {
     }
 }
 
-/// The path used when a call names none.
+/// The path used when a call names none: the fastest this CPU runs, or the
+/// one `FASTLLM_CPU_INT_PATH` names (read once per process; a bad value
+/// falls back to the fastest here, and the Python side refuses it with
+/// `int_path_from_env`'s error).
 pub fn default_path() -> IntPath {
-    IntPath::best()
+    static PATH: std::sync::OnceLock<IntPath> = std::sync::OnceLock::new();
+    *PATH.get_or_init(|| crate::cpu::int_path_from_env().unwrap_or_else(|_| IntPath::best()))
 }
 
 /// `out[m, j] = sum_k x[m, k] * W[j, k] + bias[j]` on the default path.

@@ -153,9 +153,20 @@ impl<const V: bool> IntSimd for Avx2Int<V> {
         if V {
             _mm256_dpbusd_avx_epi32(acc, u, s)
         } else {
-            let pairs = _mm256_maddubs_epi16(u, s);
-            _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+            Self::widen_pairs(acc, Self::pairs(u, s))
         }
+    }
+    #[inline(always)]
+    unsafe fn pairs(u: __m256i, s: __m256i) -> __m256i {
+        _mm256_maddubs_epi16(u, s)
+    }
+    #[inline(always)]
+    unsafe fn add_pairs(a: __m256i, b: __m256i) -> __m256i {
+        _mm256_add_epi16(a, b)
+    }
+    #[inline(always)]
+    unsafe fn widen_pairs(acc: __m256i, p: __m256i) -> __m256i {
+        _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
     }
     #[inline(always)]
     unsafe fn sign(w: __m256i, x: __m256i) -> __m256i {

@@ -126,9 +126,20 @@ impl<const V: bool> IntSimd for Avx512Int<V> {
         if V {
             _mm512_dpbusd_epi32(acc, u, s)
         } else {
-            let pairs = _mm512_maddubs_epi16(u, s);
-            _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)))
+            Self::widen_pairs(acc, Self::pairs(u, s))
         }
+    }
+    #[inline(always)]
+    unsafe fn pairs(u: __m512i, s: __m512i) -> __m512i {
+        _mm512_maddubs_epi16(u, s)
+    }
+    #[inline(always)]
+    unsafe fn add_pairs(a: __m512i, b: __m512i) -> __m512i {
+        _mm512_add_epi16(a, b)
+    }
+    #[inline(always)]
+    unsafe fn widen_pairs(acc: __m512i, p: __m512i) -> __m512i {
+        _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)))
     }
     #[inline(always)]
     unsafe fn sign(w: __m512i, x: __m512i) -> __m512i {

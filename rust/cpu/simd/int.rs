@@ -40,6 +40,14 @@ pub trait IntSimd: Copy + 'static {
     /// `acc + sum of u[4l + b] * s[4l + b]` over the four bytes of each lane,
     /// `u` unsigned and `s` signed (see the module docs for exactness).
     unsafe fn dot(acc: Self::I, u: Self::I, s: Self::I) -> Self::I;
+    /// The two-instruction form's first half: per i16 lane, the sum of the
+    /// pair `u[2j] * s[2j] + u[2j + 1] * s[2j + 1]` (`u` unsigned, `s`
+    /// signed; exact while it stays in i16, as for `dot`).
+    unsafe fn pairs(u: Self::I, s: Self::I) -> Self::I;
+    /// `a + b` per i16 lane (wrapping: callers keep the sums in range).
+    unsafe fn add_pairs(a: Self::I, b: Self::I) -> Self::I;
+    /// `acc` plus, per i32 lane, the sum of its two i16 lanes of `p`.
+    unsafe fn widen_pairs(acc: Self::I, p: Self::I) -> Self::I;
     /// `w` with every byte negated where the same byte of `x` is negative.
     unsafe fn sign(w: Self::I, x: Self::I) -> Self::I;
     /// Every byte XOR 0x80 (int8 to `u8 = int8 + 128`).
@@ -122,6 +130,8 @@ mod tests {
         dot: Vec<i32>,
         signed: Vec<i32>,
         nibbles: Vec<i32>,
+        paired: Vec<i32>,
+        saturated: Vec<i32>,
         scaled: Vec<f32>,
     }
 
@@ -133,6 +143,8 @@ mod tests {
                 dot: vec![],
                 signed: vec![],
                 nibbles: vec![],
+                paired: vec![],
+                saturated: vec![],
                 scaled: vec![],
             };
             let table: [u8; 16] = std::array::from_fn(|i| (i as u8) * 3);
@@ -153,6 +165,14 @@ mod tests {
                     let flipped = S::flip(S::flip(w));
                     seen.signed
                         .extend(lanes(S::dot(S::splat_i32(0), abs_x, S::sign(flipped, x))));
+                    // Both nibbles' pair sums added in i16, then widened.
+                    let both = S::add_pairs(S::pairs(low, x), S::pairs(S::high_nibbles(w), x));
+                    seen.paired
+                        .extend(lanes(S::widen_pairs(S::splat_i32(7), both)));
+                    // 255 * 127 twice saturates each pair at i16::MAX.
+                    let big = S::pairs(S::splat_i32(-1), S::bcast4([127u8; 4].as_ptr()));
+                    seen.saturated
+                        .extend(lanes(S::widen_pairs(S::splat_i32(0), big)));
                     let t = S::table(&table);
                     seen.nibbles.extend(lanes(S::dot(
                         S::splat_i32(0),
@@ -231,11 +251,14 @@ mod tests {
         let mut want_dot = vec![];
         let mut want_signed = vec![];
         let mut want_nib = vec![];
+        let mut want_paired = vec![];
         for l in 0..8 {
             let bytes = &w.0[4 * l..4 * l + 4];
             want_dot.push(5 + (0..4).map(|b| (bytes[b] & 15) as i32 * xi[b]).sum::<i32>());
             want_signed.push((0..4).map(|b| bytes[b] as i8 as i32 * xi[b]).sum::<i32>());
             want_nib.push((0..4).map(|b| (bytes[b] >> 4) as i32 * 3).sum::<i32>());
+            let both = (0..4).map(|b| ((bytes[b] & 15) + (bytes[b] >> 4)) as i32 * xi[b]);
+            want_paired.push(7 + both.sum::<i32>());
         }
         for path in IntPath::available() {
             let seen = dispatch_int(
@@ -249,6 +272,12 @@ mod tests {
             assert_eq!(&seen.dot[..8], &want_dot[..], "{path:?} dot");
             assert_eq!(&seen.signed[..8], &want_signed[..], "{path:?} signed");
             assert_eq!(&seen.nibbles[..8], &want_nib[..], "{path:?} nibbles");
+            assert_eq!(&seen.paired[..8], &want_paired[..], "{path:?} pairs");
+            assert_eq!(
+                &seen.saturated[..8],
+                &[65534; 8],
+                "{path:?} saturated pairs"
+            );
             for (i, &v) in seen.scaled[..8].iter().enumerate() {
                 let s = half::f16::from_bits(scales[i]).to_f32();
                 assert_eq!(v, s * 2.0 + 1.0, "{path:?} scale {i}");

@@ -105,6 +105,18 @@ impl Bytes32 {
         i32::from_le_bytes([b[0], b[1], b[2], b[3]])
     }
     #[inline(always)]
+    fn half(&self, j: usize) -> i16 {
+        i16::from_le_bytes([self.0[2 * j], self.0[2 * j + 1]])
+    }
+    #[inline(always)]
+    fn from_halves(halves: [i16; 16]) -> Bytes32 {
+        let mut b = [0u8; 32];
+        for (j, v) in halves.iter().enumerate() {
+            b[2 * j..2 * j + 2].copy_from_slice(&v.to_le_bytes());
+        }
+        Bytes32(b)
+    }
+    #[inline(always)]
     fn from_lanes(lanes: [i32; 8]) -> Bytes32 {
         let mut b = [0u8; 32];
         for (l, v) in lanes.iter().enumerate() {
@@ -145,6 +157,27 @@ impl IntSimd for ScalarInt {
                 .map(|i| u.0[i] as i32 * s.0[i] as i8 as i32)
                 .sum();
             acc.lane(l).wrapping_add(sum)
+        }))
+    }
+    #[inline(always)]
+    unsafe fn pairs(u: Bytes32, s: Bytes32) -> Bytes32 {
+        // vpmaddubsw: the pair's sum saturated to i16.
+        Bytes32::from_halves(std::array::from_fn(|j| {
+            let sum: i32 = (2 * j..2 * j + 2)
+                .map(|i| u.0[i] as i32 * s.0[i] as i8 as i32)
+                .sum();
+            sum.clamp(i16::MIN as i32, i16::MAX as i32) as i16
+        }))
+    }
+    #[inline(always)]
+    unsafe fn add_pairs(a: Bytes32, b: Bytes32) -> Bytes32 {
+        Bytes32::from_halves(std::array::from_fn(|j| a.half(j).wrapping_add(b.half(j))))
+    }
+    #[inline(always)]
+    unsafe fn widen_pairs(acc: Bytes32, p: Bytes32) -> Bytes32 {
+        Bytes32::from_lanes(std::array::from_fn(|l| {
+            acc.lane(l)
+                .wrapping_add(p.half(2 * l) as i32 + p.half(2 * l + 1) as i32)
         }))
     }
     #[inline(always)]
