@@ -16,6 +16,9 @@
 #   LLAMA_BUILD   cmake build folder                       [$LLAMA_DIR/build]
 #                 (keep one folder per configuration: on an AMX CPU the build below
 #                 turns GGML_NATIVE off, so a folder configured natively recompiles all)
+#   LLAMA_ISA     native: this CPU's ISA; avx2: AVX2, FMA and F16C only (no AVX-512 or
+#                 VNNI), to compare with fastllm's forced AVX2 paths on an AVX-512
+#                 machine (FASTLLM_CPU_INT_PATH / _GEMM_PATH / _SIMD_PATH=avx2)  [native]
 #   LLAMA_CPP_PY  llama-cpp-python version to take it from [0.3.36]
 #   MODEL         HF folder of the benchmark model         [/work/benchmodels/qwen2-0.5b-random]
 #   GGUF_DIR      where the GGUF files go                  [/work/benchmodels/gguf]
@@ -60,7 +63,12 @@ build() {
   # llama-bench then dies (SIGSEGV while repacking, seen on a 2-core Xeon with
   # AMX-INT8 in a VM): build for the same ISA without AMX instead.
   local isa=(-DGGML_NATIVE=ON)
-  if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
+  if [ "${LLAMA_ISA:-native}" = avx2 ]; then
+    isa=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+      -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF
+      -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
+      -DGGML_AMX_BF16=OFF)
+  elif grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
     isa=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
       -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON
       -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF

@@ -331,6 +331,10 @@ def test_cpu_gemm_path_switch_packs_every_linear_on_that_path(make_model, monkey
     assert packed and {p.path for p in [*packed, model.packed_head]} == {path}
     (out,) = llm.generate([PROMPTS[0]], greedy(4), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4
+    from fastllm.env_report import collect_env, format_env
+
+    # `fastllm env` names the path the switch chose, as the layers run it.
+    assert f"(f32/bf16 linear layers): {path}\n" in format_env(collect_env())
     monkeypatch.delenv("FASTLLM_CPU_GEMM_PATH")
     from fastllm.layers.linear import packed_linear
 
@@ -343,6 +347,9 @@ def test_cpu_gemm_path_switch_is_validated(monkeypatch):
     monkeypatch.setenv("FASTLLM_CPU_GEMM_PATH", "avx1024")
     with pytest.raises(ValueError, match="FASTLLM_CPU_GEMM_PATH='avx1024'.*unknown"):
         packed_linear(torch.ones(3, 4), None)
+    from fastllm.env_report import collect_env, format_env
+
+    assert "FASTLLM_CPU_GEMM_PATH='avx1024' names no path" in format_env(collect_env())
 
 
 @pytest.mark.parametrize(

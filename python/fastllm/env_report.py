@@ -77,7 +77,7 @@ def collect_env() -> dict[str, Any]:
         info["cpu"] = _cpu_model_name()
         info["cpu_features"] = dict(_core.cpu_features())
         info["num_threads"] = int(_core.num_threads())
-        info["gemm_path"] = _core.gemm_default_path()
+        info["gemm_path"] = _gemm_path(_core)
         try:
             info["simd_path"] = _core.simd_path()
         except ValueError as exc:
@@ -92,6 +92,19 @@ def collect_env() -> dict[str, Any]:
         info["num_threads"] = None
         info["core_error"] = repr(exc)
     return info
+
+
+def _gemm_path(core: Any) -> str:
+    """The float GEMM's path: ``FASTLLM_CPU_GEMM_PATH``'s where it names one this
+    CPU runs (the switch is read where layers are packed), else the fastest."""
+    from fastllm.layers.linear import GEMM_PATH_ENV, gemm_path
+
+    named = gemm_path()
+    if not named:
+        return core.gemm_default_path()
+    if named in core.gemm_paths():
+        return named
+    return f"the fastest this CPU runs ({GEMM_PATH_ENV}={named!r} names no path it runs)"
 
 
 def cuda_advice(report: Any) -> str:
