@@ -352,6 +352,42 @@ def test_cpu_gemm_path_switch_is_validated(monkeypatch):
     assert "FASTLLM_CPU_GEMM_PATH='avx1024' names no path" in format_env(collect_env())
 
 
+def _greedy_in_fresh_process(switch, path, path_of, folder, ids, quantizations):
+    """Greedy tokens and their logprobs (10 of them, float32 activations) for
+    each of ``quantizations`` (None: float weights), in a fresh process with
+    the switch ``switch`` (read once per process) set to ``path``; with the
+    path ``_core.<path_of>()`` reports there and ``fastllm env``'s text."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import json, sys\n"
+        "from fastllm import LLM, SamplingParams, _core\n"
+        "from fastllm.env_report import collect_env, format_env\n"
+        "p = SamplingParams(temperature=0, max_tokens=10, logprobs=0)\n"
+        "seen = {}\n"
+        "for q in json.loads(sys.argv[3]):\n"
+        "    llm = LLM(sys.argv[1], dtype='float32', device='cpu', quantization=q)\n"
+        "    (o,) = llm.generate([{'prompt_token_ids': json.loads(sys.argv[2])}], p,"
+        " use_tqdm=False)\n"
+        "    c = o.outputs[0]\n"
+        "    seen[str(q)] = [c.token_ids, [c.logprobs[i][t].logprob for i, t in"
+        " enumerate(c.token_ids)]]\n"
+        f"print(json.dumps([_core.{path_of}(), seen, format_env(collect_env())]))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script, folder, json.dumps(ids), json.dumps(quantizations)],
+        env={**os.environ, switch: path},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize(
     "path", [p for p in _core.gemm_paths() if p in ("scalar", "avx2", "avx512")]
 )
@@ -359,34 +395,12 @@ def test_cpu_simd_path_switch_runs_the_model_on_that_path(make_model, path):
     """``FASTLLM_CPU_SIMD_PATH`` (read once per process, so in a fresh one)
     puts attention, sampling, norms and activations on the named path: the
     process reports it, and greedy tokens and logprobs equal transformers'."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     folder = make_model("qwen2")
     ids = LLM(folder, device="cpu").get_tokenizer().encode(PROMPTS[1])
-    script = (
-        "import json, sys\n"
-        "from fastllm import LLM, SamplingParams, _core\n"
-        "from fastllm.env_report import collect_env, format_env\n"
-        "llm = LLM(sys.argv[1], dtype='float32', device='cpu')\n"
-        "p = SamplingParams(temperature=0, max_tokens=10, logprobs=0)\n"
-        "(o,) = llm.generate([{'prompt_token_ids': json.loads(sys.argv[2])}], p, use_tqdm=False)\n"
-        "c = o.outputs[0]\n"
-        "lps = [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]\n"
-        "print(json.dumps([_core.simd_path(), c.token_ids, lps, format_env(collect_env())]))\n"
+    got_path, seen, report = _greedy_in_fresh_process(
+        "FASTLLM_CPU_SIMD_PATH", path, "simd_path", folder, ids, [None]
     )
-    env = {**os.environ, "FASTLLM_CPU_SIMD_PATH": path}
-    run = subprocess.run(
-        [sys.executable, "-c", script, folder, json.dumps(ids)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    got_path, tokens, lps, report = json.loads(run.stdout.strip().splitlines()[-1])
+    tokens, lps = seen["None"]
     assert got_path == path
     assert f"norms and activations: {path}" in report
     ref, ref_lps = hf_greedy(folder, ids, 10)
@@ -414,53 +428,20 @@ def test_cpu_int_path_switch_runs_quantized_models_on_that_path(make_model, path
     reports it, and its int8 and int4 greedy tokens and logprobs are those
     of this process's default path (the integer sums are exact on every
     path, the float steps after them the same)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     folder = make_model("qwen2")
     ids = LLM(folder, device="cpu").get_tokenizer().encode(PROMPTS[1])
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=0)
-
-    def greedy(llm):
-        (o,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-        c = o.outputs[0]
-        return c.token_ids, [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]
-
-    want = {
-        q: greedy(LLM(folder, dtype="float32", device="cpu", quantization=q))
-        for q in ("int8", "int4")
-    }
-    script = (
-        "import json, sys\n"
-        "from fastllm import LLM, SamplingParams, _core\n"
-        "from fastllm.env_report import collect_env, format_env\n"
-        "p = SamplingParams(temperature=0, max_tokens=10, logprobs=0)\n"
-        "seen = {}\n"
-        "for q in ('int8', 'int4'):\n"
-        "    llm = LLM(sys.argv[1], dtype='float32', device='cpu', quantization=q)\n"
-        "    (o,) = llm.generate([{'prompt_token_ids': json.loads(sys.argv[2])}], p,"
-        " use_tqdm=False)\n"
-        "    c = o.outputs[0]\n"
-        "    seen[q] = [c.token_ids, [c.logprobs[i][t].logprob for i, t in"
-        " enumerate(c.token_ids)]]\n"
-        "print(json.dumps([_core.quant_default_path(), seen, format_env(collect_env())]))\n"
+    got_path, seen, report = _greedy_in_fresh_process(
+        "FASTLLM_CPU_INT_PATH", path, "quant_default_path", folder, ids, ["int8", "int4"]
     )
-    env = {**os.environ, "FASTLLM_CPU_INT_PATH": path}
-    run = subprocess.run(
-        [sys.executable, "-c", script, folder, json.dumps(ids)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    got_path, seen, report = json.loads(run.stdout.strip().splitlines()[-1])
     assert got_path == path
     assert f"GGUF files): {path} (" in report
-    for q, (tokens, lps) in want.items():
-        assert seen[q][0] == tokens, (path, q)
+    for q in ("int8", "int4"):
+        llm = LLM(folder, dtype="float32", device="cpu", quantization=q)
+        (o,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        c = o.outputs[0]
+        lps = [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]
+        assert seen[q][0] == c.token_ids, (path, q)
         assert seen[q][1] == pytest.approx(lps, abs=1e-4), (path, q)
 
 
