@@ -49,7 +49,7 @@ Which code each side runs is printed once known and again above the table, and k
 attention) and CPU features (``fastllm_env``); for llama.cpp, llama-bench's build,
 ``cpu_info``, ``backends``, KV-cache types and flash attention, any instruction-set
 field its JSON has (older builds) and any stderr line naming the CPU backend variant or
-its features (``llama_isa``).
+its features, and the ISA switches of its CMake cache (``llama_isa``).
 
 Building the reference (CPU only, Release, GGML_NATIVE=ON, static; from the PyPI sdist
 of llama-cpp-python, which vendors llama.cpp), and the GGUF files of the benchmark model
@@ -346,6 +346,27 @@ def llama_info(row: dict[str, Any], stderr: str = "") -> dict[str, Any]:
     return info
 
 
+def llama_build_flags(llama_bench: str) -> dict[str, str]:
+    """The instruction-set switches llama-bench's CPU backend was configured with
+    (``GGML_NATIVE``, ``GGML_AVX2``, ``GGML_AVX512``, ...), read from the CMake cache of
+    its build folder (the binary's ``bin/..``); empty where there is none. llama-bench
+    itself does not say which ISA it was compiled for."""
+    cache = os.path.join(os.path.dirname(os.path.abspath(llama_bench)), "..", "CMakeCache.txt")
+    flags: dict[str, str] = {}
+    try:
+        with open(cache, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                m = re.match(r"(GGML_(?:NATIVE|AVX\w*|FMA|F16C|AMX\w*)):BOOL=(\w+)", line)
+                if m:
+                    flags[m.group(1)] = m.group(2)
+    except OSError:
+        pass
+    if flags.get("GGML_NATIVE") == "ON":
+        # -march=native: the per-ISA switches are not used (this CPU's ISA is)
+        return {"GGML_NATIVE": "ON"}
+    return flags
+
+
 def parse_llama(stdout: str, test: Test, stderr: str = "") -> dict[str, Any]:
     """pp and tg tokens/s (llama-bench's mean over its -r runs) from its JSON output;
     raises RuntimeError when a row the test asked for is missing."""
@@ -508,6 +529,9 @@ def describe_llama(info: dict[str, Any] | None) -> str:
         text += ", " + ", ".join(f"{k}={v}" for k, v in info["isa_fields"].items())
     for line in info.get("stderr_isa") or []:
         text += f"\n  llama.cpp stderr: {line}"
+    if info.get("build_flags"):
+        flags = " ".join(f"{k}={v}" for k, v in info["build_flags"].items())
+        text += f"\n  llama.cpp built with {flags}"
     return text
 
 
@@ -752,6 +776,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = build_rows(args, tests, files, quants, samples)
     report["llama_isa"] = next((r["llama_info"] for r in rows if r["llama_info"]), None)
+    if report["llama_isa"] is not None:
+        report["llama_isa"]["build_flags"] = llama_build_flags(args.llama_bench)
     report["rows"] = rows
     if args.json:
         with open(args.json, "w") as f:

@@ -129,6 +129,28 @@ def test_llama_isa_fields_and_stderr_lines_are_kept():
     assert "cpu_info 'Test CPU'" in text and "avx512_vnni=1" in text and "icelake" in text
 
 
+def test_llama_build_flags_come_from_its_cmake_cache(tmp_path):
+    """An AVX2-only build (benches/build_llama_cpp.sh with LLAMA_ISA=avx2) is named
+    as such: the ISA switches of the CMake cache beside the binary's bin folder."""
+    (tmp_path / "bin").mkdir()
+    bench = tmp_path / "bin" / "llama-bench"
+    assert vs.llama_build_flags(str(bench)) == {}
+    (tmp_path / "CMakeCache.txt").write_text(
+        "GGML_NATIVE:BOOL=OFF\nGGML_AVX2:BOOL=ON\nGGML_AVX512:BOOL=OFF\n"
+        "GGML_CUDA:BOOL=OFF\nCMAKE_BUILD_TYPE:STRING=Release\n"
+    )
+    flags = vs.llama_build_flags(str(bench))
+    assert flags == {"GGML_NATIVE": "OFF", "GGML_AVX2": "ON", "GGML_AVX512": "OFF"}
+    info = vs.llama_info(_row(64, 0, 1.0))
+    info["build_flags"] = flags
+    assert "llama.cpp built with GGML_NATIVE=OFF GGML_AVX2=ON GGML_AVX512=OFF" in (
+        vs.describe_llama(info)
+    )
+    # a native build ignores the per-ISA switches
+    (tmp_path / "CMakeCache.txt").write_text("GGML_NATIVE:BOOL=ON\nGGML_AVX512:BOOL=OFF\n")
+    assert vs.llama_build_flags(str(bench)) == {"GGML_NATIVE": "ON"}
+
+
 def test_fastllm_report_and_env():
     report = {
         "results": [
