@@ -97,14 +97,14 @@ def collect_env() -> dict[str, Any]:
 def _gemm_path(core: Any) -> str:
     """The float GEMM's path: ``FASTLLM_CPU_GEMM_PATH``'s where it names one this
     CPU runs (the switch is read where layers are packed), else the fastest."""
-    from fastllm.layers.linear import GEMM_PATH_ENV, gemm_path
+    from fastllm import envs  # not fastllm.layers.linear: this report imports no torch
 
-    named = gemm_path()
+    named = envs.get("FASTLLM_CPU_GEMM_PATH")
     if not named:
         return core.gemm_default_path()
     if named in core.gemm_paths():
         return named
-    return f"the fastest this CPU runs ({GEMM_PATH_ENV}={named!r} names no path it runs)"
+    return f"the fastest this CPU runs (FASTLLM_CPU_GEMM_PATH={named!r} names no path it runs)"
 
 
 def cuda_advice(report: Any) -> str:
