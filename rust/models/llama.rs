@@ -397,6 +397,17 @@ pub struct StepInputs<'a, T> {
     pub state_slots: &'a [i64],
 }
 
+impl<T> StepInputs<'_, T> {
+    /// The step's sequences as the recurrent kernels take them: row offsets
+    /// and state slots.
+    fn packed(&self) -> Packed<'_> {
+        Packed {
+            query_start_loc: self.batch.query_start_loc,
+            state_slots: self.state_slots,
+        }
+    }
+}
+
 /// A recurrent layer's convolution width against what the kernel takes.
 fn check_taps(index: usize, key: &str, taps: usize) -> CoreResult<()> {
     if !(2..=MAX_CONV_WIDTH).contains(&taps) {
@@ -1032,26 +1043,13 @@ fn short_conv<T: Element>(
             *o = mul(p, q);
         }
     }
-    let slots = c.slots(h);
-    let conv_out = sized(&mut b.conv_out, tokens * h);
-    causal_conv1d(
-        T::dst(conv_out),
-        T::src(&b.conv_in),
-        T::src(c.weight),
-        c.bias.map(T::src),
-        T::dst(c.state),
-        Packed {
-            query_start_loc: step.batch.query_start_loc,
-            state_slots: step.state_slots,
-        },
-        ConvShape {
-            tokens,
-            channels: h,
-            width: c.taps,
-            slots,
-        },
-        false,
-    )?;
+    let shape = ConvShape {
+        tokens,
+        channels: h,
+        width: c.taps,
+        slots: c.slots(h),
+    };
+    conv_step(b, c.weight, c.bias, c.state, step.packed(), shape, false)?;
     for ((row, y), dst) in b
         .bcv
         .chunks_exact(3 * h)
@@ -1086,27 +1084,15 @@ fn delta_net<T: Element>(
     let gb = sized(&mut b.b, tokens * hv);
     let ga = sized(&mut b.a, tokens * hv);
     split_columns(&b.mix, tokens, &mut [conv_in, z, gb, ga]);
-    let packed = Packed {
-        query_start_loc: step.batch.query_start_loc,
-        state_slots: step.state_slots,
-    };
+    let packed = step.packed();
     let slots = n.slots();
-    let conv_out = sized(&mut b.conv_out, tokens * cd);
-    causal_conv1d(
-        T::dst(conv_out),
-        T::src(&b.conv_in),
-        T::src(n.conv_weight),
-        None,
-        T::dst(n.conv_state),
-        packed,
-        ConvShape {
-            tokens,
-            channels: cd,
-            width: h.taps,
-            slots,
-        },
-        true,
-    )?;
+    let shape = ConvShape {
+        tokens,
+        channels: cd,
+        width: h.taps,
+        slots,
+    };
+    conv_step(b, n.conv_weight, None, n.conv_state, packed, shape, true)?;
     let (q, k, v) = (
         sized(&mut b.q, tokens * kd),
         sized(&mut b.k, tokens * kd),
@@ -1156,6 +1142,31 @@ fn delta_net<T: Element>(
         .forward(T::dst(proj), T::src(&b.delta_normed), tokens)
 }
 
+/// The recurrent mixers' depthwise causal convolution of the step's
+/// `b.conv_in` into `b.conv_out` (`shape.channels` columns), its rolling
+/// inputs in `state`, SiLU after it when `silu`.
+fn conv_step<T: Element>(
+    b: &mut Scratch<T>,
+    weight: &[T],
+    bias: Option<&[T]>,
+    state: &mut [T],
+    packed: Packed<'_>,
+    shape: ConvShape,
+    silu: bool,
+) -> CoreResult<()> {
+    let out = sized(&mut b.conv_out, shape.tokens * shape.channels);
+    causal_conv1d(
+        T::dst(out),
+        T::src(&b.conv_in),
+        T::src(weight),
+        bias.map(T::src),
+        T::dst(state),
+        packed,
+        shape,
+        silu,
+    )
+}
+
 /// Splits the `tokens` rows of `src` into `parts`, in order: part `i` takes
 /// the next `parts[i].len() / tokens` columns of every row.
 fn split_columns<T: Copy>(src: &[T], tokens: usize, parts: &mut [&mut [T]]) {
@@ -1192,25 +1203,21 @@ fn mamba2<T: Element>(
     let conv_in = sized(&mut b.conv_in, tokens * cd);
     let dt = sized(&mut b.a, tokens * heads);
     split_columns(&b.mix, tokens, &mut [z, conv_in, dt]);
-    let packed = Packed {
-        query_start_loc: step.batch.query_start_loc,
-        state_slots: step.state_slots,
-    };
+    let packed = step.packed();
     let slots = m.slots();
-    let conv_out = sized(&mut b.conv_out, tokens * cd);
-    causal_conv1d(
-        T::dst(conv_out),
-        T::src(&b.conv_in),
-        T::src(m.conv_weight),
-        m.conv_bias.map(T::src),
-        T::dst(m.conv_state),
+    let shape = ConvShape {
+        tokens,
+        channels: cd,
+        width: h.taps,
+        slots,
+    };
+    conv_step(
+        b,
+        m.conv_weight,
+        m.conv_bias,
+        m.conv_state,
         packed,
-        ConvShape {
-            tokens,
-            channels: cd,
-            width: h.taps,
-            slots,
-        },
+        shape,
         true,
     )?;
     let (x, bk, cq) = (

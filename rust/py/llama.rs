@@ -221,6 +221,27 @@ fn kept_tensor(
     Ok(t)
 }
 
+/// A recurrent layer's convolution weight `[channels, taps]` (`weight_key`),
+/// its channels checked by `channels` (which returns what the caller reads
+/// from them), then its rolling state `[slots, channels, taps - 1]`
+/// (`state_key`); each taken by `tensor` (a [`kept_tensor`] of the layer's
+/// dict).
+fn conv_and_state<R>(
+    tensor: &mut impl FnMut(&'static str, &[DType], usize) -> PyResult<TensorArg>,
+    (weight_key, state_key): (&'static str, &'static str),
+    dtype: DType,
+    channels: impl FnOnce(usize) -> PyResult<R>,
+) -> PyResult<(TensorArg, TensorArg, R)> {
+    let weight = tensor(weight_key, &[dtype], 2)?;
+    let taps = weight.shape[1];
+    check_taps(weight_key, taps)?;
+    let read = channels(weight.shape[0])?;
+    let state = tensor(state_key, &[dtype], 3)?;
+    state.expect_dim(1, weight.shape[0], &format!("channels of {weight_key}"))?;
+    state.expect_dim(2, taps - 1, "taps - 1")?;
+    Ok((weight, state, read))
+}
+
 /// A recurrent layer's convolution width `taps`, checked against what the kernel takes.
 fn check_taps(key: &str, taps: usize) -> PyResult<()> {
     if !(2..=crate::recurrent::MAX_CONV_WIDTH).contains(&taps) {
@@ -773,19 +794,18 @@ impl PyDecoderStack {
         };
         let state = tensor("delta_state", &[DType::F32], 4)?;
         let (v_heads, k_dim, v_dim) = (state.shape[1], state.shape[2], state.shape[3]);
-        let conv_weight = tensor("delta_conv_weight", &[dtype], 2)?;
-        let (conv_dim, taps) = (conv_weight.shape[0], conv_weight.shape[1]);
-        check_taps("delta_conv_weight", taps)?;
-        let keys = conv_dim.checked_sub(v_heads * v_dim).unwrap_or(1);
-        if k_dim == 0 || !keys.is_multiple_of(2 * k_dim) || keys == 0 {
-            return Err(PyValueError::new_err(format!(
-                "delta_conv_weight: {conv_dim} channels are not q, k of a whole number of \
-                 heads of {k_dim} and v of {v_heads} heads of {v_dim}"
-            )));
-        }
-        let conv_state = tensor("delta_conv_state", &[dtype], 3)?;
-        conv_state.expect_dim(1, conv_dim, "channels of delta_conv_weight")?;
-        conv_state.expect_dim(2, taps.saturating_sub(1), "taps - 1")?;
+        let keys = ("delta_conv_weight", "delta_conv_state");
+        let (conv_weight, conv_state, keys) = conv_and_state(&mut tensor, keys, dtype, |conv| {
+            let keys = conv.checked_sub(v_heads * v_dim).unwrap_or(1);
+            if k_dim == 0 || !keys.is_multiple_of(2 * k_dim) || keys == 0 {
+                return Err(PyValueError::new_err(format!(
+                    "delta_conv_weight: {conv} channels are not q, k of a whole number of \
+                     heads of {k_dim} and v of {v_heads} heads of {v_dim}"
+                )));
+            }
+            Ok(keys)
+        })?;
+        let taps = conv_weight.shape[1];
         let mut span = |key: &'static str, dtypes: &[DType], dim: usize| {
             let t = tensor(key, dtypes, 1)?;
             t.expect_dim(0, dim, "its layer's heads")?;
@@ -826,19 +846,18 @@ impl PyDecoderStack {
         };
         let state = tensor("mamba_state", &[DType::F32], 4)?;
         let (heads, d_state, head_dim) = (state.shape[1], state.shape[2], state.shape[3]);
-        let conv_weight = tensor("mamba_conv_weight", &[dtype], 2)?;
-        let (conv_dim, taps) = (conv_weight.shape[0], conv_weight.shape[1]);
-        check_taps("mamba_conv_weight", taps)?;
         let groups: usize = item(d, "mamba_groups")?.extract()?;
-        if groups == 0 || conv_dim != heads * head_dim + 2 * groups * d_state {
-            return Err(PyValueError::new_err(format!(
-                "mamba_conv_weight: {conv_dim} channels are not x of {heads} heads of {head_dim} \
-                 and B, C of {groups} groups of {d_state}"
-            )));
-        }
-        let conv_state = tensor("mamba_conv_state", &[dtype], 3)?;
-        conv_state.expect_dim(1, conv_dim, "channels of mamba_conv_weight")?;
-        conv_state.expect_dim(2, taps.saturating_sub(1), "taps - 1")?;
+        let keys = ("mamba_conv_weight", "mamba_conv_state");
+        let (conv_weight, conv_state, ()) = conv_and_state(&mut tensor, keys, dtype, |conv| {
+            if groups == 0 || conv != heads * head_dim + 2 * groups * d_state {
+                return Err(PyValueError::new_err(format!(
+                    "mamba_conv_weight: {conv} channels are not x of {heads} heads of \
+                     {head_dim} and B, C of {groups} groups of {d_state}"
+                )));
+            }
+            Ok(())
+        })?;
+        let (conv_dim, taps) = (conv_weight.shape[0], conv_weight.shape[1]);
         let conv_bias = match d.get_item("mamba_conv_bias")?.filter(|v| !v.is_none()) {
             None => None,
             Some(_) => {
