@@ -283,6 +283,52 @@ def test_sampled_frequencies_match_the_filtered_distribution(config):
     assert _chi_square_p(counts[keep], probs[keep]) > 1e-3
 
 
+@st.composite
+def wide_rows(draw):
+    """One row of 1-300 logits (several of the race's 64-token chunks) with a
+    spread wide enough for its prune gap, exact ties and -inf entries."""
+    v = draw(st.integers(1, 300))
+    scale = draw(st.sampled_from([0.05, 1.0, 8.0, 40.0]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
+    row = torch.randn(v, generator=gen) * scale
+    for i in draw(st.lists(st.integers(0, v - 1), max_size=8)):
+        row[i] = NEG_INF
+    for i in draw(st.lists(st.integers(1, max(v - 1, 1)), max_size=8)):
+        row[i % v] = row[(i - 1) % v]
+    row[draw(st.integers(0, v - 1))] = draw(st.sampled_from([1.0, 30.0]))
+    return row
+
+
+@SETTINGS
+@given(
+    wide_rows(),
+    st.integers(0, 2**64 - 1),
+    st.integers(0, 10**6),
+    st.sampled_from([0.3, 1.0, 2.5]),
+    st.sampled_from([0.0, 0.001, 0.2]),
+    st.sampled_from([1.0, 0.9]),
+    st.sampled_from([0, 7]),
+)
+def test_sampled_token_is_the_exponential_race_winner(
+    row, seed, position, temperature, min_p, top_p, top_k
+):
+    """The drawn token is the documented race's winner, found here by brute
+    force: the kept token with the largest w - ln(-ln u), u the documented
+    uniform, ties to the lowest id (the sampler prunes and runs chunks of
+    tokens in vectors; the winner must not change)."""
+    logits = row.unsqueeze(0)
+    params = dict(temperature=temperature, min_p=min_p, top_p=top_p, top_k=top_k)
+    (kept,) = support(logits, **params)
+    (token,), *_ = sample(logits, seeds=seed, position=position, **params)
+    w = (row / torch.tensor(temperature, dtype=torch.float32)).tolist()
+    best, want = -math.inf, None
+    for i in kept:
+        key = w[i] - math.log(-math.log(_core.sampling_uniform(seed, position, i)))
+        if want is None or key > best:
+            best, want = key, i
+    assert token == want, (token, want, len(kept))
+
+
 def _mixed_batch(rows=64, v=997):
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(rows, v, generator=gen) * 3
