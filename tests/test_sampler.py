@@ -329,6 +329,25 @@ def test_sampled_token_is_the_exponential_race_winner(
     assert token == want, (token, want, len(kept))
 
 
+@SETTINGS
+@given(
+    wide_rows(),
+    st.sampled_from([0.3, 1.0, 2.5]),
+    st.sampled_from([0.0, 0.001, 0.2]),
+    st.sampled_from([0.99, 0.9, 0.5, 0.1]),
+)
+def test_top_p_keeps_the_brute_force_set_on_wide_rows(row, temperature, min_p, top_p):
+    """Top-p's kept set on rows of up to 300 tokens with wide spreads (the
+    selection skips the tokens that provably fall below its threshold)
+    equals the sorted cumulative mass's set, computed here in float64."""
+    logits = row.unsqueeze(0)
+    (kept,) = support(logits, temperature=temperature, min_p=min_p, top_p=top_p)
+    w = (row / torch.tensor(temperature, dtype=torch.float32)).clamp(max=F32_MAX)
+    keep, close = ref_kept(w, 0, top_p, min_p)
+    assume(not close)
+    assert kept == keep.nonzero().flatten().tolist()
+
+
 def _mixed_batch(rows=64, v=997):
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(rows, v, generator=gen) * 3
