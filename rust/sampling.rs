@@ -994,6 +994,105 @@ impl<'a> Race<'a> {
     }
 }
 
+/// A token's raw log-probability (log_softmax of the unmodified, sanitised
+/// row), its rank (1 + the tokens with a larger raw logit) and the row's
+/// `top` largest raw log-probabilities, ties by lower id.
+struct RawLogprobs {
+    logprob: f32,
+    rank: u32,
+    top: Vec<(u32, f32)>,
+}
+
+/// [`RawLogprobs`] of `token` in the raw row `x` whose sanitised maximum is
+/// `max`: the log-sum-exp in f64 over f32 lanes, as the sampler reports.
+#[inline(always)]
+fn raw_logprobs(x: &[f32], max: f32, token: usize, top: usize) -> RawLogprobs {
+    let lse = if max == f32::NEG_INFINITY {
+        f64::NEG_INFINITY
+    } else {
+        max as f64 + sum_exp(x, max).ln()
+    };
+    let logprob = |v: f32| {
+        if lse == f64::NEG_INFINITY {
+            f32::NEG_INFINITY
+        } else {
+            (v as f64 - lse) as f32
+        }
+    };
+    let chosen = sanitize(x[token]);
+    RawLogprobs {
+        logprob: logprob(chosen),
+        rank: 1 + x.iter().filter(|&&v| sanitize(v) > chosen).count() as u32,
+        top: top_n(x, top, sanitize)
+            .into_iter()
+            .map(|e| (e.i, logprob(e.v)))
+            .collect(),
+    }
+}
+
+/// One prompt row's [`RawLogprobs`] as a kernel of the fastest SIMD path.
+struct TokenRow<'a> {
+    x: &'a [f32],
+    token: usize,
+    top: usize,
+}
+
+impl crate::cpu::simd::Kernel for TokenRow<'_> {
+    type Output = RawLogprobs;
+    #[inline(always)]
+    fn run<S: crate::cpu::simd::Simd>(self) -> RawLogprobs {
+        raw_logprobs(self.x, raw_stats(self.x).max, self.token, self.top)
+    }
+}
+
+/// A prompt token's raw logprob, its rank and its row's top (id, logprob).
+pub type TokenLogprob = (f32, u32, Vec<(u32, f32)>);
+
+/// Prompt logprobs: for row `r` of `logits` (`tokens.len()` rows of `vocab`
+/// raw logits, the row that predicts `tokens[r]`), the token's raw
+/// log-probability and rank and the row's `top` largest raw
+/// log-probabilities, computed exactly as [`sample_batch`] reports them for
+/// a sampled token; rows in parallel.
+pub fn token_logprobs(
+    logits: &[f32],
+    vocab: usize,
+    tokens: &[i64],
+    top: usize,
+) -> CoreResult<Vec<TokenLogprob>> {
+    if vocab == 0 || logits.len() != tokens.len() * vocab {
+        return Err(CoreError::invalid(format!(
+            "logits: expected {} rows (one per token) of a non-empty vocabulary, got {} values of rows of {vocab}",
+            tokens.len(),
+            logits.len()
+        )));
+    }
+    if let Some((r, &t)) = tokens
+        .iter()
+        .enumerate()
+        .find(|&(_, &t)| t < 0 || t as u64 >= vocab as u64)
+    {
+        return Err(CoreError::invalid(format!(
+            "tokens: token {t} at row {r} is outside the vocabulary of {vocab}"
+        )));
+    }
+    let row = |r: usize| {
+        let x = &logits[r * vocab..(r + 1) * vocab];
+        let op = TokenRow {
+            x,
+            token: tokens[r] as usize,
+            top: top.min(vocab),
+        };
+        let out = crate::cpu::simd::dispatch(crate::cpu::best_path(), op);
+        (out.logprob, out.rank, out.top)
+    };
+    if tokens.len() <= 1 {
+        return Ok((0..tokens.len()).map(row).collect());
+    }
+    Ok(crate::cpu::threads::install(|| {
+        (0..tokens.len()).into_par_iter().map(row).collect()
+    }))
+}
+
 #[inline(always)]
 fn sample_row(row: &RowInput<'_>, s: &mut Scratch) -> Sample {
     let x = row.logits;
@@ -1006,30 +1105,12 @@ fn sample_row(row: &RowInput<'_>, s: &mut Scratch) -> Sample {
         Kept::List(list) => race(&s.w, plan.w_max, list[0], key, 0.0, list.iter().copied()),
         Kept::Threshold { min_e } => race_all(&s.w, plan.w_max, plan.w_argmax, key, *min_e),
     };
-    // Raw log-probabilities: log_softmax of the unmodified (sanitised) row.
-    let lse = if raw.max == f32::NEG_INFINITY {
-        f64::NEG_INFINITY
-    } else {
-        raw.max as f64 + sum_exp(x, raw.max).ln()
-    };
-    let logprob = |v: f32| {
-        if lse == f64::NEG_INFINITY {
-            f32::NEG_INFINITY
-        } else {
-            (v as f64 - lse) as f32
-        }
-    };
-    let chosen = sanitize(x[token]);
-    let rank = 1 + x.iter().filter(|&&v| sanitize(v) > chosen).count() as u32;
-    let top_logprobs = top_n(x, p.num_logprobs, sanitize)
-        .into_iter()
-        .map(|e| (e.i, logprob(e.v)))
-        .collect();
+    let raw = raw_logprobs(x, raw.max, token, p.num_logprobs);
     Sample {
         token: token as u32,
-        logprob: logprob(chosen),
-        rank,
-        top_logprobs,
+        logprob: raw.logprob,
+        rank: raw.rank,
+        top_logprobs: raw.top,
     }
 }
 

@@ -201,6 +201,11 @@ def test_logprobs_and_prompt_logprobs(make_model, llama):
         assert entry.logprob == pytest.approx(lp[i - 1, ids[i]].item(), abs=1e-4)
         assert entry.rank == int((lp[i - 1] > lp[i - 1, ids[i]]).sum()) + 1
         assert len(pl[i]) in (2, 3)
+        top_v, top_i = lp[i - 1].topk(2)
+        for k in range(2):
+            got = pl[i][int(top_i[k])]
+            assert got.logprob == pytest.approx(top_v[k].item(), abs=1e-4)
+            assert got.rank == k + 1 or int(top_i[k]) == ids[i]
     for step in o.outputs[0].logprobs:
         assert len(step) in (3, 4)
         chosen = [lp_.rank for lp_ in step.values()]

@@ -348,6 +348,49 @@ def test_top_p_keeps_the_brute_force_set_on_wide_rows(row, temperature, min_p, t
     assert kept == keep.nonzero().flatten().tolist()
 
 
+@SETTINGS
+@given(
+    st.integers(1, 6),
+    st.integers(1, 300),
+    st.integers(0, 2**32 - 1),
+    st.integers(0, 12),
+    st.booleans(),
+)
+def test_token_logprobs_match_log_softmax(rows, v, seed, top, odd):
+    """Prompt logprobs (``_core.token_logprobs``): each row's token logprob is
+    torch's float64 log-softmax of the sanitised row, its rank 1 + the
+    tokens with a larger logit, its top list the largest logprobs by value
+    then id; NaN counts as -inf and +inf as float32's maximum."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, v, generator=gen) * 4
+    logits[:, v // 2] = logits[:, 0]  # ties
+    if odd:
+        logits[0, 0] = float("nan")
+        logits[-1, v - 1] = float("-inf")
+        logits[rows // 2, v // 3] = float("inf")
+    tokens = torch.randint(0, v, (rows,), generator=gen).tolist()
+    got = _core.token_logprobs(logits, tokens, top)
+    raw = _sanitize(logits.double())
+    lp = torch.log_softmax(raw, dim=-1)
+    lp[~(raw > NEG_INF).any(dim=-1)] = NEG_INF  # a row of -inf only: -inf, not NaN
+    for r, (logprob, rank, tops) in enumerate(got):
+        t = tokens[r]
+        assert logprob == pytest.approx(lp[r, t].item(), abs=1e-5, rel=1e-6)
+        assert rank == int((raw[r] > raw[r, t]).sum()) + 1
+        order = sorted(range(v), key=lambda i: (-raw[r, i].item(), i))[: min(top, v)]
+        assert [i for i, _ in tops] == order
+        for i, value in tops:
+            assert value == pytest.approx(lp[r, i].item(), abs=1e-5, rel=1e-6)
+
+
+def test_token_logprobs_name_bad_arguments():
+    with pytest.raises(ValueError, match="tokens: token 7 at row 1 is outside the vocabulary of 5"):
+        _core.token_logprobs(torch.zeros(2, 5), [0, 7], 0)
+    with pytest.raises(ValueError, match="logits: expected 3 rows"):
+        _core.token_logprobs(torch.zeros(2, 5), [0, 1, 2], 0)
+    assert _core.token_logprobs(torch.zeros(0, 5), [], 3) == []
+
+
 def _mixed_batch(rows=64, v=997):
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(rows, v, generator=gen) * 3

@@ -242,6 +242,15 @@ def sample(
 def sampling_support(logits: Tensor, batch: SamplingBatch) -> list[list[int]]:
     """The ascending token ids each row may draw after penalties and filters (debugging aid)."""
 
+def token_logprobs(
+    logits: Tensor, tokens: Sequence[int], top: int
+) -> list[tuple[float, int, list[tuple[int, float]]]]:
+    """Prompt logprobs: row r of float32 logits ``[T, V]`` (CPU, contiguous) predicts
+    ``tokens[r]``; per row (its raw logprob, its rank, the ``top`` largest raw
+    (id, logprob), ties by lower id), computed as ``sample`` reports a sampled token's.
+    Rows run in parallel. A token outside the vocabulary or a row count other than
+    ``len(tokens)`` is a ``ValueError``."""
+
 def sampling_uniform(seed: int, position: int, token: int) -> float:
     """The sampler's counter-based uniform draw in (0, 1) for (seed, position, token)."""
 

@@ -244,6 +244,24 @@ fn sample(
     Ok(out)
 }
 
+/// Prompt logprobs: row r of float32 logits `[T, V]` predicts `tokens[r]`;
+/// its raw logprob, rank and `top` largest raw logprobs (see `_core.pyi`).
+#[pyfunction]
+fn token_logprobs(
+    py: Python<'_>,
+    logits: &Bound<'_, PyAny>,
+    tokens: Vec<i64>,
+    top: usize,
+) -> PyResult<Vec<crate::sampling::TokenLogprob>> {
+    let logits = TensorArg::extract("logits", logits)?;
+    logits.check(&[DType::F32], 2)?;
+    let vocab = logits.shape[1];
+    // SAFETY: checked just above (CPU, float32, contiguous); used while
+    // `logits` lives.
+    let x = unsafe { logits.slice::<f32>() };
+    Ok(py.detach(|| crate::sampling::token_logprobs(x, vocab, &tokens, top))?)
+}
+
 /// The token ids each row may draw after penalties and filters (a debugging aid).
 #[pyfunction]
 fn sampling_support(
@@ -267,6 +285,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SamplingBatch>()?;
     m.add_function(wrap_pyfunction!(sample, m)?)?;
     m.add_function(wrap_pyfunction!(sampling_support, m)?)?;
+    m.add_function(wrap_pyfunction!(token_logprobs, m)?)?;
     m.add_function(wrap_pyfunction!(sampling_uniform, m)?)?;
     Ok(())
 }

@@ -427,21 +427,19 @@ def _flat_int32(chunks: list[list[int]], total: int) -> torch.Tensor:
 def prompt_logprobs_of(
     logits: torch.Tensor, next_tokens: list[int], top_n: int
 ) -> list[dict[int, Logprob]]:
-    """Logprob, rank and top-N of each next prompt token from its preceding row's logits."""
-    lp = torch.log_softmax(logits[: len(next_tokens)].float(), dim=-1)
-    out: list[dict[int, Logprob]] = []
+    """Logprob, rank and top-N of each next prompt token from its preceding row's
+    logits, as the sampler reports a sampled token's (``_core.token_logprobs``:
+    the raw row's log-softmax, rows in parallel in Rust)."""
     if not next_tokens:
-        return out
-    ids = torch.tensor(next_tokens)
-    chosen = lp.gather(1, ids[:, None])[:, 0]
-    ranks = (lp > chosen[:, None]).sum(dim=1) + 1
-    top_v, top_i = lp.topk(top_n, dim=-1) if top_n > 0 else (None, None)
-    for r, tok in enumerate(next_tokens):
-        d = {tok: Logprob(float(chosen[r]), int(ranks[r]))}
-        if top_v is not None:
-            for k in range(top_n):
-                t = int(top_i[r, k])
-                if t not in d:
-                    d[t] = Logprob(float(top_v[r, k]), k + 1)
+        return []
+    rows = logits[: len(next_tokens)].float().contiguous()
+    out: list[dict[int, Logprob]] = []
+    for tok, (lp, rank, top) in zip(
+        next_tokens, _core.token_logprobs(rows, next_tokens, top_n), strict=True
+    ):
+        d = {tok: Logprob(lp, rank)}
+        for k, (t, v) in enumerate(top):
+            if t not in d:
+                d[t] = Logprob(v, k + 1)
         out.append(d)
     return out
