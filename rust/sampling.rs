@@ -823,17 +823,23 @@ fn top_p_threshold(w_max: f32, floor: f32, top_p: f64, s: &mut Scratch) -> f32 {
     let (mut lo, mut hi) = (0u32, 1.0f32.to_bits());
     for shift in [20u32, 10, 0] {
         let buckets = ((hi - lo) >> shift) as usize + 1;
+        // A token outside the range goes to a spare last bucket, so the loop
+        // has no branch to mispredict (a flat row's tokens pass or fail at
+        // random).
         s.hist_mass.clear();
-        s.hist_mass.resize(buckets, 0.0);
+        s.hist_mass.resize(buckets + 1, 0.0);
         s.hist_count.clear();
-        s.hist_count.resize(buckets, 0);
+        s.hist_count.resize(buckets + 1, 0);
         for &e in &s.e {
             let b = e.to_bits();
-            if eligible(e) && b >= lo && b <= hi {
-                let k = ((b - lo) >> shift) as usize;
-                s.hist_mass[k] += e as f64;
-                s.hist_count[k] += 1;
-            }
+            let inside = eligible(e) & (b >= lo) & (b <= hi);
+            let k = if inside {
+                (b.wrapping_sub(lo) >> shift) as usize
+            } else {
+                buckets
+            };
+            s.hist_mass[k] += e as f64;
+            s.hist_count[k] += 1;
         }
         let mut chosen = None;
         let mut lowest = None;
@@ -863,14 +869,24 @@ fn top_p_threshold(w_max: f32, floor: f32, top_p: f64, s: &mut Scratch) -> f32 {
         } else {
             (new_lo + ((1u32 << shift) - 1)).min(hi)
         };
-        if shift == 0 || (s.hist_count[k] as usize) <= TOP_P_SORT_LIMIT {
+        // The chosen bucket's values, moved to the front without a branch:
+        // the next level (or the final sort) looks at them only.
+        let mut inside = 0;
+        let e = &mut s.e[..];
+        for j in 0..e.len() {
+            let v = e[j];
+            e[inside] = v;
+            let b = v.to_bits();
+            inside += (eligible(v) & (b >= new_lo) & (b <= new_hi)) as usize;
+        }
+        s.e.truncate(inside);
+        if shift == 0 || inside <= TOP_P_SORT_LIMIT {
             s.bucket.clear();
-            for (i, &e) in s.e.iter().enumerate() {
-                let b = e.to_bits();
-                if eligible(e) && b >= new_lo && b <= new_hi {
-                    s.bucket.push(Entry { v: e, i: i as u32 });
-                }
-            }
+            s.bucket.extend(
+                s.e.iter()
+                    .enumerate()
+                    .map(|(i, &v)| Entry { v, i: i as u32 }),
+            );
             s.bucket.sort_unstable();
             let mut cum = above;
             for entry in &s.bucket {
