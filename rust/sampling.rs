@@ -414,6 +414,20 @@ fn map_into(dst: &mut Vec<f32>, src: &[f32], f: impl Fn(f32) -> f32) {
     }
 }
 
+/// Keeps the values of `v` that pass `keep`, in order, moved to the front
+/// without a branch (whether a token passes is often a coin toss).
+#[inline(always)]
+fn keep_where(v: &mut Vec<f32>, keep: impl Fn(f32) -> bool) {
+    let mut kept = 0;
+    let e = &mut v[..];
+    for j in 0..e.len() {
+        let x = e[j];
+        e[kept] = x;
+        kept += keep(x) as usize;
+    }
+    v.truncate(kept);
+}
+
 /// Maximum of a row, NaN ignored (an all-NaN row gives -inf).
 #[inline(always)]
 fn row_max(x: &[f32]) -> f32 {
@@ -599,7 +613,6 @@ struct Scratch {
     prompt_sorted: Vec<u32>,
     hist_mass: Vec<f64>,
     hist_count: Vec<u32>,
-    bucket: Vec<Entry>,
 }
 
 struct RowInput<'a> {
@@ -811,29 +824,21 @@ fn top_p_threshold(w_max: f32, floor: f32, top_p: f64, s: &mut Scratch) -> f32 {
     // model's peaked logits), moved to the front without a branch. Which
     // tokens hold the values it looks at does not change the threshold.
     let low = ((1.0 - top_p) * total * 0.5 / s.e.len().max(1) as f64) as f32;
-    let mut kept = 0;
-    let e = &mut s.e[..];
-    for j in 0..e.len() {
-        let v = e[j];
-        e[kept] = v;
-        kept += (eligible(v) & (v >= low)) as usize;
-    }
-    s.e.truncate(kept);
+    keep_where(&mut s.e, |v| eligible(v) & (v >= low));
     let mut above = 0.0f64; // mass of the tokens in buckets above the current range
     let (mut lo, mut hi) = (0u32, 1.0f32.to_bits());
     for shift in [20u32, 10, 0] {
         let buckets = ((hi - lo) >> shift) as usize + 1;
-        // A token outside the range goes to a spare last bucket, so the loop
-        // has no branch to mispredict (a flat row's tokens pass or fail at
-        // random).
+        // Every value left is eligible. One outside the range (which only
+        // the first level's can hold) goes to a spare last bucket, so the
+        // loop has no branch to mispredict.
         s.hist_mass.clear();
         s.hist_mass.resize(buckets + 1, 0.0);
         s.hist_count.clear();
         s.hist_count.resize(buckets + 1, 0);
         for &e in &s.e {
             let b = e.to_bits();
-            let inside = eligible(e) & (b >= lo) & (b <= hi);
-            let k = if inside {
+            let k = if (b >= lo) & (b <= hi) {
                 (b.wrapping_sub(lo) >> shift) as usize
             } else {
                 buckets
@@ -869,33 +874,20 @@ fn top_p_threshold(w_max: f32, floor: f32, top_p: f64, s: &mut Scratch) -> f32 {
         } else {
             (new_lo + ((1u32 << shift) - 1)).min(hi)
         };
-        // The chosen bucket's values, moved to the front without a branch:
-        // the next level (or the final sort) looks at them only.
-        let mut inside = 0;
-        let e = &mut s.e[..];
-        for j in 0..e.len() {
-            let v = e[j];
-            e[inside] = v;
-            let b = v.to_bits();
-            inside += (eligible(v) & (b >= new_lo) & (b <= new_hi)) as usize;
-        }
-        s.e.truncate(inside);
-        if shift == 0 || inside <= TOP_P_SORT_LIMIT {
-            s.bucket.clear();
-            s.bucket.extend(
-                s.e.iter()
-                    .enumerate()
-                    .map(|(i, &v)| Entry { v, i: i as u32 }),
-            );
-            s.bucket.sort_unstable();
+        // The next level (or the final sort) looks at the chosen bucket's
+        // values only.
+        keep_where(&mut s.e, |v| (new_lo..=new_hi).contains(&v.to_bits()));
+        if shift == 0 || s.e.len() <= TOP_P_SORT_LIMIT {
+            // Largest first; which token holds a value does not matter.
+            s.e.sort_unstable_by(|a, b| b.total_cmp(a));
             let mut cum = above;
-            for entry in &s.bucket {
-                cum += entry.v as f64;
+            for &v in &s.e {
+                cum += v as f64;
                 if cum >= target {
-                    return entry.v;
+                    return v;
                 }
             }
-            return s.bucket.last().map_or(floor, |e| e.v);
+            return s.e.last().copied().unwrap_or(floor);
         }
         lo = new_lo;
         hi = new_hi;
@@ -947,10 +939,11 @@ fn race_all(w: &[f32], w_max: f32, start: usize, key: u64, min_e: f32) -> usize 
             // negations of `offer`'s skips.
             *p = (wi as f64 >= floor) & (e >= min_e) & (1.0 - u <= e as f64 * scale);
         }
+        let pass = &pass[..chunk.len()];
         if !pass.iter().fold(false, |a, &p| a | p) {
             continue;
         }
-        for (j, _) in pass[..chunk.len()].iter().enumerate().filter(|(_, &p)| p) {
+        for (j, _) in pass.iter().enumerate().filter(|(_, &p)| p) {
             r.offer(base + j);
         }
     }
