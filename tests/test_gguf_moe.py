@@ -23,7 +23,8 @@ family's llama.cpp default, OLMoE's ``attention.clamp_kqv``, gpt-oss's
 * Q8_0 files: equal, bit for bit, to the folder quantized at load, and
   within ``QUANT_BOUND`` of transformers holding the file's weights; every
   expert is a ``_core.QuantizedLinear`` holding the file's weights;
-* MXFP4 experts (gpt-oss): converted to q8_0 exactly (the very weights);
+* MXFP4 experts (gpt-oss): run as stored on the mxfp4 kernel (the very
+  weights), and a tensor with a block scale no f16 holds converted to q8_0;
 * the packed-weight cache maps expert panels; broken expert tensors are
   errors naming the tensor.
 """
@@ -442,10 +443,11 @@ def _assert_quantized_close(ours, refs, what: str) -> None:
     assert errs.max() <= 0.25, f"{what}: errors {errs.tolist()}"
 
 
-def test_mxfp4_experts_convert_exactly(saved, tmp_path):
+def test_mxfp4_experts_run_as_stored(saved, tmp_path):
     """gpt-oss's MXFP4 experts (the converter's repack of its checkpoints):
-    converted to q8_0 with the very weights the file holds, with a warning
-    naming the memory cost; logits close to the reference holding them."""
+    every expert a ``QuantizedLinear`` in ``mxfp4`` holding the very weights
+    the file holds, at the file's 4.25 bits a weight (17 bytes a block on
+    disk, 18 in memory); logits close to the reference holding them."""
     _, ref_model = saved["gpt_oss"]
 
     def types(gname: str, shape) -> str:
@@ -453,8 +455,8 @@ def test_mxfp4_experts_convert_exactly(saved, tmp_path):
 
     path = write_moe_gguf(ref_model, str(tmp_path / "m.gguf"), "gpt_oss", types)
     model, report = _load_gguf(path)
-    layers = ref_model.config.num_hidden_layers
-    assert report.exact == {"MXFP4": 3 * layers} and report.converted == {}
+    assert report.exact == {} and report.converted == {}
+    assert report.tensor_types["MXFP4"] == 3 * ref_model.config.num_hidden_layers
     deq = {
         t.name: gguf.quants.dequantize(t.data, t.tensor_type)
         for t in gguf.GGUFReader(path).tensors
@@ -462,12 +464,43 @@ def test_mxfp4_experts_convert_exactly(saved, tmp_path):
     }
     for j, expert in enumerate(_blocks(model)[2].experts):
         table = expert.down_proj.packed
+        assert table.format == "mxfp4"
+        assert table.nbytes == table.out_features * table.in_features // 32 * 18
         rows = torch.empty(table.out_features, table.in_features)
         table.embed(rows, torch.arange(table.out_features))
         np.testing.assert_array_equal(rows.numpy(), deq["blk.2.ffn_down_exps.weight"][j])
     seqs = _sequences(6, LENGTHS)
     ref = _with_file_weights(ref_model, "gpt_oss", types)
     _assert_quantized_close(_logits(model, seqs), _reference(ref, seqs), "MXFP4")
+
+
+def test_mxfp4_scale_out_of_f16_range_is_converted(saved, tmp_path, caplog):
+    """An MXFP4 tensor whose block scale no f16 holds (weights near 2^18 here)
+    runs on the q8_0 kernel instead (with the gate tensor it is fused with),
+    with a warning naming the cost; the other MXFP4 tensors stay as stored."""
+    _, ref_model = saved["gpt_oss"]
+    big = "blk.1.ffn_up_exps.weight"
+
+    def huge(gname, arr, kind):
+        if "_exps.weight" not in gname:
+            return gname, arr, kind
+        return gname, arr * 2.0**22 if gname == big else arr, "MXFP4"
+
+    path = write_moe_gguf(ref_model, str(tmp_path / "m.gguf"), "gpt_oss", edit=huge)
+    with caplog.at_level("WARNING", logger="fastllm"):
+        model, report = _load_gguf(path)
+    assert report.exact == {"MXFP4": 2}  # blk.1's up and gate
+    assert "outside what the mxfp4 kernel's f16" in caplog.text
+    (t,) = [t for t in gguf.GGUFReader(path).tensors if t.name == big]
+    deq = gguf.quants.dequantize(t.data, t.tensor_type)
+    for j, expert in enumerate(_blocks(model)[1].experts):
+        table = expert.gate_up_proj.packed
+        assert table.format == "q8_0"
+        rows = torch.empty(table.out_features, table.in_features)
+        table.embed(rows, torch.arange(table.out_features))
+        up = rows[table.out_features // 2 :].numpy()
+        np.testing.assert_allclose(up, deq[j], rtol=0, atol=np.abs(deq[j]).max() / 100)
+        assert _blocks(model)[0].experts[j].gate_up_proj.packed.format == "mxfp4"
 
 
 def test_quantized_router_is_dequantized(saved, tmp_path):

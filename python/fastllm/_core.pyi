@@ -449,7 +449,7 @@ def simd_path() -> str:
 class QuantizedLinear:
     """A linear layer's weight quantized for the CPU's integer kernels.
 
-    ``format``: "q8_0", "q4_0", "iq4_nl" or "q4_1" (GGUF's numbers: 32 inputs
+    ``format``: "q8_0", "q4_0", "iq4_nl", "q4_1" or "mxfp4" (GGUF's blocks: 32 inputs
     per f16 scale, and an f16 minimum for "q4_1"). ``weight`` [out_features, in_features] bf16 or f32 on the CPU is
     quantized (round to nearest; rows padded to whole groups); ``bias`` stays
     f32. ``path`` names an integer kernel path (one of ``quant_paths()``);

@@ -162,7 +162,7 @@ def add_engine_settings(g: Any) -> None:
         "-q",
         default=None,
         help="quantize the weights at load for the CPU's integer kernels: int8 (q8_0), "
-        "int4 (iq4_nl), q8_0, q4_0 or iq4_nl (default: none, float weights)",
+        "int4 (q4_0), q8_0, q4_0, iq4_nl, q4_1 or mxfp4 (default: none, float weights)",
     )
     g.add_argument(
         "--max-logprobs",

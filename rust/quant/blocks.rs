@@ -11,6 +11,11 @@
 //! - `iq4_nl` (18 bytes): as `q4_0`, but a nibble indexes the 16 levels of
 //!   [`IQ4_NL_LEVELS`], `w = d * level[q]`: denser near zero, where most
 //!   weights are.
+//! - `mxfp4` (17 bytes; OCP MXFP4, gpt-oss's experts): an E8M0 exponent
+//!   byte `e`, then nibbles as `q4_0` indexing E2M1's values doubled
+//!   ([`MXFP4_LEVELS`]); `w = 2^(e - 128) * level[q]`. The kernels hold the
+//!   scale as an f16, which every `e` in 104..=143 is exactly
+//!   ([`mxfp4_f16_scale`]).
 //!
 //! Quantization rounds to nearest with no calibration data.
 
@@ -22,6 +27,61 @@ use super::{QuantFormat, GROUP};
 pub const IQ4_NL_LEVELS: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
+
+/// The E2M1 values of `mxfp4`'s 4-bit codes, doubled (as llama.cpp's
+/// `kvalues_mxfp4`): code `q` is `MXFP4_LEVELS[q] / 2` times `2^(e - 127)`.
+pub const MXFP4_LEVELS: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// `2^(e - 128)`, the f32 scale of an `mxfp4` block with exponent byte `e`
+/// (subnormal for `e` < 2).
+#[inline(always)]
+pub fn mxfp4_scale(e: u8) -> f32 {
+    if e < 2 {
+        f32::from_bits(0x0020_0000u32 << e)
+    } else {
+        f32::from_bits(((e - 1) as u32) << 23)
+    }
+}
+
+/// The f16 bits of `2^k`, for `k` in -24..=15 (subnormal below -14).
+#[inline(always)]
+pub fn f16_power_of_two(k: i32) -> u16 {
+    if k >= -14 {
+        ((k + 15) as u16) << 10
+    } else {
+        1u16 << (k + 24)
+    }
+}
+
+/// The f16 bits of an `mxfp4` block's scale `2^(e - 128)`: exact for `e` in
+/// 104..=143; 0 for a block of zero codes whatever its `e` (its weights are
+/// zeros either way); `None` for any other block (a scale no f16 holds).
+#[inline(always)]
+pub fn mxfp4_f16_scale(block: &[u8]) -> Option<u16> {
+    let k = block[0] as i32 - 128;
+    if (-24..=15).contains(&k) {
+        return Some(f16_power_of_two(k));
+    }
+    // Codes 0 and 8 are E2M1's +0 and -0.
+    let zero = block[1..1 + GROUP / 2]
+        .iter()
+        .all(|&b| b & 7 == 0 && (b >> 4) & 7 == 0);
+    zero.then_some(0)
+}
+
+/// The exponent byte of an `mxfp4` block whose scale has the f16 bits
+/// `bits` (the inverse of [`mxfp4_f16_scale`]; 0 for a zero scale).
+pub fn mxfp4_exponent(bits: u16) -> u8 {
+    if bits == 0 {
+        return 0;
+    }
+    let k = if bits >= 0x0400 {
+        (bits >> 10) as i32 - 15
+    } else {
+        bits.trailing_zeros() as i32 - 24
+    };
+    (k + 128) as u8
+}
 
 /// Quantizes `rows` rows of `k` (a multiple of 32) weights into blocks. The
 /// loops compile inside the fastest SIMD path's entry point (vector rounding
@@ -108,7 +168,63 @@ pub fn quantize_block(format: QuantFormat, x: &[f32; GROUP], out: &mut [u8]) {
                 out[2 + i] = idx[i] | (idx[i + GROUP / 2] << 4);
             }
         }
+        QuantFormat::Mxfp4 => {
+            let (e, idx) = mxfp4_fit(x);
+            out[0] = e;
+            for i in 0..GROUP / 2 {
+                out[1 + i] = idx[i] | (idx[i + GROUP / 2] << 4);
+            }
+        }
     }
+}
+
+/// The code of the `mxfp4` level nearest to `v` (in level units; ties to
+/// the smaller magnitude), and its squared distance.
+#[inline(always)]
+fn nearest_mxfp4(v: f32) -> (u8, f32) {
+    let a = v.abs();
+    let mut best = (0u8, a * a);
+    for (q, &l) in MXFP4_LEVELS[..8].iter().enumerate().skip(1) {
+        let e = (a - l as f32) * (a - l as f32);
+        if e < best.1 {
+            best = (q as u8, e);
+        }
+    }
+    // The negative levels are the positive ones' codes + 8 (+0 stays 0).
+    let sign = if v < 0.0 && best.0 != 0 { 8 } else { 0 };
+    (best.0 | sign, best.1)
+}
+
+/// An exponent byte and codes for one `mxfp4` block: of the two powers of
+/// two that put the largest magnitude between 4 and 16 level units (the
+/// outer level being 12), the one of smaller squared error; kept where an
+/// f16 holds the scale.
+#[inline(always)]
+fn mxfp4_fit(x: &[f32; GROUP]) -> (u8, [u8; GROUP]) {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    if amax == 0.0 || !amax.is_finite() {
+        return (0, [0; GROUP]);
+    }
+    // 2^k0 <= amax / 8 < 2^(k0 + 1).
+    let k0 = (amax / 8.0).log2().floor() as i32;
+    let mut best = (0u8, [0u8; GROUP], f32::INFINITY);
+    for k in [k0, k0 + 1] {
+        let k = k.clamp(-24, 15);
+        let inv = 1.0 / f32::from_bits(((k + 127) as u32) << 23);
+        let mut idx = [0u8; GROUP];
+        let mut err = 0f32;
+        for (q, &v) in idx.iter_mut().zip(x) {
+            let (c, e) = nearest_mxfp4(v * inv);
+            *q = c;
+            err += e;
+        }
+        // Errors in level units of 2^k: compare them in the weights' units.
+        let err = err * f32::from_bits(((2 * k + 127) as u32) << 23);
+        if err < best.2 {
+            best = ((k + 128) as u8, idx, err);
+        }
+    }
+    (best.0, best.1)
 }
 
 /// Half level units covered by [`NEAREST`]: `v` in [-128, 128).
@@ -189,7 +305,11 @@ fn iq4_nl_fit(x: &[f32; GROUP]) -> (f32, [u8; GROUP]) {
 
 /// The weights of one block, dequantized.
 pub fn dequantize_block(format: QuantFormat, block: &[u8], out: &mut [f32]) {
-    let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
+    let d = if format == QuantFormat::Mxfp4 {
+        mxfp4_scale(block[0])
+    } else {
+        f16::from_le_bytes([block[0], block[1]]).to_f32()
+    };
     match format {
         QuantFormat::Q4_1 => {
             let m = f16::from_le_bytes([block[2], block[3]]).to_f32();
@@ -203,12 +323,14 @@ pub fn dequantize_block(format: QuantFormat, block: &[u8], out: &mut [f32]) {
                 *o = d * q as i8 as f32;
             }
         }
-        QuantFormat::Q4_0 | QuantFormat::Iq4Nl => {
+        QuantFormat::Q4_0 | QuantFormat::Iq4Nl | QuantFormat::Mxfp4 => {
+            let codes = &block[format.block_bytes() - GROUP / 2..];
             for i in 0..GROUP {
-                let byte = block[2 + i % (GROUP / 2)];
+                let byte = codes[i % (GROUP / 2)];
                 let q = if i < GROUP / 2 { byte & 15 } else { byte >> 4 };
                 out[i] = d * match format {
                     QuantFormat::Q4_0 => q as f32 - 8.0,
+                    QuantFormat::Mxfp4 => MXFP4_LEVELS[q as usize] as f32,
                     _ => IQ4_NL_LEVELS[q as usize] as f32,
                 };
             }

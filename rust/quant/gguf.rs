@@ -32,7 +32,9 @@
 use half::f16;
 use rayon::prelude::*;
 
-use super::blocks::{dequantize_block, quantize_block, IQ4_NL_LEVELS};
+use super::blocks::{
+    dequantize_block, f16_power_of_two, quantize_block, IQ4_NL_LEVELS, MXFP4_LEVELS,
+};
 use super::{QuantFormat, GROUP};
 use crate::error::{CoreError, CoreResult};
 
@@ -49,21 +51,6 @@ pub enum BlockType {
     Q5K,
     Q6K,
     Mxfp4,
-}
-
-/// The E2M1 values of `mxfp4`'s 4-bit codes, doubled (llama.cpp's
-/// `kvalues_mxfp4`): code `q` is `MXFP4_LEVELS[q] / 2` times `2^(e - 127)`.
-pub const MXFP4_LEVELS: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
-
-/// `2^(e - 128)`, the f32 scale of an `mxfp4` block with exponent byte `e`
-/// (ggml's `ggml_e8m0_to_fp32_half`: subnormal for `e` < 2).
-#[inline(always)]
-fn mxfp4_scale(e: u8) -> f32 {
-    if e < 2 {
-        f32::from_bits(0x0020_0000u32 << e)
-    } else {
-        f32::from_bits(((e - 1) as u32) << 23)
-    }
 }
 
 impl BlockType {
@@ -186,13 +173,7 @@ fn dequantize_one(kind: BlockType, b: &[u8], out: &mut [f32]) {
                 }
             }
         }
-        BlockType::Mxfp4 => {
-            let d = mxfp4_scale(b[0]);
-            for i in 0..GROUP / 2 {
-                out[i] = d * MXFP4_LEVELS[(b[1 + i] & 15) as usize] as f32;
-                out[i + GROUP / 2] = d * MXFP4_LEVELS[(b[1 + i] >> 4) as usize] as f32;
-            }
-        }
+        BlockType::Mxfp4 => dequantize_block(QuantFormat::Mxfp4, b, out),
         BlockType::Q6K => {
             let (ql, qh) = (&b[0..128], &b[128..192]);
             let sc = &b[192..208];
@@ -298,16 +279,6 @@ pub fn converts_exactly(kind: BlockType) -> bool {
         kind,
         BlockType::Q8_0 | BlockType::Q4_0 | BlockType::Q5_0 | BlockType::Iq4Nl | BlockType::Mxfp4
     )
-}
-
-/// The f16 bits of `2^k`, for `k` in -24..=15 (subnormal below -14).
-#[inline(always)]
-fn f16_power_of_two(k: i32) -> u16 {
-    if k >= -14 {
-        ((k + 15) as u16) << 10
-    } else {
-        1u16 << (k + 24)
-    }
 }
 
 /// Writes the exact `q8_0` block of `b` into `out` when `kind` has one
@@ -461,6 +432,7 @@ pub fn string_array(
 
 #[cfg(test)]
 mod tests {
+    use super::super::blocks::mxfp4_scale;
     use super::*;
 
     #[test]
@@ -470,6 +442,7 @@ mod tests {
             (QuantFormat::Q8_0, BlockType::Q8_0),
             (QuantFormat::Q4_0, BlockType::Q4_0),
             (QuantFormat::Iq4Nl, BlockType::Iq4Nl),
+            (QuantFormat::Mxfp4, BlockType::Mxfp4),
         ] {
             let mut block = vec![0u8; fmt.block_bytes()];
             quantize_block(fmt, &x, &mut block);

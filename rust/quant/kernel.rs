@@ -379,8 +379,8 @@ unsafe fn pass<S: IntSimd, const R: usize, const V: usize, const MIN: bool, cons
                     }
                 }
             }
-            QuantFormat::Q4_0 | QuantFormat::Iq4Nl | QuantFormat::Q4_1 => {
-                let levels = format == QuantFormat::Iq4Nl;
+            QuantFormat::Q4_0 | QuantFormat::Iq4Nl | QuantFormat::Q4_1 | QuantFormat::Mxfp4 => {
+                let levels = format.has_levels();
                 // Without VNNI, 4-bit indices (0-15) against int8 (|x| <=
                 // 127) keep their pair sums in i16 for the whole group:
                 // each pair is at most 2 * 15 * 127 = 3810, and a lane's

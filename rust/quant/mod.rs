@@ -62,15 +62,19 @@ pub enum QuantFormat {
     /// 4-bit `d * q + m`: a scale and a minimum per 32 (GGUF's Q4_1, and the
     /// form GGUF's Q4_K super-blocks take in the kernels).
     Q4_1,
+    /// 4-bit E2M1 codes with a power-of-two scale per 32 (OCP MXFP4, as GGUF
+    /// stores gpt-oss's experts): a code table like `iq4_nl`'s.
+    Mxfp4,
 }
 
 impl QuantFormat {
     /// Every format.
-    pub const ALL: [QuantFormat; 4] = [
+    pub const ALL: [QuantFormat; 5] = [
         QuantFormat::Q8_0,
         QuantFormat::Q4_0,
         QuantFormat::Iq4Nl,
         QuantFormat::Q4_1,
+        QuantFormat::Mxfp4,
     ];
 
     /// The format's name (as GGUF spells it, lower case).
@@ -80,6 +84,7 @@ impl QuantFormat {
             QuantFormat::Q4_0 => "q4_0",
             QuantFormat::Iq4Nl => "iq4_nl",
             QuantFormat::Q4_1 => "q4_1",
+            QuantFormat::Mxfp4 => "mxfp4",
         }
     }
 
@@ -101,7 +106,13 @@ impl QuantFormat {
             QuantFormat::Q8_0 => 2 + GROUP,
             QuantFormat::Q4_0 | QuantFormat::Iq4Nl => 2 + GROUP / 2,
             QuantFormat::Q4_1 => 4 + GROUP / 2,
+            QuantFormat::Mxfp4 => 1 + GROUP / 2,
         }
+    }
+
+    /// Whether a nibble indexes a table of levels (`iq4_nl`, `mxfp4`).
+    pub(crate) fn has_levels(self) -> bool {
+        matches!(self, QuantFormat::Iq4Nl | QuantFormat::Mxfp4)
     }
 
     /// Bytes of one group of a panel (32 features).
@@ -114,7 +125,9 @@ impl QuantFormat {
     pub(crate) fn scale_offset(self) -> usize {
         match self {
             QuantFormat::Q8_0 => NR * GROUP,
-            QuantFormat::Q4_0 | QuantFormat::Iq4Nl | QuantFormat::Q4_1 => NR * GROUP / 2,
+            QuantFormat::Q4_0 | QuantFormat::Iq4Nl | QuantFormat::Q4_1 | QuantFormat::Mxfp4 => {
+                NR * GROUP / 2
+            }
         }
     }
 
@@ -233,7 +246,7 @@ fn run<T: Element>(
 ) -> CoreResult<()> {
     let n = w.n;
     let shared = SharedOut(out.as_mut_ptr());
-    let tables = pack::iq4_nl_tables();
+    let tables = pack::level_tables(w.format);
     let serial = m * n * w.k < SERIAL_MACS;
     let offsets = dispatch_int(
         path,
@@ -455,6 +468,7 @@ mod tests {
             (QuantFormat::Q4_0, 0.15),
             (QuantFormat::Iq4Nl, 0.15),
             (QuantFormat::Q4_1, 0.15),
+            (QuantFormat::Mxfp4, 0.2),
         ] {
             let w = QuantWeight::quantize(format, Src::F32(&wf), None, n, k).unwrap();
             let mut out = vec![0f32; m * n];
@@ -514,6 +528,72 @@ mod tests {
         assert!(err.to_string().contains("expected 34 bytes"), "{err}");
         let err = QuantWeight::from_blocks(QuantFormat::Q4_0, &[0; 18], None, 1, 31).unwrap_err();
         assert!(err.to_string().contains("multiple of 32"), "{err}");
+    }
+
+    /// `mxfp4` blocks as a GGUF file holds them (any codes, exponent bytes
+    /// across the range an f16 scale holds) go through the panels bit for
+    /// bit and multiply as dequantized on every path, extreme codes against
+    /// extreme activations included; a block whose scale no f16 holds is
+    /// refused by index unless its codes are all zero.
+    #[test]
+    fn mxfp4_blocks_as_stored() {
+        let f = QuantFormat::Mxfp4;
+        let (m, n, k) = (5, 70, 128);
+        let bb = f.block_bytes();
+        let mut rng = Rng(17);
+        let mut blocks: Vec<u8> = (0..n * k / GROUP * bb)
+            .map(|_| (rng.f32().abs() * 256.0) as u8)
+            .collect();
+        for (i, b) in blocks.chunks_exact_mut(bb).enumerate() {
+            b[0] = 104 + (i % 40) as u8;
+            if i % 7 == 0 {
+                b[1..].fill(0x77); // +12 everywhere (code 7)
+            }
+        }
+        let w = QuantWeight::from_blocks(f, &blocks, None, n, k).unwrap();
+        assert_eq!(w.to_blocks(), blocks);
+        let mut x: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
+        x[..k].iter_mut().for_each(|v| *v = -1.0); // codes at -127
+        let want = reference(&w, &x, m);
+        for path in IntPath::available() {
+            let mut out = vec![0f32; m * n];
+            gemm_with_path(path, Dst::F32(&mut out), Src::F32(&x), &w, m).unwrap();
+            for (idx, (&o, &r)) in out.iter().zip(&want).enumerate() {
+                let tol = 1e-5 * (1.0 + r.abs()) * (k as f64).sqrt();
+                assert!((o as f64 - r).abs() <= tol, "{path:?} at {idx}: {o} vs {r}");
+            }
+        }
+        // Exponent bytes no f16 holds.
+        let mut bad = blocks.clone();
+        bad[5 * bb] = 150;
+        let err = QuantWeight::from_blocks(f, &bad, None, n, k).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("block 5 has the exponent byte 150"),
+            "{err}"
+        );
+        bad[5 * bb + 1..6 * bb].fill(0x80); // +0 and -0: zero weights
+        let z = QuantWeight::from_blocks(f, &bad, None, n, k).unwrap();
+        let mut row = vec![1f32; k];
+        z.dequantize_row(1, &mut row).unwrap();
+        assert!(row[GROUP..2 * GROUP].iter().all(|&v| v == 0.0));
+        // Quantized here: every code is the level nearest to w / scale.
+        let wf: Vec<f32> = (0..4 * GROUP).map(|_| rng.f32() * 0.1).collect();
+        let mut q = vec![0u8; 4 * bb];
+        blocks::quantize_rows(f, &wf, 1, 4 * GROUP, &mut q);
+        for (g, b) in q.chunks_exact(bb).enumerate() {
+            let d = blocks::mxfp4_scale(b[0]);
+            let mut y = vec![0f32; GROUP];
+            blocks::dequantize_block(f, b, &mut y);
+            for (c, &v) in y.iter().enumerate() {
+                let a = wf[g * GROUP + c];
+                let best = blocks::MXFP4_LEVELS
+                    .iter()
+                    .map(|&l| (a - d * l as f32).abs())
+                    .fold(f32::INFINITY, f32::min);
+                assert!((a - v).abs() <= best * (1.0 + 1e-6), "{a}: {v}");
+            }
+        }
     }
 
     /// Panels adopted from bytes packed earlier give the same products bit

@@ -2,7 +2,9 @@
 
 use std::sync::Arc;
 
-use super::blocks::{dequantize_block, quantize_rows, IQ4_NL_LEVELS};
+use super::blocks::{
+    dequantize_block, mxfp4_exponent, mxfp4_f16_scale, quantize_rows, IQ4_NL_LEVELS, MXFP4_LEVELS,
+};
 use super::{QuantFormat, GROUP, NR};
 use crate::cpu::elem::expect_matrix;
 use crate::cpu::{Dst, Element, Src};
@@ -141,6 +143,9 @@ impl QuantWeight {
                 "{} blocks: expected {want} bytes for {n} x {k} weights in whole rows, got {got}",
                 format.name(),
             )));
+        }
+        if format == QuantFormat::Mxfp4 {
+            check_mxfp4_scales(parts)?;
         }
         // The first row of each part.
         let mut starts = Vec::with_capacity(parts.len());
@@ -403,14 +408,22 @@ fn word(bytes: &[u8], at: usize) -> u32 {
 /// Places one row's block as feature `j` of a panel block.
 ///
 /// `q8_0`: byte `b` of lane `j` in quad `q` (bytes `q * 128 + 4j + b`) is
-/// weight `4q + b`. `q4_0`/`iq4_nl`: in oct `o` (bytes `o * 128 + 4j + b`),
+/// weight `4q + b`. The 4-bit formats: in oct `o` (bytes `o * 128 + 4j + b`),
 /// the low nibble is weight `8o + b`, the high nibble `8o + 4 + b`. The f16
 /// scales of the 32 features follow the weights.
 #[inline(always)]
 fn pack_block(format: QuantFormat, block: &[u8], j: usize, out: &mut [u8]) {
     let scales = format.scale_offset();
-    out[scales + 2 * j..scales + 2 * j + 2].copy_from_slice(&block[..2]);
     let mut q = &block[2..];
+    if format == QuantFormat::Mxfp4 {
+        // Checked by `check_mxfp4_scales` (a weight quantized here has an
+        // f16 scale by construction).
+        let d = mxfp4_f16_scale(block).unwrap_or(0);
+        out[scales + 2 * j..scales + 2 * j + 2].copy_from_slice(&d.to_le_bytes());
+        q = &block[1..];
+    } else {
+        out[scales + 2 * j..scales + 2 * j + 2].copy_from_slice(&block[..2]);
+    }
     if format == QuantFormat::Q4_1 {
         let mins = format.min_offset();
         out[mins + 2 * j..mins + 2 * j + 2].copy_from_slice(&block[2..4]);
@@ -425,7 +438,7 @@ fn pack_block(format: QuantFormat, block: &[u8], j: usize, out: &mut [u8]) {
                 put(quad, word(q, 4 * quad));
             }
         }
-        QuantFormat::Q4_0 | QuantFormat::Iq4Nl | QuantFormat::Q4_1 => {
+        QuantFormat::Q4_0 | QuantFormat::Iq4Nl | QuantFormat::Q4_1 | QuantFormat::Mxfp4 => {
             // Weight i < 16 is the low nibble of byte i, weight 16 + i its
             // high nibble: oct o's bytes pair weights 8o + b and 8o + 4 + b.
             const LOW: u32 = 0x0f0f_0f0f;
@@ -441,8 +454,16 @@ fn pack_block(format: QuantFormat, block: &[u8], j: usize, out: &mut [u8]) {
 /// The inverse of [`pack_block`]: feature `j`'s block from a panel block.
 fn unpack_block(format: QuantFormat, pb: &[u8], j: usize, block: &mut [u8]) {
     let scales = format.scale_offset();
-    block[..2].copy_from_slice(&pb[scales + 2 * j..scales + 2 * j + 2]);
     let mut at = 2;
+    if format == QuantFormat::Mxfp4 {
+        block[0] = mxfp4_exponent(u16::from_le_bytes([
+            pb[scales + 2 * j],
+            pb[scales + 2 * j + 1],
+        ]));
+        at = 1;
+    } else {
+        block[..2].copy_from_slice(&pb[scales + 2 * j..scales + 2 * j + 2]);
+    }
     if format == QuantFormat::Q4_1 {
         let mins = format.min_offset();
         block[2..4].copy_from_slice(&pb[mins + 2 * j..mins + 2 * j + 2]);
@@ -454,7 +475,7 @@ fn unpack_block(format: QuantFormat, pb: &[u8], j: usize, block: &mut [u8]) {
                 block[2 + i] = pb[(i / 4) * 128 + 4 * j + i % 4];
             }
         }
-        QuantFormat::Q4_0 | QuantFormat::Iq4Nl | QuantFormat::Q4_1 => {
+        QuantFormat::Q4_0 | QuantFormat::Iq4Nl | QuantFormat::Q4_1 | QuantFormat::Mxfp4 => {
             let mut nibs = [0u8; GROUP];
             for o in 0..GROUP / 8 {
                 for b in 0..4 {
@@ -470,13 +491,46 @@ fn unpack_block(format: QuantFormat, pb: &[u8], j: usize, block: &mut [u8]) {
     }
 }
 
-/// `iq4_nl`'s levels as the kernels' lookup tables: signed, and offset by
-/// 128 (unsigned) for the VNNI dot product.
-pub(super) fn iq4_nl_tables() -> ([u8; 16], [u8; 16]) {
+/// The levels of a format's codes (`iq4_nl`'s, or `mxfp4`'s; unused by the
+/// others) as the kernels' lookup tables: signed, and offset by 128
+/// (unsigned) for the VNNI dot product.
+pub(super) fn level_tables(format: QuantFormat) -> ([u8; 16], [u8; 16]) {
+    let levels = if format == QuantFormat::Mxfp4 {
+        MXFP4_LEVELS
+    } else {
+        IQ4_NL_LEVELS
+    };
     (
-        IQ4_NL_LEVELS.map(|l| l as u8),
-        IQ4_NL_LEVELS.map(|l| (l as i32 + 128) as u8),
+        levels.map(|l| l as u8),
+        levels.map(|l| (l as i32 + 128) as u8),
     )
+}
+
+/// Checks that the kernels' f16 scales hold every `mxfp4` block's scale
+/// exactly ([`mxfp4_f16_scale`]); the error names the first block that
+/// does not.
+fn check_mxfp4_scales(parts: &[&[u8]]) -> CoreResult<()> {
+    let bb = QuantFormat::Mxfp4.block_bytes();
+    let mut before = 0;
+    for p in parts {
+        let blocks = p.chunks_exact(bb);
+        let n = blocks.len();
+        if let Some((i, b)) = blocks
+            .enumerate()
+            .find(|(_, b)| mxfp4_f16_scale(b).is_none())
+        {
+            return Err(CoreError::invalid(format!(
+                "mxfp4 blocks: block {} has the exponent byte {} (a scale of 2^{}), which \
+                 the kernels' f16 scales do not hold (exponent bytes 104..=143; convert \
+                 such a tensor to q8_0)",
+                before + i,
+                b[0],
+                b[0] as i32 - 128
+            )));
+        }
+        before += n;
+    }
+    Ok(())
 }
 
 /// Bytes per write of [`write_chunked`]: a huge page, so that the page

@@ -5,14 +5,16 @@ and nothing is assigned until every parameter is ready, as for a safetensors
 folder. Tensors are read from the file's memory map:
 
 - F32, F16, BF16: float weights, converted to the model's dtype;
-- Q8_0, Q4_0, IQ4_NL, Q4_1: repacked bit for bit into the integer kernels'
-  panels (``_core.QuantizedLinear.from_blocks``), never re-quantized;
+- Q8_0, Q4_0, IQ4_NL, Q4_1, MXFP4 (gpt-oss's experts): repacked bit for bit
+  into the integer kernels' panels (``_core.QuantizedLinear.from_blocks``),
+  never re-quantized (an MXFP4 tensor with a block scale that the kernel's
+  f16 scales cannot hold, below 2^-24 or above 2^15, is converted as below);
 - Q4_K: its super-blocks rewritten as q4_1 blocks (``_core.gguf_q4_k_to_q4_1``:
   the same codes, every 32 weights' scale and minimum rounded to f16);
-- Q5_0, Q5_1, Q5_K, Q6_K, MXFP4: no kernel runs them, so they are
+- Q5_0, Q5_1, Q5_K, Q6_K: no kernel runs them, so they are
   converted to ``q8_0`` block by block in the core (``_core.gguf_to_q8_0``):
-  Q5_0 and MXFP4 exactly (their weights are a scale times integers in
-  -16..15, or gpt-oss's MXFP4 power-of-two scale times doubled E2M1 levels),
+  Q5_0 (and MXFP4) exactly (their weights are a scale times integers in
+  -16..15, or MXFP4's power-of-two scale times doubled E2M1 levels),
   the others dequantized and quantized again, the nearest kernel format,
   which loses nothing measurable; a warning names those tensors, the extra
   memory and the error the conversion adds. A fused matrix (q/k/v, gate/up)
@@ -72,7 +74,13 @@ logger = logging.getLogger("fastllm")
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # GGUF type -> the kernel format that runs it as it is.
-KERNEL_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "IQ4_NL": "iq4_nl", "Q4_1": "q4_1"}
+KERNEL_TYPES = {
+    "Q8_0": "q8_0",
+    "Q4_0": "q4_0",
+    "IQ4_NL": "iq4_nl",
+    "Q4_1": "q4_1",
+    "MXFP4": "mxfp4",
+}
 # Q4_K super-blocks are rewritten as q4_1 blocks: the same codes, each
 # sub-block's scale and minimum rounded to f16.
 REWRITTEN_TYPES = {"Q4_K": "q4_1"}
@@ -80,7 +88,7 @@ REWRITTEN_TYPES = {"Q4_K": "q4_1"}
 # types whose weights are a scale times int8 codes (``EXACT_TYPES``, as
 # ``rust/quant/gguf.rs: converts_exactly``), otherwise dequantized and
 # quantized again.
-CONVERTED_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "MXFP4")
+CONVERTED_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
 CONVERSION_FORMAT = "q8_0"
 EXACT_TYPES = ("Q8_0", "Q4_0", "IQ4_NL", "Q5_0", "MXFP4")
 SUPPORTED_TYPES = FLOAT_TYPES + tuple(KERNEL_TYPES) + tuple(REWRITTEN_TYPES) + CONVERTED_TYPES
@@ -690,7 +698,14 @@ def _quantized(
                 blocks = rewritten
             parts.append(_reorder_blocks(blocks, s.rows, s.col_order))
         # The parts of a fused matrix (q, k, v) go in as they are, uncopied.
-        return _core.QuantizedLinear.from_blocks(parts, out_features, in_features, fmt, b)
+        try:
+            return _core.QuantizedLinear.from_blocks(parts, out_features, in_features, fmt, b)
+        except ValueError:
+            if fmt != "mxfp4":
+                raise
+            # A block scale no f16 holds: converted exactly to q8_0 below.
+            for s in param.sources:
+                report.count(report.exact, s)
     if _split_blocks(param) or any(s.type.name in FLOAT_TYPES for s in param.sources):
         weight = torch.cat([_float_tensor(gguf, s).float() for s in param.sources])
         return _core.QuantizedLinear(weight, b, format=CONVERSION_FORMAT)
@@ -803,8 +818,9 @@ def _log_conversions(path: str, report: LoadReport) -> None:
     exact = {k: n for k, n in report.exact.items() if k != "MXFP4"}
     if "MXFP4" in report.exact:
         logger.warning(
-            "%s: fastllm has no kernel for %d MXFP4 tensor(s); converted them to q8_0 at load, "
-            "exactly (the same weights: each block's power-of-two scale and E2M1 codes), "
+            "%s: %d MXFP4 tensor(s) hold block scales outside what the mxfp4 kernel's f16 "
+            "scales hold (2^-24 to 2^15); converted them to q8_0 at load, exactly where an "
+            "f16 holds the scale (each block's power-of-two scale and E2M1 codes), "
             "8.5 bits per weight in memory instead of 4.25",
             path,
             report.exact["MXFP4"],

@@ -12,9 +12,10 @@ groups of 32 input features with one scale each.
   (``benches/quant_quality.py``: +0.8% against +1.3% for ``"iq4_nl"``, whose
   non-linear levels fit the weights more closely by RMS and by KL divergence
   but lose more perplexity; see docs/quantization.md).
-- ``"q8_0"``, ``"q4_0"``, ``"iq4_nl"`` and ``"q4_1"`` (4-bit with a minimum
-  per group: GGUF's Q4_1, and the form GGUF's Q4_K tensors run in) name a
-  format directly.
+- ``"q8_0"``, ``"q4_0"``, ``"iq4_nl"``, ``"q4_1"`` (4-bit with a minimum
+  per group: GGUF's Q4_1, and the form GGUF's Q4_K tensors run in) and
+  ``"mxfp4"`` (OCP MXFP4: E2M1 codes with a power-of-two scale per group, the
+  format of gpt-oss's experts) name a format directly.
 
 A tied embedding reads its rows from the quantized head; an untied one is
 quantized to the same format and looked up row by row.
@@ -39,6 +40,7 @@ QUANTIZATION_FORMATS: dict[str, str] = {
     "q4_0": "q4_0",
     "iq4_nl": "iq4_nl",
     "q4_1": "q4_1",
+    "mxfp4": "mxfp4",
 }
 
 # Bytes per weight of each format: 32 weights and one f16 scale a group.
@@ -47,6 +49,7 @@ BYTES_PER_WEIGHT: dict[str, float] = {
     "q4_0": 18 / 32,
     "iq4_nl": 18 / 32,
     "q4_1": 20 / 32,  # a scale and a minimum per group
+    "mxfp4": 18 / 32,  # its exponent byte held as an f16 scale in memory
 }
 
 
