@@ -4,7 +4,9 @@
 //! ## Formats
 //! The numbers of GGUF's block formats (see [`blocks`]): groups of 32 input
 //! features with one f16 scale, `q8_0` (8.5 bits a weight), `q4_0` and
-//! `iq4_nl` (4.5 bits; `iq4_nl` maps its 16 codes to non-linear levels).
+//! `iq4_nl` (4.5 bits; `iq4_nl` maps its 16 codes to non-linear levels),
+//! `q4_1` (with a minimum) and `mxfp4` (E2M1 levels; its power-of-two scale
+//! held as an f16 in the panels).
 //!
 //! ## Layout
 //! As in the float GEMM, the weight is cut into panels of 32 output
