@@ -267,6 +267,83 @@ def test_stacked_expert_checkpoint(tmp_path, saved: dict) -> None:
     _close(ours, _reference(ref_model, seqs)[0], "stacked experts")
 
 
+def _mxfp4_checkpoint(folder: str, dst) -> None:
+    """gpt-oss's ``folder`` saved as the released checkpoints are: every
+    expert matrix in MXFP4 (quantized by the ``gguf`` package, then laid out
+    as ``*_blocks`` [experts, rows, groups, 16], codes 2i / 2i + 1 in byte i's
+    low / high nibble, and ``*_scales`` [experts, rows, groups] of E8M0
+    exponents), ``quantization_config`` naming ``mxfp4``."""
+    import json
+
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+
+    gguf = pytest.importorskip("gguf")
+    state = load_file(f"{folder}/model.safetensors")
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        rows = state.pop(name).transpose(1, 2).contiguous().numpy()  # [experts, out, in]
+        q = gguf.quants.quantize(rows, gguf.GGMLQuantizationType.MXFP4)
+        q = q.reshape(*rows.shape[:2], -1, 17)
+        codes = np.concatenate([q[..., 1:] & 15, q[..., 1:] >> 4], axis=-1)  # 32 in order
+        state[f"{name}_blocks"] = torch.from_numpy(codes[..., 0::2] | (codes[..., 1::2] << 4))
+        state[f"{name}_scales"] = torch.from_numpy(np.ascontiguousarray(q[..., 0]))
+    save_file(state, str(dst / "model.safetensors"))
+    config = json.loads(open(f"{folder}/config.json").read())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    (dst / "config.json").write_text(json.dumps(config))
+
+
+def test_mxfp4_checkpoint_runs_its_experts_as_stored(tmp_path, saved: dict) -> None:
+    """A gpt-oss checkpoint with MXFP4 experts (as released): every expert
+    is a ``QuantizedLinear`` in ``mxfp4`` holding exactly the weights that
+    transformers dequantizes from the same files (gate and up de-interleaved),
+    and the logits stay close to transformers' on them (the experts' int8
+    activations being the only difference)."""
+    folder, _ = saved["gpt_oss"]
+    _mxfp4_checkpoint(folder, tmp_path)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path),
+        quantization_config=transformers.Mxfp4Config(dequantize=True),
+        dtype=torch.float32,
+    ).eval()
+    model = _load(str(tmp_path), True)
+    for i, layer in enumerate(model.model.layers):
+        theirs = ref.model.layers[i].mlp.experts
+        for j, expert in enumerate(layer.mlp.experts):
+            for proj, want in (
+                ("gate_up_proj", theirs.gate_up_proj[j].t()),
+                ("down_proj", theirs.down_proj[j].t()),
+            ):
+                table = getattr(expert, proj).packed
+                assert isinstance(table, _core.QuantizedLinear) and table.format == "mxfp4"
+                rows = torch.empty(table.out_features, table.in_features)
+                table.embed(rows, torch.arange(table.out_features))
+                if proj == "gate_up_proj":
+                    want = torch.cat([want[0::2], want[1::2]])
+                assert torch.equal(rows, want), (i, j, proj)
+            assert torch.equal(expert.gate_up_proj.bias, _deinterleaved(theirs, j))
+    seqs = _sequences(6, [14, 9, 21])
+    ours = torch.cat(_prefill_then_decode(model, seqs))
+    want = torch.cat(_reference(ref, seqs))
+    assert (ours - want).abs().max() <= 0.05 * want.abs().max()
+    assert (ours.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        load_model(ModelConfig.from_pretrained(str(tmp_path)), str(tmp_path), torch.float32, "meta")
+
+
+def _deinterleaved(experts, j: int) -> torch.Tensor:
+    b = experts.gate_up_proj_bias[j]
+    return torch.cat([b[0::2], b[1::2]])
+
+
 def test_bad_moe_config(tmp_path, saved: dict) -> None:
     import json
     import shutil

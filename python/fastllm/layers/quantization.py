@@ -24,11 +24,13 @@ quantized to the same format and looked up row by row.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
 
 from fastllm import _core
+from fastllm.models.weights import PackedBlocks
 
 logger = logging.getLogger("fastllm")
 
@@ -130,36 +132,53 @@ class StreamingQuantizer:
     and its float copy is dropped. Nothing is assigned to the model until
     the loader has read everything (``adopt``); the head (``lm_head``, or
     whichever layer ``head_weights`` names: an encoder's last) and the
-    embeddings are left to ``quantize_model``, which packs what is left."""
+    embeddings are left to ``quantize_model``, which packs what is left.
 
-    def __init__(self, model: nn.Module, fmt: str) -> None:
+    A weight the checkpoint stores quantized (``PackedBlocks``: gpt-oss's
+    MXFP4 experts) is adopted as stored, whatever ``fmt``; with ``fmt``
+    None the float weights go to the model as they are."""
+
+    def __init__(self, model: nn.Module, fmt: str | None) -> None:
         from fastllm.layers.linear import Linear
 
-        self.make = quantizer(fmt)
+        self.make = quantizer(fmt) if fmt is not None else None
         head_weight, _ = model.head_weights()
         self.linears = {
             name: m
             for name, m in model.named_modules()
             if isinstance(m, Linear) and name != "lm_head" and m.weight is not head_weight
         }
-        self.pending: dict[str, torch.Tensor] = {}  # a weight waiting for its bias
+        self.pending: dict[str, Any] = {}  # a weight waiting for its bias
         self.packed: dict[str, object] = {}
 
-    def offer(self, pname: str, tensor: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+    def offer(self, pname: str, tensor: Any, state: dict[str, torch.Tensor]) -> None:
         """Takes parameter ``pname`` as read: a linear layer's weight is
         quantized (once its bias, if any, has come too); anything else goes
         into ``state`` for the model."""
         module, _, kind = pname.rpartition(".")
         linear = self.linears.get(module)
+        stored = isinstance(tensor, PackedBlocks)
         if linear is None or kind not in ("weight", "bias"):
             state[pname] = tensor
+        elif kind == "weight" and self.make is None and not stored:
+            state[pname] = tensor  # float weights stay float
         elif kind == "weight" and linear.bias is not None:
             self.pending[module] = tensor
         elif kind == "weight":
-            self.packed[module] = self.make(tensor, None)
+            self.packed[module] = self._make(tensor, None)
         else:
             state[pname] = tensor  # the module keeps its bias, as pack() does
-            self.packed[module] = self.make(self.pending.pop(module), tensor)
+            if module in self.pending:
+                self.packed[module] = self._make(self.pending.pop(module), tensor)
+
+    def _make(self, weight: Any, bias: torch.Tensor | None) -> object:
+        if isinstance(weight, PackedBlocks):
+            b = None if bias is None else bias.float().contiguous()
+            return _core.QuantizedLinear.from_blocks(
+                weight.blocks, weight.out_features, weight.in_features, weight.format, b
+            )
+        assert self.make is not None
+        return self.make(weight, bias)
 
     def adopt(self, model: nn.Module) -> None:
         """Hands each quantized matrix to its layer (the float weight was never assigned)."""

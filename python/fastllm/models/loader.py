@@ -24,7 +24,7 @@ from fastllm.layers import load_dtype
 from fastllm.layers.norm import LayerNorm, RMSNorm
 from fastllm.layers.ops import bind_ops, select_ops
 from fastllm.models import get_model_class
-from fastllm.models.weights import WeightSpec
+from fastllm.models.weights import PackedBlocks, WeightSpec, mxfp4_blocks
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _INDEX = "model.safetensors.index.json"
@@ -55,11 +55,13 @@ def load_model(
         model = cls(config)
     device = torch.device(device)
     streaming = None
-    if quantization is not None:
+    stored = getattr(model, "stored_quantization", None)
+    if quantization is not None or stored is not None:
         from fastllm.layers.quantization import StreamingQuantizer
 
         if device.type != "cpu":
-            raise ValueError(f"quantization={quantization!r} runs on the CPU, not {device}")
+            what = f"quantization={quantization!r}" if quantization else stored
+            raise ValueError(f"{what} runs on the CPU, not {device}")
         streaming = StreamingQuantizer(model, quantization)
     # Streaming, torch's copies alternate with the quantizer's Rust team:
     # torch's OpenMP workers spin after each copy on the cores the team
@@ -274,6 +276,17 @@ def _checkpoint_state(
     state: dict[str, torch.Tensor] = {}
     for pname, shape, spec, names in _plan(model, ckpt):
         pdtype = load_dtype(model, pname, dtype)
+        if spec.mxfp4:
+            blocks, scales = (
+                ckpt.read(n) if spec.select is None else ckpt.read_row(n, spec.select)
+                for n in names
+            )
+            if spec.deinterleave:
+                blocks = torch.cat([blocks[0::2], blocks[1::2]])
+                scales = torch.cat([scales[0::2], scales[1::2]])
+            packed = PackedBlocks("mxfp4", mxfp4_blocks(blocks, scales), *shape)
+            streaming.offer(pname, packed, state)
+            continue
         if len(names) == 1:
             t = _source_tensor(ckpt, names[0], spec)
             moved = t.to(device=device, dtype=pdtype).contiguous()

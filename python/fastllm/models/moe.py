@@ -353,19 +353,38 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
 class GptOssForCausalLM(MoeForCausalLM):
     """gpt-oss-20b / -120b: experts stacked in the checkpoint as
     ``gate_up_proj`` [experts, hidden, 2 x inter] with gate and up
-    interleaved, and ``down_proj`` [experts, inter, hidden], each with a bias."""
+    interleaved, and ``down_proj`` [experts, inter, hidden], each with a bias;
+    or, as the released checkpoints hold them (``quantization_config``'s
+    ``quant_method`` "mxfp4"), in MXFP4: ``gate_up_proj_blocks`` /
+    ``_scales`` [experts, 2 x inter, hidden / 32, (16)] (rows interleaved
+    alike) and ``down_proj_blocks`` / ``_scales`` [experts, hidden, inter /
+    32, (16)], which run as stored on the ``mxfp4`` kernel (CPU)."""
 
     LAYER_CLASS = GptOssDecoderLayer
 
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        #: "mxfp4" when the checkpoint stores the experts quantized.
+        self.stored_quantization = "mxfp4" if self._mxfp4(config) else None
+
     @staticmethod
-    def _flags(config: ModelConfig) -> dict[str, Any]:
+    def _mxfp4(config: ModelConfig) -> bool:
+        """Whether the checkpoint's experts are MXFP4; an error for any other
+        ``quantization_config``."""
         quantized = config.hf.get("quantization_config")
-        if isinstance(quantized, dict) and quantized.get("quant_method"):
+        if not isinstance(quantized, dict) or not quantized.get("quant_method"):
+            return False
+        if quantized["quant_method"] != "mxfp4":
             raise ValueError(
                 f"config.json: quantization_config.quant_method "
-                f"{quantized['quant_method']!r} (gpt-oss's MXFP4 experts) is not supported "
-                "from a folder; load the model's GGUF file, or a bf16 checkpoint"
+                f"{quantized['quant_method']!r} is not supported for gpt-oss; expected "
+                "'mxfp4' (the released checkpoints' experts) or none (bf16)"
             )
+        return True
+
+    @staticmethod
+    def _flags(config: ModelConfig) -> dict[str, Any]:
+        GptOssForCausalLM._mxfp4(config)
         flags = moe_flags(config, "intermediate_size")
         bias = bool(config.hf.get("attention_bias", True))
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False, "mlp_bias": False, **flags}
@@ -380,15 +399,25 @@ class GptOssForCausalLM(MoeForCausalLM):
             specs[f"{p}.gate.bias"] = WeightSpec((f"{p}.router.bias",))
             for j in range(len(self.model.layers[i].mlp.experts)):
                 e, stacked = f"{p}.experts.{j}", f"{p}.experts"
-                specs[f"{e}.gate_up_proj.weight"] = WeightSpec(
+                gate_up = WeightSpec(
                     (f"{stacked}.gate_up_proj",), select=j, transpose=True, deinterleave=True
                 )
+                down = WeightSpec((f"{stacked}.down_proj",), select=j, transpose=True)
+                if self.stored_quantization == "mxfp4":
+                    gate_up, down = (
+                        WeightSpec(
+                            (f"{stacked}.{proj}_blocks", f"{stacked}.{proj}_scales"),
+                            select=j,
+                            deinterleave=proj == "gate_up_proj",
+                            mxfp4=True,
+                        )
+                        for proj in ("gate_up_proj", "down_proj")
+                    )
+                specs[f"{e}.gate_up_proj.weight"] = gate_up
                 specs[f"{e}.gate_up_proj.bias"] = WeightSpec(
                     (f"{stacked}.gate_up_proj_bias",), select=j, deinterleave=True
                 )
-                specs[f"{e}.down_proj.weight"] = WeightSpec(
-                    (f"{stacked}.down_proj",), select=j, transpose=True
-                )
+                specs[f"{e}.down_proj.weight"] = down
                 specs[f"{e}.down_proj.bias"] = WeightSpec((f"{stacked}.down_proj_bias",), select=j)
         return specs
 
