@@ -275,6 +275,25 @@ fn gguf_q4_k_to_q4_1(
     convert_blocks(py, blocks, out, DType::U8, crate::quant::gguf::q4_k_to_q4_1)
 }
 
+/// Rewrites MXFP4 blocks (`blocks`, uint8, 17 bytes each: an E8M0 exponent,
+/// then codes `2i` and `2i + 1` in byte `i`'s low and high nibble, as
+/// gpt-oss's checkpoints pair them) in GGUF's code order into `out` (uint8,
+/// the same size), for `QuantizedLinear.from_blocks(..., "mxfp4")`.
+#[pyfunction]
+fn mxfp4_pairs_to_gguf(
+    py: Python<'_>,
+    blocks: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    convert_blocks(
+        py,
+        blocks,
+        out,
+        DType::U8,
+        crate::quant::gguf::mxfp4_pairs_to_gguf,
+    )
+}
+
 /// GGUF block types `dequantize_gguf` reads.
 #[pyfunction]
 fn gguf_block_types() -> Vec<&'static str> {
@@ -353,6 +372,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gguf_block_types, m)?)?;
     m.add_function(wrap_pyfunction!(gguf_strings, m)?)?;
     m.add_function(wrap_pyfunction!(gguf_q4_k_to_q4_1, m)?)?;
+    m.add_function(wrap_pyfunction!(mxfp4_pairs_to_gguf, m)?)?;
     m.add_function(wrap_pyfunction!(gguf_to_q8_0, m)?)?;
     Ok(())
 }

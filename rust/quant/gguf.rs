@@ -398,6 +398,35 @@ pub fn q4_k_to_q4_1(src: &[u8], out: &mut [u8]) -> CoreResult<()> {
     })
 }
 
+/// Rewrites MXFP4 blocks whose 32 codes come in pairs (byte `i`: codes
+/// `2i` and `2i + 1` in its low and high nibble, after the exponent byte:
+/// gpt-oss's checkpoints) in GGUF's order (byte `i`: codes `i` and `16 + i`),
+/// into `out` (17 bytes a block, the exponent byte as it is).
+pub fn mxfp4_pairs_to_gguf(src: &[u8], out: &mut [u8]) -> CoreResult<()> {
+    let bb = BlockType::Mxfp4.block_bytes();
+    per_block_chunks("MXFP4 pairs", src, bb, out, bb, 4096, |src, out| {
+        const LOW: u64 = 0x0f0f_0f0f_0f0f_0f0f;
+        for (o, b) in out.chunks_exact_mut(bb).zip(src.chunks_exact(bb)) {
+            o[0] = b[0];
+            // Bytes j of `a` hold codes 2j, 2j + 1; of `c`, codes 16 + 2j, 17 + 2j.
+            let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
+            let (a, c) = (word(1), word(9));
+            // Output bytes 2j and 2j + 1.
+            let even = (a & LOW) | ((c & LOW) << 4);
+            let odd = ((a >> 4) & LOW) | (c & !LOW);
+            for (j, (e, d)) in even
+                .to_le_bytes()
+                .into_iter()
+                .zip(odd.to_le_bytes())
+                .enumerate()
+            {
+                o[1 + 2 * j] = e;
+                o[2 + 2 * j] = d;
+            }
+        }
+    })
+}
+
 /// The `count` length-prefixed strings (u64 length, then the bytes) of a
 /// GGUF string array starting at `pos` in `data`: their byte ranges and the
 /// position after the last one; an error names the string that runs past
@@ -474,6 +503,29 @@ mod tests {
             let fifth = if i % 2 == 0 { 16 } else { 0 };
             assert_eq!(v, ((i % 16) as i32 + fifth - 16) as f32, "weight {i}");
         }
+    }
+
+    #[test]
+    fn mxfp4_pairs_become_gguf_order() {
+        // Code c of block k is (3 * c + k) % 16, stored in pairs.
+        let blocks = 3;
+        let mut src = vec![0u8; blocks * 17];
+        for (k, b) in src.chunks_exact_mut(17).enumerate() {
+            b[0] = 120 + k as u8;
+            for c in 0..32 {
+                b[1 + c / 2] |= (((3 * c + k) % 16) as u8) << (4 * (c % 2));
+            }
+        }
+        let mut out = vec![0u8; src.len()];
+        mxfp4_pairs_to_gguf(&src, &mut out).unwrap();
+        for (k, o) in out.chunks_exact(17).enumerate() {
+            assert_eq!(o[0], 120 + k as u8);
+            for i in 0..16 {
+                assert_eq!(o[1 + i] & 15, ((3 * i + k) % 16) as u8);
+                assert_eq!(o[1 + i] >> 4, ((3 * (i + 16) + k) % 16) as u8);
+            }
+        }
+        assert!(mxfp4_pairs_to_gguf(&src[..20], &mut out[..20]).is_err());
     }
 
     #[test]
