@@ -82,7 +82,16 @@
    1e-5, tied head, 131072 positions; random bf16 weights, the tokenizer's
    vocabulary. 0.99B parameters: MLPs 0.81B, attention 0.17B (the real
    128256-token embedding would make it 1.24B).
-Usage: python benches/make_bench_model.py [OUT_DIR] [--models=qwen2,tiny,gemma3-1b,phi4-mini,bert-base,nomic-embed,mpnet-base,embeddinggemma,qwen3-embed,qwen3-moe,qwen3.5-2b,lfm2-1.2b,granite4-h-350m,llama3.2-1b,qwen3.5-moe,lfm2-moe]
+9. gpt-oss-random and gpt-oss-mxfp4-random (with --models=gpt-oss):
+   GptOssForCausalLM shaped like gpt-oss-20b scaled down: 12 layers of 1024,
+   16 heads and 4 KV heads of 64 with sinks, sliding (128) and full layers
+   alternating, 32 experts with 4 active of FFN 1024 (biases, the clamped
+   SwiGLU), the tokenizer's vocabulary, untied head. 1.24B parameters, 0.19B
+   active per token. The first folder holds the experts in bf16; the second
+   holds them in MXFP4 as the released checkpoints do (`*_blocks` /
+   `*_scales`, quantized by fastllm's mxfp4 quantizer; `quantization_config`
+   "mxfp4").
+Usage: python benches/make_bench_model.py [OUT_DIR] [--models=qwen2,tiny,gemma3-1b,phi4-mini,bert-base,nomic-embed,mpnet-base,embeddinggemma,qwen3-embed,qwen3-moe,qwen3.5-2b,lfm2-1.2b,granite4-h-350m,llama3.2-1b,qwen3.5-moe,lfm2-moe,gpt-oss]
 (default qwen2,tiny; needs torch, transformers, tokenizers; `pip install "fastllm[bench]"`
 has them)
 """
@@ -134,6 +143,8 @@ QWEN3_5_DIR = os.path.join(ROOT, "qwen3.5-2b-random")
 LFM2_DIR = os.path.join(ROOT, "lfm2-1.2b-random")
 LLAMA3_2_DIR = os.path.join(ROOT, "llama3.2-1b-random")
 GRANITE4_H_DIR = os.path.join(ROOT, "granite4-h-350m-random")
+GPT_OSS_DIR = os.path.join(ROOT, "gpt-oss-random")
+GPT_OSS_MXFP4_DIR = os.path.join(ROOT, "gpt-oss-mxfp4-random")
 TOK_VOCAB = 8192
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -281,6 +292,87 @@ def qwen3_moe(V, eos):
         eos_token_id=eos,
         pad_token_id=eos,
     )
+
+
+def gpt_oss(V, eos):
+    from transformers import GptOssConfig
+
+    return GptOssConfig(
+        vocab_size=V,
+        hidden_size=1024,
+        intermediate_size=1024,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        sliding_window=128,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
+
+
+def write_mxfp4_copy(src, dst):
+    """``src`` (a gpt-oss folder with bf16 experts) copied to ``dst`` with its
+    experts in MXFP4 in the released checkpoints' layout: ``*_blocks`` [experts,
+    rows, groups, 16] with codes 2i / 2i + 1 in byte i's low / high nibble,
+    ``*_scales`` [experts, rows, groups] of E8M0 exponents."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from fastllm import _core
+
+    os.makedirs(dst, exist_ok=True)
+    for f in os.listdir(src):
+        if not f.endswith(".safetensors") and f != "model.safetensors.index.json":
+            shutil.copy(os.path.join(src, f), dst)
+    for f in sorted(glob.glob(os.path.join(src, "*.safetensors"))):
+        state = load_file(f)
+        for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            stacked = state.pop(name).transpose(1, 2)  # [experts, out, in]
+            experts, rows, k = stacked.shape
+            blocks, scales = [], []
+            for w in stacked:
+                q = _core.QuantizedLinear(w.contiguous(), format="mxfp4").to_blocks()
+                q = torch.frombuffer(bytearray(q), dtype=torch.uint8).reshape(rows, k // 32, 17)
+                lo, hi = q[..., 1:] & 15, q[..., 1:] >> 4  # codes 0..15 and 16..31
+                codes = torch.cat([lo, hi], dim=-1)
+                blocks.append(codes[..., 0::2] | (codes[..., 1::2] << 4))
+                scales.append(q[..., 0])
+            state[name + "_blocks"] = torch.stack(blocks)
+            state[name + "_scales"] = torch.stack(scales)
+        save_file(state, os.path.join(dst, os.path.basename(f)), metadata={"format": "pt"})
+    index = os.path.join(src, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as fh:
+            meta = json.load(fh)
+        renamed = {}
+        for n, file in meta["weight_map"].items():
+            if n.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                renamed[n + "_blocks"] = renamed[n + "_scales"] = file
+            else:
+                renamed[n] = file
+        meta["weight_map"] = renamed
+        with open(os.path.join(dst, "model.safetensors.index.json"), "w") as fh:
+            json.dump(meta, fh)
+    with open(os.path.join(dst, "config.json")) as fh:
+        config = json.load(fh)
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    with open(os.path.join(dst, "config.json"), "w") as fh:
+        json.dump(config, fh, indent=2)
 
 
 def qwen3_5_moe(V, eos):
@@ -651,12 +743,16 @@ def main():
         ("llama3.2-1b", LLAMA3_2_DIR, llama3_2_1b),
         ("qwen3.5-moe", QWEN3_5_MOE_DIR, qwen3_5_moe),
         ("lfm2-moe", LFM2_MOE_DIR, lfm2_moe),
+        ("gpt-oss", GPT_OSS_DIR, gpt_oss),
     ):
         if name in MODELS:
             save_large(make(V, eos), folder, tok, eos)
             if name.startswith("granite4"):
                 release_layer_types(folder)
             built.append(folder)
+            if name == "gpt-oss":
+                write_mxfp4_copy(folder, GPT_OSS_MXFP4_DIR)
+                built.append(GPT_OSS_MXFP4_DIR)
     if "qwen2" not in MODELS and "tiny" not in MODELS:
         _plain_tokenizer_class(built)
         return

@@ -45,3 +45,41 @@ def test_bench_throughput_and_latency_json(make_model, tmp_path):
     (r,) = json.loads(lat.read_text())["results"]
     assert r["decode_tokens_per_s"] > 0 and r["time_to_first_token_s"] > 0
     assert len(r["decode_token_times_s"]) == 3
+
+
+def test_decode_bound_counts_mxfp4_experts_as_stored(tmp_path):
+    """The bandwidth bound of a gpt-oss folder whose experts are MXFP4 reads
+    them at 18/32 bytes a weight (as the kernel holds them), the other
+    matrices at the float dtype or ``quantization``'s format."""
+    import argparse
+    import json
+
+    from fastllm.benchmark import weight_bytes_per_token
+
+    h, inter, layers, experts, top, vocab = 64, 32, 2, 8, 2, 100
+    config = {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "hidden_size": h,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_local_experts": experts,
+        "num_experts_per_tok": top,
+        "vocab_size": vocab,
+        "max_position_embeddings": 256,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = argparse.Namespace(dtype="bfloat16", quantization=None)
+    attention = layers * (h * (64 + 2 * 32) + 64 * h)
+    mlp = layers * (top * 3 * h * inter + h * experts)
+    assert weight_bytes_per_token(str(tmp_path), args) == 2 * (attention + vocab * h + mlp)
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    want = 2 * (attention + vocab * h) + mlp * 18 / 32
+    assert weight_bytes_per_token(str(tmp_path), args) == int(want)
+    args.quantization = "int8"
+    want = 34 / 32 * (attention + vocab * h) + mlp * 18 / 32
+    assert weight_bytes_per_token(str(tmp_path), args) == int(want)

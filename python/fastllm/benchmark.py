@@ -342,14 +342,21 @@ def weight_bytes_per_token(folder: str, args: Any) -> int | None:
 
     mlp = mlp_weights_per_token(mc)  # a mixture of experts: the experts a token uses
     attention = L * (h * (q + 2 * kv) + q * h)
-    weights = attention + (L * 3 * h * i if mlp is None else mlp) + mc.vocab_size * h
+    mlps = L * 3 * h * i if mlp is None else mlp
     elem = 2 if args.dtype in ("auto", "bfloat16", "bf16", "float16", "half") else 4
     from fastllm.layers.quantization import BYTES_PER_WEIGHT, resolve_quantization
 
     fmt = resolve_quantization(getattr(args, "quantization", None))
     if fmt is not None:
         elem = BYTES_PER_WEIGHT[fmt]
-    return int(weights * elem)
+    # Experts stored in MXFP4 (gpt-oss's checkpoints; their routers, a few
+    # thousand weights, counted with them) run as stored, whatever
+    # quantization= does to the other layers.
+    stored = mc.hf.get("quantization_config")
+    mlp_elem = elem
+    if mlp is not None and isinstance(stored, dict) and stored.get("quant_method") == "mxfp4":
+        mlp_elem = BYTES_PER_WEIGHT["mxfp4"]
+    return int((attention + mc.vocab_size * h) * elem + mlps * mlp_elem)
 
 
 def memory_bandwidth_gbs() -> float | None:
