@@ -7,8 +7,9 @@ bfloat16 and quantized weights, on Llama, Llama 3 rope, Mistral (sliding
 window), Qwen2 (q/k/v biases), Qwen3 (q/k norms, tied head), Granite (its
 multipliers), SmolLM3 (NoPE layers), OLMo 2 (output norms only, q/k norms
 over the whole projections), Gemma 2 and 3 (four norms, GeGLU, soft-caps,
-local rotary tables), Qwen3-MoE, Qwen2-MoE, Mixtral and Granite MoE
-(mixture-of-experts layers, a dense one between them, a shared expert), and
+local rotary tables), Qwen3-MoE, Qwen2-MoE, Mixtral, Granite MoE and gpt-oss
+(mixture-of-experts layers, a dense one between them, a shared expert,
+attention sinks), and
 the hybrids LFM2 (short convolutions) and Qwen3.5 (Gated DeltaNet, gated
 attention), over prefill, chunked prefill beside decode, and decode of
 several sequences with shuffled block tables; and in the engine, over the
@@ -39,8 +40,9 @@ pytestmark = pytest.mark.skipif(
 
 # The mixtures of experts (``tests/test_moe_models.py``'s configs): Qwen3-MoE
 # with a dense layer between sparse ones, Qwen2-MoE with a shared expert,
-# Mixtral with a window, Granite MoE with Granite's multipliers.
-MOE_NAMES = ["qwen3_moe", "qwen2_moe", "mixtral", "granitemoe"]
+# Mixtral with a window, Granite MoE with Granite's multipliers, gpt-oss
+# (sinks, biases, windowed and full layers, the clamped SwiGLU; top 2 and 1).
+MOE_NAMES = ["qwen3_moe", "qwen2_moe", "mixtral", "granitemoe", "gpt_oss", "gpt_oss_top1"]
 # LFM2's short-convolution layers beside its attention layers
 # (``tests/test_hybrid_models.py``'s configs: one attention layer or two,
 # convolution biases, an MoE version with a dense layer first).
@@ -309,6 +311,8 @@ def test_bad_stacks_and_steps_are_clear_errors(folders) -> None:
             r"layers\[1\]: its KV cache or state shares memory with layer 0",
         ),
         ({"value_cache": torch.zeros(3, 2, 4, 64)}, r"value_cache: shape .* must match key_cache"),
+        ({"sinks": torch.zeros(3)}, r"layers\[1\]\.sinks: expected 4 elements, got 3"),
+        ({"sinks": torch.zeros(4, dtype=torch.bfloat16)}, r"sinks: expected dtype"),
     ]
     for change, message in cases:
         bad = [good[0], {**good[1], **change}]
@@ -365,26 +369,25 @@ def test_the_stack_refuses_an_architecture_it_does_not_implement(folders) -> Non
     assert "does not implement" in why_not(model)
 
 
-def test_attention_sinks_run_layer_by_layer(folders) -> None:
-    """The stack has no attention sinks (gpt-oss): a model whose attention has
-    them is not fused, and its layers run one by one with the sinks."""
+def test_attention_sinks_in_the_stack(folders) -> None:
+    """Sink logits (gpt-oss's) set on any attention run in the stack, bit
+    for bit as layer by layer; sinks of -inf are no sinks."""
     from fastllm.models.llama_stack import why_not
 
     seqs = _sequences([9, 5], seed=3)
     plan = [[6, 5], [3, 0], [1, 1]]
     model = _load(folders["llama"], torch.float32, None)
     want = _run(model, torch.float32, True, plan, seqs)
-    assert why_not(model) is None
     attn = list(model.attention_layers())[1]
-    # Sinks of -inf are no sinks: the same logits, layer by layer.
     attn.sinks = torch.full((attn.num_heads,), float("-inf"))
-    assert "sinks" in why_not(model)
-    assert not PagedRunner(model, torch.float32, fuse=True).fused
-    got = _run(model, torch.float32, False, plan, seqs)
+    assert why_not(model) is None
+    got = _run(model, torch.float32, True, plan, seqs)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     attn.sinks = torch.linspace(-1.0, 3.0, attn.num_heads)
-    got = _run(model, torch.float32, False, plan, seqs)
-    assert not torch.equal(got[-1], want[-1])
+    fused = _run(model, torch.float32, True, plan, seqs)
+    layers = _run(model, torch.float32, False, plan, seqs)
+    assert all(torch.equal(a, b) for a, b in zip(fused, layers))
+    assert not torch.equal(fused[-1], want[-1])
 
 
 def _hybrid_stack_arguments(folder: str) -> tuple:

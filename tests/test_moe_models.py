@@ -388,7 +388,8 @@ def test_weights_per_token_count_the_experts_a_token_uses(name: str, saved: dict
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_fused_stack_takes_the_families_it_implements(name: str, saved: dict) -> None:
-    """Qwen3-MoE, Qwen2-MoE, Mixtral and Granite MoE run as one ``_core.DecoderStack`` once packed
+    """Qwen3-MoE, Qwen2-MoE, Mixtral, Granite MoE and gpt-oss (its sinks,
+    windows and biased experts) run as one ``_core.DecoderStack`` once packed
     (their logits above came from it); the others say why they do not."""
     from fastllm.models.llama_stack import why_not
 
@@ -396,7 +397,7 @@ def test_fused_stack_takes_the_families_it_implements(name: str, saved: dict) ->
     model = _load(folder, pack=True)
     runner = PagedRunner(model, torch.float32)  # gives the layers their caches
     reason = why_not(model)
-    if name.startswith(("qwen3_moe", "qwen2_moe", "mixtral", "granitemoe")):
+    if name.startswith(("qwen3_moe", "qwen2_moe", "mixtral", "granitemoe", "gpt_oss")):
         assert reason is None and runner.fused
     else:
         assert reason is not None and "does not implement" in reason

@@ -519,7 +519,8 @@ class DecoderStack:
     layers of different groups may share a cache tensor), ``local_rotary``
     (turned by the step's local tables), ``rotary`` (default True; False: no rotation,
     SmolLM3's NoPE layers), ``mixer_out_norm`` / ``mlp_out_norm``
-    (Gemma's norms of the attention and MLP outputs before the residual add)
+    (Gemma's norms of the attention and MLP outputs before the residual add),
+    ``sinks`` (float32 [num_heads]: gpt-oss's sink logits, or None)
     and ``mlp_act`` ("silu" or "gelu_tanh"). Norms and caches share one dtype (bf16 or
     f32); the stack keeps every tensor alive and checks them all here. A
     short-convolution layer (LFM2) gives instead of the attention keys

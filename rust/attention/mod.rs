@@ -78,9 +78,9 @@ pub enum KvCacheMut<'a, T> {
     Int8(&'a mut [i8]),
 }
 
-/// `reshape_and_cache` then `paged_attention` (no sinks) on one layer's
-/// caches, of either kind (both tensors of one kind); the other arguments
-/// as those functions' (`softcap` 0: none).
+/// `reshape_and_cache` then `paged_attention` on one layer's caches, of
+/// either kind (both tensors of one kind); the other arguments as those
+/// functions' (`softcap` 0: none; `sinks` None: none).
 #[allow(clippy::too_many_arguments)]
 pub fn cache_and_attend<T: Element>(
     out: &mut [T],
@@ -96,22 +96,39 @@ pub fn cache_and_attend<T: Element>(
     scale: f32,
     sliding_window: i64,
     softcap: f32,
+    sinks: Option<&[f32]>,
 ) -> CoreResult<()> {
-    type Args<'b> = (CacheShape, usize, BatchLayout<'b>, f32, i64, f32);
+    type Args<'b> = (
+        CacheShape,
+        usize,
+        BatchLayout<'b>,
+        f32,
+        i64,
+        f32,
+        Option<&'b [f32]>,
+    );
     fn run<T: Element, C: KvElem<T>>(
         out: &mut [T],
         (query, key, value): (&[T], &[T], &[T]),
         kc: &mut [C],
         vc: &mut [C],
         slot_mapping: &[i64],
-        (shape, num_heads, batch, scale, window, cap): Args<'_>,
+        (shape, num_heads, batch, scale, window, cap, sinks): Args<'_>,
     ) -> CoreResult<()> {
         reshape_and_cache(key, value, kc, vc, slot_mapping, shape)?;
         paged_attention(
-            out, query, kc, vc, shape, num_heads, batch, scale, window, cap, None,
+            out, query, kc, vc, shape, num_heads, batch, scale, window, cap, sinks,
         )
     }
-    let args = (shape, num_heads, batch, scale, sliding_window, softcap);
+    let args = (
+        shape,
+        num_heads,
+        batch,
+        scale,
+        sliding_window,
+        softcap,
+        sinks,
+    );
     let qkv = (query, key, value);
     match (key_cache, value_cache) {
         (KvCacheMut::Float(k), KvCacheMut::Float(v)) => run(out, qkv, k, v, slot_mapping, args),

@@ -198,6 +198,9 @@ pub struct Attention<'a, T> {
     /// Whether q and k rotate at all (false: SmolLM3's NoPE layers, whose
     /// positions come from the causal mask alone).
     pub rotary: bool,
+    /// gpt-oss's attention sinks: one logit per query head that joins the
+    /// softmax's denominator (`paged_attention`), or None.
+    pub sinks: Option<&'a [f32]>,
 }
 
 /// LFM2's short-convolution mixer: `in_proj` [3H, H] (b, c and v rows),
@@ -442,6 +445,9 @@ pub fn check_layer<T>(
             let gate = if a.gate { s.heads * s.head_dim } else { 0 };
             linears.push(("qkv", a.qkv, s.hidden, s.qkv_width() + gate));
             linears.push(("o", a.o, s.heads * s.head_dim, s.hidden));
+            if let Some(sinks) = a.sinks {
+                sizes_match(&[("sinks", sinks.len(), s.heads)])?;
+            }
             a.qk_norm
                 .map_or((None, None), |(q, k)| (Some(q.len()), Some(k.len())))
         }
@@ -996,7 +1002,6 @@ fn attention<T: Element>(
             (group.slot_mapping, batch)
         }
     };
-    // No attention sinks: gpt-oss runs layer by layer (llama_stack.why_not).
     let attn = sized(&mut b.attn, tokens * qw);
     cache_and_attend(
         attn,
@@ -1012,6 +1017,7 @@ fn attention<T: Element>(
         s.scale,
         a.sliding_window,
         a.softcap,
+        a.sinks,
     )?;
     let proj = sized(&mut b.proj, tokens * s.hidden);
     if !a.gate {
@@ -1517,6 +1523,7 @@ mod tests {
                             group: 0,
                             local_rotary: false,
                             rotary: true,
+                            sinks: None,
                         }),
                         mlp: Mlp::Dense {
                             gate_up: &weights[l][2],
@@ -1602,6 +1609,7 @@ mod tests {
                 group: 0,
                 local_rotary: false,
                 rotary: true,
+                sinks: None,
             }),
             mlp: Mlp::Dense {
                 gate_up: &gu,

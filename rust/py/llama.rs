@@ -109,6 +109,7 @@ enum LayerMixer {
         group: usize,
         local_rotary: bool,
         rotary: bool,
+        sinks: Option<Span>,
     },
     ShortConv {
         in_proj: LinearWeight,
@@ -271,7 +272,8 @@ impl PyDecoderStack {
     /// share a cache tensor, at their own blocks), `local_rotary` (the step's
     /// local tables), `rotary` (default True; False: no rotation, SmolLM3's
     /// NoPE layers), `mixer_out_norm` / `mlp_out_norm` (Gemma's norms of the
-    /// attention and MLP outputs) and `mlp_act` ("silu", "gelu_tanh"). Norms and caches share the model's dtype
+    /// attention and MLP outputs), `sinks` (f32 [heads]: gpt-oss's sink
+    /// logits, or None) and `mlp_act` ("silu", "gelu_tanh"). Norms and caches share the model's dtype
     /// (bf16 or f32). A short-convolution layer (LFM2) gives instead of the
     /// attention keys `conv_in_proj` [3H, H], `conv_weight` ([H, taps], the
     /// model's dtype), `conv_bias` ([H] or None), `conv_out_proj` [H, H] and
@@ -730,6 +732,16 @@ impl PyDecoderStack {
         let group: usize = optional("kv_group")?.map_or(Ok(0), |v| v.extract())?;
         let local_rotary: bool = optional("local_rotary")?.map_or(Ok(false), |v| v.extract())?;
         let rotary: bool = optional("rotary")?.map_or(Ok(true), |v| v.extract())?;
+        let sinks = match optional("sinks")? {
+            None => None,
+            Some(obj) => {
+                let t = TensorArg::extract("sinks", &obj)?;
+                t.check(&[DType::F32], 1)?;
+                let span = Span::of(&t);
+                tensors.push(obj.unbind());
+                Some(span)
+            }
+        };
         let mixer = LayerMixer::Attention {
             qk_norm,
             gate,
@@ -742,6 +754,7 @@ impl PyDecoderStack {
             group,
             local_rotary,
             rotary,
+            sinks,
         };
         tensors.push(kc_obj.unbind());
         tensors.push(vc_obj.unbind());
@@ -927,6 +940,7 @@ impl PyDecoderStack {
                 group,
                 local_rotary,
                 rotary,
+                sinks,
             } => Mixer::Attention(Attention {
                 qk_norm: qk_norm.map(|(q, k)| (q.view(), k.view())),
                 gate: *gate,
@@ -939,6 +953,7 @@ impl PyDecoderStack {
                 group: *group,
                 local_rotary: *local_rotary,
                 rotary: *rotary,
+                sinks: sinks.map(|s| s.slice::<f32>()),
             }),
             LayerMixer::ShortConv {
                 in_proj,

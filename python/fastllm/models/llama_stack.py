@@ -91,6 +91,10 @@ FUSED_ARCHITECTURES = (
             "Gemma2ForCausalLM",
             "Gemma3ForCausalLM",
             "Gemma3ForConditionalGeneration",
+            # gpt-oss: biased q/k/v and o, a sink logit per head, sliding and
+            # full layers alternating (KV groups), experts with biases, a
+            # biased router and the clamped SwiGLU (the MoE kernel's).
+            "GptOssForCausalLM",
         }
     )
     | _HYBRID
@@ -163,8 +167,6 @@ def _attention_why_not(attn, dtype: torch.dtype) -> str | None:
         return "attention has a linear layer that is not packed"
     if attn.attn.k_cache is None or attn.attn.v_cache is None:
         return "attention has no KV cache"
-    if attn.attn.sinks is not None:
-        return "attention has sinks, which the fused stack does not implement"
     cache_dtype = attn.attn.k_cache.dtype
     if cache_dtype not in (dtype, torch.int8):
         return f"KV cache is {cache_dtype}, not the model's {dtype} or int8"
@@ -299,6 +301,9 @@ def _mlp_entries(mlp) -> dict:
 def _attention_entries(attn, local_rotary: bool = False) -> dict:
     """A layer dict's attention entries (``local_rotary``: the layer turns by
     the model's local tables, Gemma 3's local layers)."""
+    # Sink logits (gpt-oss's): those the attention op holds, else the
+    # module's own (the op takes them at its first call).
+    sinks = attn.attn.sinks if attn.attn.sinks is not None else getattr(attn, "sinks", None)
     return {
         "logit_softcap": attn.attn.logit_softcap or 0.0,
         "kv_group": attn.attn.kv_group,
@@ -311,6 +316,7 @@ def _attention_entries(attn, local_rotary: bool = False) -> dict:
         "key_cache": attn.attn.k_cache,
         "value_cache": attn.attn.v_cache,
         "sliding_window": attn.attn.sliding_window or 0,
+        "sinks": None if sinks is None else sinks.detach().float().contiguous(),
     }
 
 

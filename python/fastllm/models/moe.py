@@ -361,6 +361,8 @@ class GptOssForCausalLM(MoeForCausalLM):
     32, (16)], which run as stored on the ``mxfp4`` kernel (CPU)."""
 
     LAYER_CLASS = GptOssDecoderLayer
+    #: The layer classes whose maths ``rust/models/llama.rs`` implements.
+    FUSED_LAYER_TYPES = (GptOssDecoderLayer, GptOssAttention, (SparseMoeBlock,))
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
