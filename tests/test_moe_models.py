@@ -337,6 +337,18 @@ def test_mxfp4_checkpoint_runs_its_experts_as_stored(tmp_path, saved: dict) -> N
     assert (ours.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
     with pytest.raises(ValueError, match="runs on the CPU"):
         load_model(ModelConfig.from_pretrained(str(tmp_path)), str(tmp_path), torch.float32, "meta")
+    from fastllm import LLM
+    from fastllm.loading import quantization_name
+
+    llm = LLM(
+        str(tmp_path),
+        dtype="float32",
+        quantization="int8",
+        max_model_len=64,
+        skip_tokenizer_init=True,
+    )
+    assert "quantization='mxfp4' (the checkpoint's experts, as stored), other layers " in repr(llm)
+    assert quantization_name(llm.llm_engine.loaded) == "mxfp4+q8_0"
 
 
 def _deinterleaved(experts, j: int) -> torch.Tensor:

@@ -154,9 +154,20 @@ def describe_model(model: str) -> str | None:
     return describe_file(model)
 
 
+def stored_quantization(loaded: LoadedModel) -> str | None:
+    """The format a folder's checkpoint stores some weights in, which run as
+    stored (``"mxfp4"``: gpt-oss's released experts), or None."""
+    return getattr(loaded.model, "stored_quantization", None)
+
+
 def describe_weights(loaded: LoadedModel) -> str:
     """``quantization=...`` as ``LLM``'s repr shows it."""
     quant = f"quantization={loaded.quantization!r}"
+    stored = stored_quantization(loaded)
+    if stored is not None:
+        quant = f"quantization={stored!r} (the checkpoint's experts, as stored)"
+        if loaded.quantization is not None:
+            quant += f", other layers quantized to {loaded.quantization!r}"
     if loaded.gguf is not None:
         from fastllm.gguf import describe_tensor_types
 
@@ -168,8 +179,12 @@ def describe_weights(loaded: LoadedModel) -> str:
 
 def quantization_name(loaded: LoadedModel) -> str | None:
     """The server's ``quantization`` field: ``"gguf"`` for a GGUF file, else the
-    kernel format quantized at load (None: float weights)."""
-    return "gguf" if loaded.gguf else loaded.quantization
+    format the checkpoint stores (``"mxfp4"``) and the kernel format quantized
+    at load, joined by ``+`` when both (None: float weights)."""
+    if loaded.gguf:
+        return "gguf"
+    names = [n for n in (stored_quantization(loaded), loaded.quantization) if n is not None]
+    return "+".join(names) or None
 
 
 def describe_quantization(loaded: LoadedModel, requested: str | None) -> str:
@@ -181,6 +196,10 @@ def describe_quantization(loaded: LoadedModel, requested: str | None) -> str:
         return f"gguf ({describe_tensor_types(loaded.gguf)})"
     from fastllm.layers.quantization import describe
 
+    stored = stored_quantization(loaded)
+    if stored is not None:
+        rest = "" if requested is None else f", the other layers {describe(requested)}"
+        return f"{stored} (the checkpoint's experts, as stored){rest}"
     return describe(requested)
 
 
