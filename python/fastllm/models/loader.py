@@ -60,8 +60,9 @@ def load_model(
         from fastllm.layers.quantization import StreamingQuantizer
 
         if device.type != "cpu":
-            what = f"quantization={quantization!r}" if quantization else stored
-            raise ValueError(f"{what} runs on the CPU, not {device}")
+            what = f"quantization={quantization!r}" if quantization else None
+            what = what or f"the checkpoint's {stored} weights (quantization_config)"
+            raise ValueError(f"{what}: quantized weights run on the CPU, not {device}")
         streaming = StreamingQuantizer(model, quantization)
     # Streaming, torch's copies alternate with the quantizer's Rust team:
     # torch's OpenMP workers spin after each copy on the cores the team
