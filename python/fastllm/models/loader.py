@@ -62,7 +62,10 @@ def load_model(
         if device.type != "cpu":
             what = f"quantization={quantization!r}" if quantization else None
             what = what or f"the checkpoint's {stored} weights (quantization_config)"
-            raise ValueError(f"{what}: quantized weights run on the CPU, not {device}")
+            raise ValueError(
+                f"{what}: quantized weights run on the CPU's integer kernels, not on "
+                f"device {str(device)!r}: pass device='cpu'"
+            )
         streaming = StreamingQuantizer(model, quantization)
     # Streaming, torch's copies alternate with the quantizer's Rust team:
     # torch's OpenMP workers spin after each copy on the cores the team
