@@ -10,7 +10,8 @@
 //!   nibbles as they are; the offsets come back out through the group sums
 //!   of the activations (`corr * sum(x)` starts the accumulator);
 //! - with `vpmaddubsw` (i16 pairs): `q4_0`/`q4_1` nibbles as they are, their
-//!   pair sums kept in i16 across the group and widened once (`vpmaddwd`),
+//!   pair sums kept in i16 across the group and widened once (`vpmaddwd`);
+//!   `mxfp4`'s levels + 12 from a table likewise, widened every half group;
 //!   and signed weights against `|x|`, with the sign of `x` moved onto the
 //!   weight.
 
@@ -21,6 +22,11 @@ use crate::cpu::Element;
 /// Register tile rows of the integer paths: every path keeps `2 * R`
 /// accumulator vectors (two vectors of features per pass).
 pub(super) const MAX_ROWS: usize = 8;
+
+/// What the paths without VNNI add to `mxfp4`'s levels (-12..12) to multiply
+/// them unsigned in i16 pair sums (`vpmaddubsw`), taken back out through the
+/// group offsets (`pack::level_tables`).
+pub(super) const MXFP4_PAIR_OFFSET: i32 = 12;
 
 /// The activations of a call, quantized per row in groups of 32. The
 /// buffers may be longer than this call's rows (a thread's buffers only
@@ -219,6 +225,8 @@ impl IntKernel for GroupOffsets<'_> {
             QuantFormat::Q4_0 => -8,
             QuantFormat::Q4_1 => 0, // its minimum comes in after the group
             _ if S::VNNI => -128,
+            // Levels + 12 in pair sums without VNNI (see `pass`).
+            QuantFormat::Mxfp4 => -MXFP4_PAIR_OFFSET,
             _ => 0,
         };
         let x = self.x;
@@ -258,7 +266,7 @@ unsafe fn tile_rows<S: IntSimd, const R: usize>(mut t: QuantTile<'_>) {
     match (t.format, S::VNNI) {
         (QuantFormat::Q4_1, false) => passes::<S, R, true, true>(&mut t),
         (QuantFormat::Q4_1, true) => passes::<S, R, true, false>(&mut t),
-        (QuantFormat::Q4_0, false) => passes::<S, R, false, true>(&mut t),
+        (QuantFormat::Q4_0 | QuantFormat::Mxfp4, false) => passes::<S, R, false, true>(&mut t),
         _ => passes::<S, R, false, false>(&mut t),
     }
 }
@@ -282,9 +290,9 @@ unsafe fn passes<S: IntSimd, const R: usize, const MIN: bool, const PAIRS: bool>
 }
 
 /// Vectors `v0..v0 + V` of the panel's features for `R` rows; `MIN`: the
-/// format has a minimum per group (`q4_1`); `PAIRS`: 4-bit indices
-/// (`q4_0`, `q4_1`) on a path without VNNI, whose pair sums stay in i16
-/// across the group.
+/// format has a minimum per group (`q4_1`); `PAIRS`: unsigned 4-bit weights
+/// (`q4_0`, `q4_1` indices, `mxfp4` levels + 12) on a path without VNNI,
+/// whose pair sums stay in i16 across the group (half a group for `mxfp4`).
 ///
 /// # Safety
 /// As for [`tile_rows`].
@@ -386,7 +394,10 @@ unsafe fn pass<S: IntSimd, const R: usize, const V: usize, const MIN: bool, cons
                 // each pair is at most 2 * 15 * 127 = 3810, and a lane's
                 // eight pairs of the group at most 30480 < 2^15, so one
                 // `vpmaddwd` widens them per group instead of one per pair.
-                let in_pairs = PAIRS && !levels;
+                // `mxfp4`'s levels + 12 (0-24) reach 2 * 24 * 127 = 6096 a
+                // pair: widened after each half group's four (24384).
+                let in_pairs = PAIRS;
+                let half_groups = PAIRS && format == QuantFormat::Mxfp4;
                 let mut pairs = [[S::splat_i32(0); V]; R];
                 for oct in 0..GROUP / 8 {
                     let (mut lo, mut hi) = ([S::splat_i32(0); V], [S::splat_i32(0); V]);
@@ -406,6 +417,10 @@ unsafe fn pass<S: IntSimd, const R: usize, const V: usize, const MIN: bool, cons
                             for v in 0..V {
                                 let both = S::add_pairs(S::pairs(lo[v], xl), S::pairs(hi[v], xh));
                                 p[v] = S::add_pairs(p[v], both);
+                                if half_groups && oct == GROUP / 16 - 1 {
+                                    a[v] = S::widen_pairs(a[v], p[v]);
+                                    p[v] = S::splat_i32(0);
+                                }
                             }
                         } else if !levels || offset {
                             for v in 0..V {

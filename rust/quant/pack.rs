@@ -5,6 +5,7 @@ use std::sync::Arc;
 use super::blocks::{
     dequantize_block, mxfp4_exponent, mxfp4_f16_scale, quantize_rows, IQ4_NL_LEVELS, MXFP4_LEVELS,
 };
+use super::kernel::MXFP4_PAIR_OFFSET;
 use super::{QuantFormat, GROUP, NR};
 use crate::cpu::elem::expect_matrix;
 use crate::cpu::{Dst, Element, Src};
@@ -492,16 +493,18 @@ fn unpack_block(format: QuantFormat, pb: &[u8], j: usize, block: &mut [u8]) {
 }
 
 /// The levels of a format's codes (`iq4_nl`'s, or `mxfp4`'s; unused by the
-/// others) as the kernels' lookup tables: signed, and offset by 128
+/// others) as the kernels' lookup tables: for the paths without VNNI
+/// (`iq4_nl`'s signed, for the sign trick; `mxfp4`'s plus
+/// [`MXFP4_PAIR_OFFSET`], unsigned, for pair sums), and offset by 128
 /// (unsigned) for the VNNI dot product.
 pub(super) fn level_tables(format: QuantFormat) -> ([u8; 16], [u8; 16]) {
-    let levels = if format == QuantFormat::Mxfp4 {
-        MXFP4_LEVELS
+    let (levels, pairs) = if format == QuantFormat::Mxfp4 {
+        (MXFP4_LEVELS, MXFP4_PAIR_OFFSET)
     } else {
-        IQ4_NL_LEVELS
+        (IQ4_NL_LEVELS, 0)
     };
     (
-        levels.map(|l| l as u8),
+        levels.map(|l| (l as i32 + pairs) as u8),
         levels.map(|l| (l as i32 + 128) as u8),
     )
 }
