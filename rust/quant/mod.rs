@@ -325,6 +325,23 @@ mod tests {
         out
     }
 
+    /// `w`'s product with the `m` rows of `x` on every path, against the
+    /// f64 product of the dequantized weights.
+    fn matches_reference_on_every_path(w: &QuantWeight, x: &[f32], m: usize, what: &str) {
+        let want = reference(w, x, m);
+        for path in IntPath::available() {
+            let mut out = vec![0f32; m * w.n];
+            gemm_with_path(path, Dst::F32(&mut out), Src::F32(x), w, m).unwrap();
+            for (idx, (&o, &r)) in out.iter().zip(&want).enumerate() {
+                let tol = 1e-5 * (1.0 + r.abs()) * (w.k as f64).sqrt();
+                assert!(
+                    (o as f64 - r).abs() <= tol,
+                    "{path:?} {what} at {idx}: {o} vs {r}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn every_path_and_format_matches_the_dequantized_product() {
         let mut rng = Rng(21);
@@ -342,18 +359,7 @@ mod tests {
             for format in QuantFormat::ALL {
                 let w =
                     QuantWeight::quantize(format, Src::F32(&wf), Some(Src::F32(&b)), n, k).unwrap();
-                let want = reference(&w, &x, m);
-                for path in IntPath::available() {
-                    let mut out = vec![0f32; m * n];
-                    gemm_with_path(path, Dst::F32(&mut out), Src::F32(&x), &w, m).unwrap();
-                    for (idx, (&o, &r)) in out.iter().zip(&want).enumerate() {
-                        let tol = 1e-5 * (1.0 + r.abs()) * (k as f64).sqrt();
-                        assert!(
-                            (o as f64 - r).abs() <= tol,
-                            "{path:?} {format:?} {m}x{n}x{k} at {idx}: {o} vs {r}"
-                        );
-                    }
-                }
+                matches_reference_on_every_path(&w, &x, m, &format!("{format:?} {m}x{n}x{k}"));
             }
         }
     }
@@ -556,15 +562,7 @@ mod tests {
         assert_eq!(w.to_blocks(), blocks);
         let mut x: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
         x[..k].iter_mut().for_each(|v| *v = -1.0); // codes at -127
-        let want = reference(&w, &x, m);
-        for path in IntPath::available() {
-            let mut out = vec![0f32; m * n];
-            gemm_with_path(path, Dst::F32(&mut out), Src::F32(&x), &w, m).unwrap();
-            for (idx, (&o, &r)) in out.iter().zip(&want).enumerate() {
-                let tol = 1e-5 * (1.0 + r.abs()) * (k as f64).sqrt();
-                assert!((o as f64 - r).abs() <= tol, "{path:?} at {idx}: {o} vs {r}");
-            }
-        }
+        matches_reference_on_every_path(&w, &x, m, "mxfp4 as stored");
         // Exponent bytes no f16 holds.
         let mut bad = blocks.clone();
         bad[5 * bb] = 150;
