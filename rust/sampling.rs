@@ -78,6 +78,10 @@ pub struct SamplingParams {
     pub position: u64,
     /// How many top raw log-probabilities to return (0 = none).
     pub num_logprobs: usize,
+    /// Whether to compute the sampled token's raw log-probability and rank
+    /// (a pass over the row for the log-sum-exp, another for the rank);
+    /// without them, and with `num_logprobs` 0, [`Sample`] holds NaN and 0.
+    pub sampled_logprob: bool,
 }
 
 impl Default for SamplingParams {
@@ -93,6 +97,7 @@ impl Default for SamplingParams {
             seed: 0,
             position: 0,
             num_logprobs: 0,
+            sampled_logprob: true,
         }
     }
 }
@@ -1114,6 +1119,14 @@ fn sample_row(row: &RowInput<'_>, s: &mut Scratch) -> Sample {
         Kept::List(list) => race(&s.w, plan.w_max, list[0], key, 0.0, list.iter().copied()),
         Kept::Threshold { min_e } => race_all(&s.w, plan.w_max, plan.w_argmax, key, *min_e),
     };
+    if !p.sampled_logprob && p.num_logprobs == 0 {
+        return Sample {
+            token: token as u32,
+            logprob: f32::NAN,
+            rank: 0,
+            top_logprobs: Vec::new(),
+        };
+    }
     let raw = raw_logprobs(x, raw.max, token, p.num_logprobs);
     Sample {
         token: token as u32,

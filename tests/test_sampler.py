@@ -51,7 +51,16 @@ def _args(logits, prompts, outputs, **kw):
     return filters, history
 
 
-def sample(logits, seeds, position=0, prompts=None, outputs=None, num_logprobs=0, **kw):
+def sample(
+    logits,
+    seeds,
+    position=0,
+    prompts=None,
+    outputs=None,
+    num_logprobs=0,
+    sampled_logprob=True,
+    **kw,
+):
     rows = logits.shape[0]
     filters, history = _args(logits, prompts, outputs, **kw)
     batch = _core.SamplingBatch(
@@ -60,6 +69,7 @@ def sample(logits, seeds, position=0, prompts=None, outputs=None, num_logprobs=0
         position=_per_row(position, rows),
         **history,
         num_logprobs=_per_row(num_logprobs, rows),
+        sampled_logprob=_per_row(sampled_logprob, rows),
     )
     return _core.sample(logits, batch)
 
@@ -213,6 +223,25 @@ def test_logprobs_ranks_and_top_n_match_log_softmax(case, seed, num_logprobs):
             assert value == float(lp[i]) or math.isclose(
                 value, float(lp[i]), rel_tol=1e-5, abs_tol=1e-5
             )
+
+
+@SETTINGS
+@given(rows_and_params(), st.integers(0, 2**64 - 1), st.integers(0, 3))
+def test_rows_without_a_sampled_logprob_draw_the_same_tokens(case, seed, num_logprobs):
+    """``sampled_logprob=False`` (a request without logprobs) draws the very
+    token of the same row with it; the row reports NaN and rank 0 unless it
+    asks for top logprobs, which then come as before."""
+    logits, params, prompts, outputs = case
+    rows = logits.shape[0]
+    kw = dict(seeds=seed, prompts=prompts, outputs=outputs, num_logprobs=num_logprobs, **params)
+    want = sample(logits, **kw)
+    got = sample(logits, sampled_logprob=[r % 2 == 1 for r in range(rows)], **kw)
+    assert got[0] == want[0]
+    for r in range(rows):
+        if r % 2 == 1 or num_logprobs > 0:
+            assert (got[1][r], got[2][r], got[3][r]) == (want[1][r], want[2][r], want[3][r])
+        else:
+            assert math.isnan(got[1][r]) and got[2][r] == 0 and got[3][r] == []
 
 
 def _chi_square_p(counts, probs):
@@ -499,6 +528,8 @@ def test_bad_arguments_name_the_argument():
         sample(logits, seeds=[1, 2], temperature=[1.0, -2.0])
     with pytest.raises(ValueError, match=r"output_tokens\[1\]: token id 10"):
         sample(logits, seeds=[1, 2], outputs=[[1], [10]])
+    with pytest.raises(ValueError, match="sampled_logprob: expected 2 values"):
+        sample(logits, seeds=[1, 2], sampled_logprob=[True])
     neutral = dict(
         temperature=[1.0] * 2, top_k=[0] * 2, top_p=[1.0] * 2, min_p=[0.0] * 2,
         repetition_penalty=[1.0] * 2, frequency_penalty=[0.0] * 2, presence_penalty=[0.0] * 2,

@@ -175,7 +175,10 @@ class SamplingBatch:
 
     Per-row lists have one value per row (``temperature`` sets the count);
     ``prompt_tokens`` / ``output_tokens`` are flat int32 CPU tensors indexed by
-    ``rows + 1`` offsets (empty histories when omitted). Errors name the field.
+    ``rows + 1`` offsets (empty histories when omitted). ``sampled_logprob``
+    (default all True): whether ``sample`` computes a row's sampled token's raw
+    logprob and rank; a row without them and without ``num_logprobs`` gets NaN
+    and 0 (two passes over its logits saved). Errors name the field.
     """
 
     def __init__(
@@ -195,6 +198,7 @@ class SamplingBatch:
         output_tokens: Tensor | None = None,
         output_offsets: Sequence[int] | None = None,
         num_logprobs: Sequence[int] | None = None,
+        sampled_logprob: Sequence[bool] | None = None,
     ) -> None: ...
     @property
     def rows(self) -> int:
@@ -219,6 +223,8 @@ class SamplingBatch:
     def position(self) -> list[int]: ...
     @property
     def num_logprobs(self) -> list[int]: ...
+    @property
+    def sampled_logprob(self) -> list[bool]: ...
     @property
     def prompt_tokens(self) -> list[int]: ...
     @property

@@ -47,6 +47,7 @@ impl SamplingBatch {
         output_tokens=None,
         output_offsets=None,
         num_logprobs=None,
+        sampled_logprob=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -64,6 +65,7 @@ impl SamplingBatch {
         output_tokens: Option<&Bound<'_, PyAny>>,
         output_offsets: Option<Vec<usize>>,
         num_logprobs: Option<Vec<usize>>,
+        sampled_logprob: Option<Vec<bool>>,
     ) -> PyResult<SamplingBatch> {
         let rows = temperature.len();
         let check = |name: &str, len: usize| -> PyResult<()> {
@@ -84,6 +86,7 @@ impl SamplingBatch {
             ("seed", seed.as_ref().map(Vec::len)),
             ("position", position.as_ref().map(Vec::len)),
             ("num_logprobs", num_logprobs.as_ref().map(Vec::len)),
+            ("sampled_logprob", sampled_logprob.as_ref().map(Vec::len)),
         ] {
             if let Some(len) = v {
                 check(name, len)?;
@@ -101,6 +104,7 @@ impl SamplingBatch {
                 seed: seed.as_ref().map_or(0, |s| s[r]),
                 position: position.as_ref().map_or(0, |p| p[r]),
                 num_logprobs: num_logprobs.as_ref().map_or(0, |n| n[r]),
+                sampled_logprob: sampled_logprob.as_ref().is_none_or(|w| w[r]),
             })
             .collect();
         let prompt_tokens = token_history("prompt_tokens", prompt_tokens)?;
@@ -168,6 +172,11 @@ impl SamplingBatch {
     #[getter]
     fn num_logprobs(&self) -> Vec<usize> {
         self.params.iter().map(|p| p.num_logprobs).collect()
+    }
+
+    #[getter]
+    fn sampled_logprob(&self) -> Vec<bool> {
+        self.params.iter().map(|p| p.sampled_logprob).collect()
     }
 
     #[getter]

@@ -356,6 +356,9 @@ def sampling_batch(seqs: list[Sequence], seeds: list[int]) -> _core.SamplingBatc
         output_tokens=_flat_int32(output_chunks, output_off[-1]),
         output_offsets=output_off,
         num_logprobs=[p.logprobs or 0 for p in params],
+        # The sampled token's logprob and rank only for the requests that
+        # report them (two passes over the row saved for the others).
+        sampled_logprob=[p.logprobs is not None for p in params],
     )
 
 
