@@ -45,7 +45,7 @@ pub fn mxfp4_scale(e: u8) -> f32 {
 
 /// The f16 bits of `2^k`, for `k` in -24..=15 (subnormal below -14).
 #[inline(always)]
-pub fn f16_power_of_two(k: i32) -> u16 {
+fn f16_power_of_two(k: i32) -> u16 {
     if k >= -14 {
         ((k + 15) as u16) << 10
     } else {

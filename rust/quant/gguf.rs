@@ -33,7 +33,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::blocks::{
-    dequantize_block, f16_power_of_two, quantize_block, IQ4_NL_LEVELS, MXFP4_LEVELS,
+    dequantize_block, mxfp4_f16_scale, quantize_block, IQ4_NL_LEVELS, MXFP4_LEVELS,
 };
 use super::{QuantFormat, GROUP};
 use crate::error::{CoreError, CoreResult};
@@ -271,9 +271,9 @@ pub fn to_q8_0(kind: BlockType, blocks: &[u8], out: &mut [u8]) -> CoreResult<()>
 /// integers in -128..127 (`q4_0`: `q - 8`, `q5_0`: `q - 16`, `iq4_nl`: its
 /// levels, `mxfp4`: its doubled E2M1 levels), so the `q8_0` block keeps `d`
 /// and those integers, bit for bit the same weights. For `mxfp4` that holds
-/// for every block whose scale `2^(e - 128)` is an f16 (`e` in 104..=143:
-/// weights from 2^-24 to 12 * 2^15 in size); any other block (every weight
-/// under 2^-20, or over 2^17) is dequantized and quantized again.
+/// for every block whose scale an f16 holds ([`mxfp4_f16_scale`]: `e` in
+/// 104..=143, weights from 2^-24 to 12 * 2^15 in size, or zero codes); any
+/// other block is dequantized and quantized again.
 pub fn converts_exactly(kind: BlockType) -> bool {
     matches!(
         kind,
@@ -289,11 +289,10 @@ fn exact_codes(kind: BlockType, b: &[u8], out: &mut [u8]) -> bool {
         return false;
     }
     if kind == BlockType::Mxfp4 {
-        let k = b[0] as i32 - 128;
-        if !(-24..=15).contains(&k) {
+        let Some(d) = mxfp4_f16_scale(b) else {
             return false; // no f16 holds the scale
-        }
-        out[..2].copy_from_slice(&f16_power_of_two(k).to_le_bytes());
+        };
+        out[..2].copy_from_slice(&d.to_le_bytes());
         for i in 0..GROUP / 2 {
             out[2 + i] = MXFP4_LEVELS[(b[1 + i] & 15) as usize] as u8;
             out[2 + i + GROUP / 2] = MXFP4_LEVELS[(b[1 + i] >> 4) as usize] as u8;
