@@ -621,11 +621,11 @@ def gguf_q4_k_to_q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
     ``out`` (uint8, 8 x 20 bytes per super-block): the same codes, each
     sub-block's scale and minimum rounded to f16."""
 
-def mxfp4_pairs_to_gguf(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    """Rewrites MXFP4 blocks (uint8, 17 bytes each: an E8M0 exponent, then codes
-    2i and 2i + 1 in byte i's low and high nibble, as gpt-oss's checkpoints pair
-    them) in GGUF's code order (byte i: codes i and 16 + i) into ``out`` (uint8,
-    the same size). Releases the GIL."""
+def mxfp4_from_pairs(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """GGUF MXFP4 blocks (into ``out``, uint8, 17 bytes a block) from ``codes``
+    (uint8, 16 bytes a block: codes 2i and 2i + 1 in byte i's low and high
+    nibble, as gpt-oss's checkpoints pair them) and ``scales`` (uint8, one E8M0
+    exponent a block). Releases the GIL."""
 
 def gguf_block_types() -> list[str]:
     """GGUF block types ``dequantize_gguf`` reads."""

@@ -275,23 +275,36 @@ fn gguf_q4_k_to_q4_1(
     convert_blocks(py, blocks, out, DType::U8, crate::quant::gguf::q4_k_to_q4_1)
 }
 
-/// Rewrites MXFP4 blocks (`blocks`, uint8, 17 bytes each: an E8M0 exponent,
-/// then codes `2i` and `2i + 1` in byte `i`'s low and high nibble, as
-/// gpt-oss's checkpoints pair them) in GGUF's code order into `out` (uint8,
-/// the same size), for `QuantizedLinear.from_blocks(..., "mxfp4")`.
+/// GGUF MXFP4 blocks (into `out`, uint8, 17 bytes a block) from `codes`
+/// (uint8, 16 bytes a block: codes `2i` and `2i + 1` in byte `i`'s low and
+/// high nibble, as gpt-oss's checkpoints pair them) and `scales` (uint8, one
+/// E8M0 exponent a block), for `QuantizedLinear.from_blocks(..., "mxfp4")`.
 #[pyfunction]
-fn mxfp4_pairs_to_gguf(
+fn mxfp4_from_pairs(
     py: Python<'_>,
-    blocks: &Bound<'_, PyAny>,
+    codes: &Bound<'_, PyAny>,
+    scales: &Bound<'_, PyAny>,
     out: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
-    convert_blocks(
-        py,
-        blocks,
-        out,
-        DType::U8,
-        crate::quant::gguf::mxfp4_pairs_to_gguf,
-    )
+    let mut args = Vec::with_capacity(3);
+    for (name, t) in [("codes", codes), ("scales", scales), ("out", out)] {
+        let t = TensorArg::extract(name, t)?;
+        t.check(&[DType::U8], t.shape.len().max(1))?;
+        args.push(t);
+    }
+    check_no_overlap(&args[2], &args[0])?;
+    check_no_overlap(&args[2], &args[1])?;
+    // SAFETY: all three checked (uint8, CPU, contiguous), `out` shares memory
+    // with neither input; the caller keeps them alive during the call.
+    let (c, s, o) = unsafe {
+        (
+            args[0].slice::<u8>(),
+            args[1].slice::<u8>(),
+            args[2].slice_mut::<u8>(),
+        )
+    };
+    py.detach(move || crate::quant::gguf::mxfp4_from_pairs(c, s, o))?;
+    Ok(())
 }
 
 /// GGUF block types `dequantize_gguf` reads.
@@ -372,7 +385,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gguf_block_types, m)?)?;
     m.add_function(wrap_pyfunction!(gguf_strings, m)?)?;
     m.add_function(wrap_pyfunction!(gguf_q4_k_to_q4_1, m)?)?;
-    m.add_function(wrap_pyfunction!(mxfp4_pairs_to_gguf, m)?)?;
+    m.add_function(wrap_pyfunction!(mxfp4_from_pairs, m)?)?;
     m.add_function(wrap_pyfunction!(gguf_to_q8_0, m)?)?;
     Ok(())
 }

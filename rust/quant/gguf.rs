@@ -397,33 +397,52 @@ pub fn q4_k_to_q4_1(src: &[u8], out: &mut [u8]) -> CoreResult<()> {
     })
 }
 
-/// Rewrites MXFP4 blocks whose 32 codes come in pairs (byte `i`: codes
-/// `2i` and `2i + 1` in its low and high nibble, after the exponent byte:
-/// gpt-oss's checkpoints) in GGUF's order (byte `i`: codes `i` and `16 + i`),
-/// into `out` (17 bytes a block, the exponent byte as it is).
-pub fn mxfp4_pairs_to_gguf(src: &[u8], out: &mut [u8]) -> CoreResult<()> {
-    let bb = BlockType::Mxfp4.block_bytes();
-    per_block_chunks("MXFP4 pairs", src, bb, out, bb, 4096, |src, out| {
-        const LOW: u64 = 0x0f0f_0f0f_0f0f_0f0f;
-        for (o, b) in out.chunks_exact_mut(bb).zip(src.chunks_exact(bb)) {
-            o[0] = b[0];
-            // Bytes j of `a` hold codes 2j, 2j + 1; of `c`, codes 16 + 2j, 17 + 2j.
-            let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
-            let (a, c) = (word(1), word(9));
-            // Output bytes 2j and 2j + 1.
-            let even = (a & LOW) | ((c & LOW) << 4);
-            let odd = ((a >> 4) & LOW) | (c & !LOW);
-            for (j, (e, d)) in even
-                .to_le_bytes()
-                .into_iter()
-                .zip(odd.to_le_bytes())
-                .enumerate()
-            {
-                o[1 + 2 * j] = e;
-                o[2 + 2 * j] = d;
-            }
-        }
-    })
+/// GGUF `mxfp4` blocks (into `out`, 17 bytes each) from MXFP4 weights
+/// stored as gpt-oss's checkpoints store them: `codes`, 16 bytes a block,
+/// byte `i` holding codes `2i` and `2i + 1` in its low and high nibble, and
+/// `scales`, one E8M0 exponent byte a block. GGUF's byte `i` holds codes `i`
+/// and `16 + i`; the exponent byte is the same.
+pub fn mxfp4_from_pairs(codes: &[u8], scales: &[u8], out: &mut [u8]) -> CoreResult<()> {
+    let (bb, cb) = (BlockType::Mxfp4.block_bytes(), GROUP / 2);
+    if codes.len() != scales.len() * cb || out.len() != scales.len() * bb {
+        return Err(CoreError::invalid(format!(
+            "MXFP4 blocks: {} code bytes, {} scales and {} output bytes are not 16, 1 and 17 \
+             per block",
+            codes.len(),
+            scales.len(),
+            out.len()
+        )));
+    }
+    const PER_TASK: usize = 4096;
+    const LOW: u64 = 0x0f0f_0f0f_0f0f_0f0f;
+    crate::cpu::threads::install(|| {
+        out.par_chunks_mut(PER_TASK * bb)
+            .zip(codes.par_chunks(PER_TASK * cb))
+            .zip(scales.par_chunks(PER_TASK))
+            .for_each(|((out, codes), scales)| {
+                let blocks = out.chunks_exact_mut(bb).zip(codes.chunks_exact(cb));
+                for ((o, b), &e) in blocks.zip(scales) {
+                    o[0] = e;
+                    // Byte j of `a` holds codes 2j, 2j + 1; of `c`, 16 + 2j, 17 + 2j.
+                    let word =
+                        |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
+                    let (a, c) = (word(0), word(8));
+                    // Output bytes 2j and 2j + 1.
+                    let even = (a & LOW) | ((c & LOW) << 4);
+                    let odd = ((a >> 4) & LOW) | (c & !LOW);
+                    for (j, (x, y)) in even
+                        .to_le_bytes()
+                        .into_iter()
+                        .zip(odd.to_le_bytes())
+                        .enumerate()
+                    {
+                        o[1 + 2 * j] = x;
+                        o[2 + 2 * j] = y;
+                    }
+                }
+            });
+    });
+    Ok(())
 }
 
 /// The `count` length-prefixed strings (u64 length, then the bytes) of a
@@ -508,15 +527,15 @@ mod tests {
     fn mxfp4_pairs_become_gguf_order() {
         // Code c of block k is (3 * c + k) % 16, stored in pairs.
         let blocks = 3;
-        let mut src = vec![0u8; blocks * 17];
-        for (k, b) in src.chunks_exact_mut(17).enumerate() {
-            b[0] = 120 + k as u8;
+        let mut codes = vec![0u8; blocks * 16];
+        for (k, b) in codes.chunks_exact_mut(16).enumerate() {
             for c in 0..32 {
-                b[1 + c / 2] |= (((3 * c + k) % 16) as u8) << (4 * (c % 2));
+                b[c / 2] |= (((3 * c + k) % 16) as u8) << (4 * (c % 2));
             }
         }
-        let mut out = vec![0u8; src.len()];
-        mxfp4_pairs_to_gguf(&src, &mut out).unwrap();
+        let scales: Vec<u8> = (0..blocks as u8).map(|k| 120 + k).collect();
+        let mut out = vec![0u8; blocks * 17];
+        mxfp4_from_pairs(&codes, &scales, &mut out).unwrap();
         for (k, o) in out.chunks_exact(17).enumerate() {
             assert_eq!(o[0], 120 + k as u8);
             for i in 0..16 {
@@ -524,7 +543,8 @@ mod tests {
                 assert_eq!(o[1 + i] >> 4, ((3 * (i + 16) + k) % 16) as u8);
             }
         }
-        assert!(mxfp4_pairs_to_gguf(&src[..20], &mut out[..20]).is_err());
+        assert!(mxfp4_from_pairs(&codes[..20], &scales, &mut out).is_err());
+        assert!(mxfp4_from_pairs(&codes, &scales[..2], &mut out).is_err());
     }
 
     #[test]

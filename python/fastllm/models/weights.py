@@ -74,11 +74,10 @@ def mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     [rows, groups]: E8M0 exponents) as GGUF ``MXFP4`` blocks [rows, groups x
     17]: the exponent byte (the same: a code's E2M1 value times 2^(e - 127) is
     GGUF's doubled level times 2^(e - 128)), then codes i and 16 + i in byte
-    i's low and high nibble (``_core.mxfp4_pairs_to_gguf``)."""
+    i's low and high nibble (``_core.mxfp4_from_pairs``, one pass)."""
     from fastllm import _core
 
     rows, groups = scales.shape
-    paired = torch.cat([scales.unsqueeze(-1), blocks], dim=-1).reshape(rows, groups * 17)
-    out = torch.empty_like(paired)
-    _core.mxfp4_pairs_to_gguf(paired, out)
+    out = torch.empty(rows, groups * 17, dtype=torch.uint8)
+    _core.mxfp4_from_pairs(blocks.contiguous(), scales.contiguous(), out)
     return out
