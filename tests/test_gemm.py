@@ -72,6 +72,53 @@ def test_packed_linear_is_batch_invariant_beyond_one_row():
     assert torch.equal(full[30:39], part)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    m=st.integers(1, 40),
+    n=st.integers(1, 100),
+    k=st.integers(1, 300),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_float32_weights_of_bf16_values_are_stored_as_bf16(m, n, k, bias, seed):
+    """A bf16 checkpoint run in float32 (dtype "auto" on a CPU without native
+    bf16): ``packed_linear`` keeps its weights in half the bytes, and the f32
+    product is the f32 product of the same values."""
+    from fastllm.layers.linear import packed_linear
+
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16).float()
+    b = torch.randn(n, generator=g) if bias else None
+    layer = packed_linear(w, b)
+    assert layer.weight_dtype == "bfloat16"
+    assert layer.nbytes == _core.PackedLinear(w.to(torch.bfloat16), b).nbytes
+    assert layer.nbytes < _core.PackedLinear(w, b).nbytes
+    x = torch.randn(m, k, generator=g)
+    out = torch.full((m, n), float("nan"))
+    layer.forward(out, x)
+    ref, mag = gemm_reference(x, w, b)
+    err = (out - ref).abs()
+    assert not (err > 3e-5 * mag + 1e-30).any(), f"worst err {err.max().item()}"
+
+
+@pytest.mark.parametrize("at", [0, 7, (1 << 22) - 1, 1 << 22, (1 << 22) + 9])
+def test_float32_weights_with_one_wider_value_stay_float32(at):
+    """One element that is not a bf16 value (anywhere, across the check's
+    chunks) keeps the whole weight in float32."""
+    from fastllm.layers.linear import holds_only_bf16, packed_linear
+
+    rows = ((1 << 22) + 64) // 32 if at >= 64 * 32 else 64
+    w = torch.ones(rows, 32).to(torch.bfloat16).float()
+    flat = w.view(-1)
+    assert holds_only_bf16(w)
+    flat[at] = 1.0 + 2.0**-20  # not a bf16 value
+    assert not holds_only_bf16(w)
+    if w.numel() <= 4096:
+        assert packed_linear(w, None).weight_dtype == "float32"
+    assert not holds_only_bf16(torch.ones(4, 4, dtype=torch.bfloat16))  # bf16 already
+    assert not holds_only_bf16(torch.empty(0, 4))
+
+
 def test_packed_linear_errors_name_the_argument():
     w = torch.zeros(4, 8)
     layer = _core.PackedLinear(w)

@@ -435,6 +435,27 @@ def test_bfloat16_close_to_float32_reference(name: str, saved: dict) -> None:
     assert gap.max().item() <= tol, f"{name}: top-1 off by {gap.max().item()}"
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_bfloat16_checkpoint_run_in_float32(name: str, saved: dict, tmp_path) -> None:
+    """A bf16 checkpoint run in float32 (``dtype="auto"`` on a CPU without
+    native bf16) keeps its matrices packed as bf16, half the bytes, and gives
+    transformers' float32 tokens and logprobs on the same (bf16) weights."""
+    _, ref_model = saved[name]
+    folder = str(tmp_path / name)
+    copy.deepcopy(ref_model).to(torch.bfloat16).save_pretrained(folder)
+    # transformers reads the same files in float32 (its buffers, such as the
+    # rotary frequencies, computed afresh rather than rounded to bf16).
+    ref32 = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    model = _load(folder)
+    if should_pack("cpu", torch.float32):
+        packed = [m.packed for m in model.modules() if getattr(m, "packed", None) is not None]
+        assert packed and all(p.weight_dtype == "bfloat16" for p in packed), name
+        assert model.packed_head.weight_dtype == "bfloat16", name
+    check_greedy_generation(folder, ref32, name)
+
+
 def test_prompts_without_kv_cache(saved: dict) -> None:
     """Before the runner assigns caches (a profiling run), whole prompts still attend correctly."""
     from fastllm.forward_context import AttentionMetadata, set_context
