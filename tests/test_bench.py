@@ -47,6 +47,43 @@ def test_bench_throughput_and_latency_json(make_model, tmp_path):
     assert len(r["decode_token_times_s"]) == 3
 
 
+@pytest.mark.parametrize(
+    ("checkpoint", "dtype", "elem"),
+    [
+        ("bfloat16", "float32", 2),  # packed as bf16 (the values are bf16)
+        ("bfloat16", "bfloat16", 2),
+        ("float32", "float32", 4),
+        ("float16", "float32", 4),
+        ("float32", "bfloat16", 2),
+    ],
+)
+def test_decode_bound_counts_the_bytes_the_engine_packs(tmp_path, checkpoint, dtype, elem):
+    """The bound reads each float matrix at the bytes the engine keeps it in:
+    a bf16 checkpoint run in float32 keeps bf16 weights."""
+    import argparse
+    import json
+
+    from fastllm.benchmark import weight_bytes_per_token
+
+    h, inter, layers, vocab = 64, 96, 2, 100
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": vocab,
+        "max_position_embeddings": 256,
+        "torch_dtype": checkpoint,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = argparse.Namespace(dtype=dtype, quantization=None)
+    weights = layers * (h * (64 + 2 * 32) + 64 * h + 3 * h * inter) + vocab * h
+    assert weight_bytes_per_token(str(tmp_path), args) == elem * weights
+
+
 def test_decode_bound_counts_mxfp4_experts_as_stored(tmp_path):
     """The bandwidth bound of a gpt-oss folder whose experts are MXFP4 reads
     them at 18/32 bytes a weight (as the kernel holds them), the other

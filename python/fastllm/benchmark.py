@@ -343,7 +343,16 @@ def weight_bytes_per_token(folder: str, args: Any) -> int | None:
     mlp = mlp_weights_per_token(mc)  # a mixture of experts: the experts a token uses
     attention = L * (h * (q + 2 * kv) + q * h)
     mlps = L * 3 * h * i if mlp is None else mlp
-    elem = 2 if args.dtype in ("auto", "bfloat16", "bf16", "float16", "half") else 4
+    # The engine's dtype on the CPU; its float matrices are 2 bytes a weight
+    # unless it runs float32 on a checkpoint that is not bf16 (a bf16
+    # checkpoint's float32 weights are packed as bf16: linear.packed_linear).
+    from fastllm.config import resolve_dtype
+
+    try:
+        run = str(resolve_dtype(args.dtype, "cpu", mc.torch_dtype)).removeprefix("torch.")
+    except ValueError:
+        return None
+    elem = 4 if run == "float32" and mc.torch_dtype != "bfloat16" else 2
     from fastllm.layers.quantization import BYTES_PER_WEIGHT, resolve_quantization
 
     fmt = resolve_quantization(getattr(args, "quantization", None))
