@@ -123,15 +123,6 @@ unsafe fn tile_rows<S: Simd, const R: usize>(t: Args, bf16: bool) {
         } else {
             acc[0] = seg;
         }
-    } else if bf16 && R == 1 && xvar() > 0 {
-        let seg = one_row_stream::<S>(x, kc, b, xvar());
-        if add {
-            for (v, s) in acc[0].as_mut().iter_mut().zip(seg.as_ref()) {
-                *v = S::add(*v, *s);
-            }
-        } else {
-            acc[0] = seg;
-        }
     } else if bf16 {
         for kk in 0..kc {
             let w = S::widen_bf16_row(b.add(kk * 64));
@@ -216,47 +207,6 @@ unsafe fn accumulate<S: Simd, const R: usize, A: AsMut<[S::F32]>>(
             *sum = S::fmadd(a, *wq, *sum);
         }
     }
-}
-
-fn xvar() -> usize {
-    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("XVAR").ok().and_then(|v| v.parse().ok()).unwrap_or(0))
-}
-
-#[inline(always)]
-unsafe fn one_row_stream<S: Simd>(x: *const f32, k: usize, b: *const u8, var: usize) -> S::Row {
-    let dist = var % 1000;
-    let two = var >= 1000;
-    let mut acc = [S::zero_row(); 2];
-    let mut kk = 0;
-    while kk + 2 <= k {
-        if dist > 0 {
-            S::prefetch(b.wrapping_add((kk + dist) * 64));
-            S::prefetch(b.wrapping_add((kk + 1 + dist) * 64));
-        }
-        for u in 0..2 {
-            let w = S::widen_bf16_row(b.add((kk + u) * 64));
-            let a = S::splat(*x.add(kk + u));
-            let set = if two { u } else { 0 };
-            for (sum, wq) in acc[set].as_mut().iter_mut().zip(w.as_ref()) {
-                *sum = S::fmadd(a, *wq, *sum);
-            }
-        }
-        kk += 2;
-    }
-    while kk < k {
-        let w = S::widen_bf16_row(b.add(kk * 64));
-        let a = S::splat(*x.add(kk));
-        for (sum, wq) in acc[0].as_mut().iter_mut().zip(w.as_ref()) {
-            *sum = S::fmadd(a, *wq, *sum);
-        }
-        kk += 1;
-    }
-    let mut total = S::zero_row();
-    for (q, t) in total.as_mut().iter_mut().enumerate() {
-        *t = S::add(acc[0].as_ref()[q], acc[1].as_ref()[q]);
-    }
-    total
 }
 
 /// One row of bf16 weights, which is memory-bound: the panel is read as four
