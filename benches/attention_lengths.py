@@ -1,4 +1,4 @@
-"""The CPU paged-attention kernel alone at long contexts, bf16 and 8-bit caches.
+"""The CPU paged-attention kernel alone at long contexts, float and 8-bit caches.
 
 For a Qwen2.5-0.5B-shaped layer (14 query heads, 2 KV heads, head size 64,
 block size 16) it times ``_core.paged_attention`` on one sequence:
@@ -11,7 +11,12 @@ block size 16) it times ``_core.paged_attention`` on one sequence:
   it reads per second.
 
     PYTHONPATH=python python benches/attention_lengths.py \\
-        [--contexts 2048 8192] [--chunk 2048] [--kv auto int8] [--decode-batch 1 16]
+        [--contexts 2048 8192] [--chunk 2048] [--kv auto int8] [--decode-batch 1 16] \\
+        [--dtype auto|bfloat16|float32]
+
+``--dtype``: the queries' (and a float cache's) dtype; ``auto`` is the engine's
+rule for ``dtype="auto"`` on this CPU (bfloat16 where bf16 is native, else
+float32).
 
 (threads: FASTLLM_NUM_THREADS, default all cores)
 """
@@ -37,16 +42,16 @@ def time_call(fn, reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def bench(ctx: int, q_len: int, kv: str, batch: int = 1) -> dict:
+def bench(ctx: int, q_len: int, kv: str, batch: int = 1, dtype=torch.bfloat16) -> dict:
     """``batch`` sequences of ``ctx`` tokens, each with ``q_len`` new ones."""
     torch.manual_seed(0)
     per_seq = ctx // BLOCK + 1
     nb = per_seq * batch
-    kc = torch.randn(nb, KV_HEADS, BLOCK, HEAD).to(torch.bfloat16)
-    vc = torch.randn(nb, KV_HEADS, BLOCK, HEAD).to(torch.bfloat16)
+    kc = torch.randn(nb, KV_HEADS, BLOCK, HEAD).to(dtype)
+    vc = torch.randn(nb, KV_HEADS, BLOCK, HEAD).to(dtype)
     if kv == "int8":
         kc, vc = quantize_rows(kc), quantize_rows(vc)
-    q = torch.randn(batch * q_len, HEADS, HEAD).to(torch.bfloat16)
+    q = torch.randn(batch * q_len, HEADS, HEAD).to(dtype)
     out = torch.empty_like(q)
     tables = torch.arange(nb, dtype=torch.int32).view(batch, per_seq)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
@@ -57,7 +62,8 @@ def bench(ctx: int, q_len: int, kv: str, batch: int = 1) -> dict:
 
     s = time_call(call, 3 if q_len > 1 else 50)
     keys = batch * sum(ctx - q_len + i + 1 for i in range(q_len))
-    kv_bytes = batch * 2 * ctx * KV_HEADS * (HEAD + 4 if kv == "int8" else 2 * HEAD)
+    elem = torch.finfo(dtype).bits // 8
+    kv_bytes = batch * 2 * ctx * KV_HEADS * (HEAD + 4 if kv == "int8" else elem * HEAD)
     return {
         "context": ctx,
         "new_tokens": q_len,
@@ -75,13 +81,17 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--kv", nargs="+", default=["auto", "int8"], choices=["auto", "int8"])
     ap.add_argument("--decode-batch", type=int, nargs="+", default=[1])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     args = ap.parse_args()
-    print(f"{_core.num_threads()} threads")
+    from fastllm.config import resolve_dtype
+
+    dtype = resolve_dtype(args.dtype, "cpu", None)
+    print(f"{_core.num_threads()} threads, {str(dtype).removeprefix('torch.')} queries")
     for kv in args.kv:
         for ctx in args.contexts:
             runs = [(min(args.chunk, ctx), 1)] + [(1, b) for b in args.decode_batch]
             for q_len, batch in runs:
-                r = bench(ctx, q_len, kv, batch)
+                r = bench(ctx, q_len, kv, batch, dtype)
                 print(
                     f"kv {kv:>4}  context {ctx:>6}  batch {batch:>3}  new tokens {q_len:>5}: "
                     f"{r['ms']:8.2f} ms  {r['gflops']:6.1f} GFLOP/s  KV read {r['kv_gbs']:5.1f} GB/s"
