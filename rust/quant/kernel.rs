@@ -333,7 +333,7 @@ unsafe fn pass<S: IntSimd, const R: usize, const V: usize, const MIN: bool, cons
             // line for q8_0, whose larger blocks stream as fast without.
             // q8_0 on the AVX2 path asks 64 blocks (70 KB) ahead: on an AMD
             // Zen 2 its matrices streamed 1.15-1.21x faster so (0.5B model,
-            // int8 decode 31-33 -> 38-39 tokens/s); 4-bit blocks showed no
+            // int8 decode 31-33 -> 38-41 tokens/s); 4-bit blocks showed no
             // difference there.
             let blocks_ahead = if format == QuantFormat::Q8_0 && S::PATH == IntPath::Avx2 {
                 64
