@@ -320,6 +320,16 @@ unsafe fn pass<S: IntSimd, const R: usize, const V: usize, const MIN: bool, cons
     // after the last: at one row they stay in registers; taller tiles leave
     // it to the compiler to spill them (see the offsets below).
     let mut sums = [[S::splat_f32(0.0); V]; R];
+    // How far ahead one row prefetches (see the loop): 8 blocks, or 64 (70
+    // KB) for q8_0 on the AVX2 path, whose matrices streamed 1.15-1.21x
+    // faster so on an AMD Zen 2 (0.5B model, int8 decode 31-33 -> 38-41
+    // tokens/s); 4-bit blocks showed no difference there.
+    let ahead_bytes = block
+        * if format == QuantFormat::Q8_0 && S::PATH == IntPath::Avx2 {
+            64
+        } else {
+            8
+        };
     let at = |r: usize, g: usize, off: usize| (i + r) * kp + g * GROUP + off;
     let xq = |r, g, off| (x.q.as_ptr() as *const u8).add(at(r, g, off));
     let xa = |r, g, off| x.abs.as_ptr().add(at(r, g, off));
@@ -331,16 +341,8 @@ unsafe fn pass<S: IntSimd, const R: usize, const V: usize, const MIN: bool, cons
             // work per byte (measured on 4-bit matrices of a 0.5B model:
             // 3-17% faster on AVX-512 VNNI, 12-20% on AVX2); only its first
             // line for q8_0, whose larger blocks stream as fast without.
-            // q8_0 on the AVX2 path asks 64 blocks (70 KB) ahead: on an AMD
-            // Zen 2 its matrices streamed 1.15-1.21x faster so (0.5B model,
-            // int8 decode 31-33 -> 38-41 tokens/s); 4-bit blocks showed no
-            // difference there.
-            let blocks_ahead = if format == QuantFormat::Q8_0 && S::PATH == IntPath::Avx2 {
-                64
-            } else {
-                8
-            };
-            let ahead = blk.wrapping_add(blocks_ahead * block);
+            // q8_0 on the AVX2 path asks 64 blocks ahead (`ahead_bytes`).
+            let ahead = blk.wrapping_add(ahead_bytes);
             if format == QuantFormat::Q8_0 {
                 S::prefetch(ahead);
             } else {
@@ -405,7 +407,6 @@ unsafe fn pass<S: IntSimd, const R: usize, const V: usize, const MIN: bool, cons
                 // `vpmaddwd` widens them per group instead of one per pair.
                 // `mxfp4`'s levels + 12 (0-24) reach 2 * 24 * 127 = 6096 a
                 // pair: widened after each half group's four (24384).
-                let in_pairs = PAIRS;
                 let half_groups = PAIRS && format == QuantFormat::Mxfp4;
                 let mut pairs = [[S::splat_i32(0); V]; R];
                 for oct in 0..GROUP / 8 {
@@ -422,7 +423,7 @@ unsafe fn pass<S: IntSimd, const R: usize, const V: usize, const MIN: bool, cons
                     for (r, (a, p)) in acc.iter_mut().zip(pairs.iter_mut()).enumerate() {
                         let xl = S::bcast4(xq(r, g, oct * 8));
                         let xh = S::bcast4(xq(r, g, oct * 8 + 4));
-                        if in_pairs {
+                        if PAIRS {
                             for v in 0..V {
                                 let both = S::add_pairs(S::pairs(lo[v], xl), S::pairs(hi[v], xh));
                                 p[v] = S::add_pairs(p[v], both);
@@ -445,7 +446,7 @@ unsafe fn pass<S: IntSimd, const R: usize, const V: usize, const MIN: bool, cons
                         }
                     }
                 }
-                if in_pairs {
+                if PAIRS {
                     for (a, p) in acc.iter_mut().zip(&pairs) {
                         for v in 0..V {
                             a[v] = S::widen_pairs(a[v], p[v]);
