@@ -48,7 +48,9 @@ def test_packed_linear_matches_torch(m, n, k, x_dtype, w_dtype, out_dtype, bias,
     b = torch.randn(n, generator=g).to(DTYPES[w_dtype]) if bias else None
     layer = _core.PackedLinear(w, b, path=path)
     assert (layer.in_features, layer.out_features) == (k, n)
-    assert layer.weight_dtype == ("bfloat16" if w_dtype == "bf16" else "float32")
+    # f32 weights whose every element is a bf16 value are packed as bf16.
+    exact = bool(((w.float().view(torch.int32) & 0xFFFF) == 0).all())
+    assert layer.weight_dtype == ("bfloat16" if w_dtype == "bf16" or exact else "float32")
     out = torch.full((m, n), float("nan"), dtype=DTYPES[out_dtype])
     layer.forward(out, x)
     ref, mag = gemm_reference(x, w, b)
@@ -92,7 +94,7 @@ def test_float32_weights_of_bf16_values_are_stored_as_bf16(m, n, k, bias, seed):
     layer = packed_linear(w, b)
     assert layer.weight_dtype == "bfloat16"
     assert layer.nbytes == _core.PackedLinear(w.to(torch.bfloat16), b).nbytes
-    assert layer.nbytes < _core.PackedLinear(w, b).nbytes
+    assert layer.nbytes == -(-n // 32) * k * 64  # 2 bytes a weight (f32 panels: 4)
     x = torch.randn(m, k, generator=g)
     out = torch.full((m, n), float("nan"))
     layer.forward(out, x)
@@ -101,28 +103,27 @@ def test_float32_weights_of_bf16_values_are_stored_as_bf16(m, n, k, bias, seed):
     assert not (err > 3e-5 * mag + 1e-30).any(), f"worst err {err.max().item()}"
 
 
-@pytest.mark.parametrize("at", [0, 7, (1 << 22) - 1, 1 << 22, (1 << 22) + 9])
+@pytest.mark.parametrize("at", [0, 7, 255, 256, (1 << 16) - 1, 1 << 16, (1 << 16) + 9])
 def test_float32_weights_with_one_wider_value_stay_float32(at):
-    """One element that is not a bf16 value (anywhere, across the check's
-    chunks) keeps the whole weight in float32."""
-    from fastllm.layers.linear import holds_only_bf16, packed_linear
-
-    rows = ((1 << 22) + 64) // 32 if at >= 64 * 32 else 64
-    w = torch.ones(rows, 32).to(torch.bfloat16).float()
-    flat = w.view(-1)
-    assert holds_only_bf16(w)
-    flat[at] = 1.0 + 2.0**-20  # not a bf16 value
-    assert not holds_only_bf16(w)
-    if w.numel() <= 4096:
-        assert packed_linear(w, None).weight_dtype == "float32"
-    assert not holds_only_bf16(torch.ones(4, 4, dtype=torch.bfloat16))  # bf16 already
-    assert not holds_only_bf16(torch.empty(0, 4))
+    """One element that is not a bf16 value (anywhere, across the packer's
+    chunks of its check) keeps the whole weight in float32."""
+    w = torch.ones(2064, 32).to(torch.bfloat16).float()
+    assert _core.PackedLinear(w).weight_dtype == "bfloat16"
+    w.view(-1)[at] = 1.0 + 2.0**-20  # not a bf16 value
+    layer = _core.PackedLinear(w)
+    assert layer.weight_dtype == "float32"
+    x = torch.randn(3, 32)
+    out = torch.empty(3, 2064)
+    layer.forward(out, x)
+    ref, mag = gemm_reference(x, w, None)
+    assert not ((out - ref).abs() > 3e-5 * mag + 1e-30).any()
 
 
 def test_packed_linear_errors_name_the_argument():
-    w = torch.zeros(4, 8)
+    w = torch.full((4, 8), 1.0 + 2.0**-20)  # not bf16 values: f32 panels
     layer = _core.PackedLinear(w)
     assert layer.nbytes == 8 * 128
+    assert _core.PackedLinear(torch.zeros(4, 8)).nbytes == 8 * 64  # zeros are bf16 values
     with pytest.raises(ValueError, match="x"):
         layer.forward(torch.empty(2, 4), torch.zeros(2, 7))
     with pytest.raises(ValueError, match="out"):

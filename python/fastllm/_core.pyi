@@ -418,7 +418,9 @@ class PackedLinear:
     """A linear layer's weight (and bias) packed once for the CPU GEMM kernel.
 
     ``weight`` [out_features, in_features] and ``bias`` [out_features]: bf16 or
-    f32, contiguous, on the CPU; bf16 weights stay bf16. ``path`` names a
+    f32, contiguous, on the CPU; bf16 weights stay bf16, and so do f32 weights
+    whose every element is a bf16 value (``weight_dtype`` says which: the same
+    values in half the bytes, multiplied in f32 as before). ``path`` names a
     kernel (one of ``gemm_paths()``; avx512bf16 runs the avx512 kernel, except
     bf16 weights against bf16 inputs, which use ``vdpbf16ps``);
     default: ``gemm_default_path()``. Packing releases the GIL.

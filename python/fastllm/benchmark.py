@@ -345,7 +345,7 @@ def weight_bytes_per_token(folder: str, args: Any) -> int | None:
     mlps = L * 3 * h * i if mlp is None else mlp
     # The engine's dtype on the CPU; its float matrices are 2 bytes a weight
     # unless it runs float32 on a checkpoint that is not bf16 (a bf16
-    # checkpoint's float32 weights are packed as bf16: linear.packed_linear).
+    # checkpoint's float32 weights are packed as bf16: _core.PackedLinear).
     from fastllm.config import resolve_dtype
 
     try:

@@ -522,6 +522,28 @@ mod tests {
     }
 
     #[test]
+    fn f32_weights_of_bf16_values_pack_as_bf16() {
+        let mut rng = Rng(5);
+        let (m, n, k) = (5, 70, 300);
+        let w: Vec<f32> = (0..n * k).map(|_| rng.f32()).collect();
+        let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+        let wr: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
+        let x: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
+        assert!(!PackedWeight::pack(Src::F32(&w), None, n, k)
+            .unwrap()
+            .is_bf16());
+        let from_f32 = PackedWeight::pack(Src::F32(&wr), None, n, k).unwrap();
+        let from_bf16 = PackedWeight::pack(Src::Bf16(&wb), None, n, k).unwrap();
+        assert!(from_f32.is_bf16() && from_f32.nbytes() == from_bf16.nbytes());
+        for path in available_paths() {
+            let (mut a, mut b) = (vec![0f32; m * n], vec![0f32; m * n]);
+            gemm_with_path(path, Dst::F32(&mut a), Src::F32(&x), &from_f32, m).unwrap();
+            gemm_with_path(path, Dst::F32(&mut b), Src::F32(&x), &from_bf16, m).unwrap();
+            assert_eq!(a, b, "{path:?}");
+        }
+    }
+
+    #[test]
     fn one_row_bf16_matches_reference_segmented_or_not() {
         use std::sync::atomic::Ordering;
         let mut rng = Rng(11);
@@ -648,7 +670,7 @@ mod tests {
 
     #[test]
     fn rejects_bad_sizes() {
-        let w = vec![0f32; 6];
+        let w = vec![0.1f32; 6]; // not bf16 values: f32 panels
         assert!(PackedWeight::pack(Src::F32(&w), None, 4, 2).is_err());
         let b = vec![0f32; 2];
         assert!(PackedWeight::pack(Src::F32(&w), Some(Src::F32(&b)), 3, 2).is_err());

@@ -93,7 +93,11 @@ impl std::fmt::Debug for PackedWeight {
 
 impl PackedWeight {
     /// Packs `weight` (`[n, k]`, row-major, torch `Linear` layout) and `bias`
-    /// (`[n]`). bf16 weights stay bf16 (two bytes per weight); f32 stay f32.
+    /// (`[n]`). bf16 weights stay bf16 (two bytes per weight); f32 weights
+    /// stay f32, unless every element is a bf16 value (a bf16 checkpoint run
+    /// in float32 on a CPU without native bf16): those are packed as bf16,
+    /// the same values in half the bytes (the kernels widen them to the same
+    /// f32 and multiply in f32).
     pub fn pack(weight: Src<'_>, bias: Option<Src<'_>>, n: usize, k: usize) -> CoreResult<Self> {
         expect_matrix("weight", weight.len(), n, k)?;
         if let Some(b) = &bias {
@@ -104,7 +108,10 @@ impl PackedWeight {
                 )));
             }
         }
-        let bf16 = matches!(weight, Src::Bf16(_));
+        let bf16 = match weight {
+            Src::Bf16(_) => true,
+            Src::F32(w) => holds_only_bf16(w),
+        };
         let lines_per_k = if bf16 { 1 } else { 2 };
         let panels = n.div_ceil(NR);
         let panel_lines = k * lines_per_k;
@@ -154,6 +161,19 @@ impl PackedWeight {
     }
 }
 
+/// Whether every element of `w` is a bf16 value (the low 16 bits of its f32
+/// bits zero), read on the kernels' threads in chunks (an OR over each, so
+/// it vectorises), stopping at the first chunk that is not.
+fn holds_only_bf16(w: &[f32]) -> bool {
+    !w.is_empty()
+        && crate::cpu::threads::install(|| {
+            w.par_chunks(1 << 16).all(|c| {
+                c.chunks(256)
+                    .all(|part| part.iter().fold(0u32, |a, v| a | v.to_bits()) & 0xffff == 0)
+            })
+        })
+}
+
 /// Fills one panel (features `n0..n0 + NR`) from the row-major weight.
 fn pack_panel(weight: Src<'_>, n0: usize, n: usize, k: usize, bf16: bool, panel: &mut [Line]) {
     for j in 0..NR.min(n - n0) {
@@ -162,7 +182,8 @@ fn pack_panel(weight: Src<'_>, n0: usize, n: usize, k: usize, bf16: bool, panel:
             if bf16 {
                 let bits = match weight {
                     Src::Bf16(w) => w[row + kk].to_bits(),
-                    Src::F32(_) => unreachable!("bf16 panels come from bf16 weights"),
+                    // A bf16 value's f32 bits are its own and 16 zeros.
+                    Src::F32(w) => (w[row + kk].to_bits() >> 16) as u16,
                 };
                 let off = (j % 16) * 4 + if j < 16 { 0 } else { 2 };
                 panel[kk].0[off..off + 2].copy_from_slice(&bits.to_le_bytes());

@@ -132,35 +132,14 @@ def gemm_path() -> str | None:
     return envs.get(GEMM_PATH_ENV)
 
 
-def holds_only_bf16(weight: torch.Tensor) -> bool:
-    """Whether every element of a float32 ``weight`` is a bfloat16 value (the
-    low 16 bits of each are zero), read in chunks (no full-size temporary)."""
-    if weight.dtype != torch.float32 or weight.numel() == 0:
-        return False
-    bits = weight.detach().contiguous().view(-1).view(torch.int32)
-    step = 1 << 22
-    return not any(
-        bool(torch.any(torch.bitwise_and(bits[i : i + step], 0xFFFF)))
-        for i in range(0, bits.numel(), step)
-    )
-
-
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None):
     """``weight`` (and ``bias``) packed for the float GEMM, on
     ``FASTLLM_CPU_GEMM_PATH``'s path (an error naming the switch when this
-    CPU has no such path).
-
-    A float32 weight whose every element is a bfloat16 value (a bfloat16
-    checkpoint run in float32, ``dtype="auto"`` on a CPU without native
-    bf16) is packed as bfloat16: the same values in half the bytes, so batch-1
-    decode streams half as much. The kernels widen bf16 weights to f32
-    exactly and multiply in f32 as before."""
+    CPU has no such path). A float32 weight of bf16 values (a bf16
+    checkpoint run in float32) is packed as bf16 (``_core.PackedLinear``)."""
     path = gemm_path()
-    weight = weight.detach()
-    if holds_only_bf16(weight):
-        weight = weight.to(torch.bfloat16)
     try:
-        return _core.PackedLinear(weight.contiguous(), _detached(bias), path=path)
+        return _core.PackedLinear(weight.detach().contiguous(), _detached(bias), path=path)
     except ValueError as e:
         if path is None:
             raise
